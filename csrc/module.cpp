@@ -1,0 +1,150 @@
+// Python bindings of the native transport: megatron.dpp._native.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "errors.h"
+#include "shm_channel.h"
+namespace py = pybind11;
+
+#ifdef DPP_WITH_RDMA
+namespace dpp {
+void bind_rdma(py::module_& m);  // bindings_rdma.cpp
+}
+#endif
+using dpp::ChannelSettings;
+using dpp::MessageMeta;
+using dpp::ShmReceiver;
+using dpp::ShmSender;
+
+namespace {
+
+ChannelSettings settings(int self_rank, int peer_rank, double timeout_s, int spins) {
+  if (timeout_s <= 0) throw dpp::TransportFailure("channel timeout must be > 0 s");
+  ChannelSettings result;
+  result.self_rank = self_rank;
+  result.peer_rank = peer_rank;
+  result.timeout_s = timeout_s;
+  result.spins = spins < 0 ? 0 : spins;
+  return result;
+}
+
+MessageMeta meta(int kind, int chunk, int microbatch, int dtype, std::vector<int64_t> shape,
+                 uint64_t nbytes, bool on_cuda) {
+  return MessageMeta{kind, chunk, microbatch, dtype, std::move(shape), nbytes, on_cuda};
+}
+
+void* pointer(uintptr_t address) { return reinterpret_cast<void*>(address); }
+
+py::object next_message(ShmReceiver& receiver) {
+  std::optional<MessageMeta> message;
+  {
+    py::gil_scoped_release unlocked;
+    message = receiver.next();
+  }
+  if (!message) return py::none();
+  return py::make_tuple(message->kind, message->chunk, message->microbatch, message->dtype,
+                        py::tuple(py::cast(message->shape)), message->nbytes, message->on_cuda);
+}
+
+py::dict build_info() {
+  py::dict info;
+  info["shm"] = true;
+#ifdef DPP_WITH_CUDA
+  info["cuda"] = true;
+#else
+  info["cuda"] = false;
+#endif
+#ifdef DPP_WITH_RDMA
+  info["rdma"] = true;
+#else
+  info["rdma"] = false;
+#endif
+  return info;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "DPP native transport: shared-memory rings, CUDA staging / IPC, ibverbs RDMA";
+  // Translators registered later are tried first: the base class goes first.
+  auto& transport_error =
+      py::register_exception<dpp::TransportFailure>(m, "NativeTransportError", PyExc_RuntimeError);
+  py::register_exception<dpp::PeerDied>(m, "PeerDiedError", transport_error.ptr());
+  py::register_exception<dpp::WaitTimeout>(m, "WaitTimeoutError", transport_error.ptr());
+
+  m.def("build_info", &build_info, "What this build contains: {'shm', 'cuda', 'rdma'} -> bool");
+
+  py::class_<ShmReceiver>(m, "ShmReceiver")
+      .def(py::init([](const std::string& name, uint32_t slots, uint64_t slot_bytes,
+                       int self_rank, int peer_rank, double timeout_s, int spins) {
+             return new ShmReceiver(name, slots, slot_bytes,
+                                    settings(self_rank, peer_rank, timeout_s, spins));
+           }),
+           py::arg("name"), py::arg("slots"), py::arg("slot_bytes"), py::arg("self_rank"),
+           py::arg("peer_rank"), py::arg("timeout"), py::arg("spins") = 2000)
+      .def("next", &next_message,
+           "(kind, chunk, microbatch, dtype_code, shape, nbytes, on_cuda) of the next message, "
+           "or None once the sender closed or interrupt() was called")
+      .def(
+          "read_into",
+          [](ShmReceiver& self, uintptr_t address, uint64_t nbytes) {
+            return self.read_into(pointer(address), nbytes);
+          },
+          py::arg("address"), py::arg("nbytes"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "read_into_cuda",
+          [](ShmReceiver& self, uintptr_t address, uint64_t nbytes, uintptr_t stream) {
+            return self.read_into_cuda(pointer(address), nbytes, stream);
+          },
+          py::arg("address"), py::arg("nbytes"), py::arg("stream"),
+          py::call_guard<py::gil_scoped_release>())
+      .def("enable_cuda", &ShmReceiver::enable_cuda, py::arg("device"), py::arg("export_pool"),
+           py::arg("device_slot_bytes"), py::call_guard<py::gil_scoped_release>())
+      .def("interrupt", &ShmReceiver::interrupt, py::call_guard<py::gil_scoped_release>())
+      .def("close", &ShmReceiver::close, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("sender_pid", &ShmReceiver::sender_pid)
+      .def_property_readonly("name", &ShmReceiver::name);
+
+  py::class_<ShmSender>(m, "ShmSender")
+      .def(py::init([](const std::string& name, int self_rank, int peer_rank, double timeout_s,
+                       int spins) {
+             return new ShmSender(name, settings(self_rank, peer_rank, timeout_s, spins));
+           }),
+           py::arg("name"), py::arg("self_rank"), py::arg("peer_rank"), py::arg("timeout"),
+           py::arg("spins") = 2000)
+      .def(
+          "send",
+          [](ShmSender& self, int kind, int chunk, int microbatch, int dtype,
+             std::vector<int64_t> shape, uintptr_t address, uint64_t nbytes) {
+            py::gil_scoped_release unlocked;
+            self.send(meta(kind, chunk, microbatch, dtype, std::move(shape), nbytes, false),
+                      pointer(address));
+          },
+          py::arg("kind"), py::arg("chunk"), py::arg("microbatch"), py::arg("dtype"),
+          py::arg("shape"), py::arg("address"), py::arg("nbytes"))
+      .def(
+          "send_cuda",
+          [](ShmSender& self, int kind, int chunk, int microbatch, int dtype,
+             std::vector<int64_t> shape, uintptr_t address, uint64_t nbytes,
+             uintptr_t producer_stream, uintptr_t copy_stream) {
+            py::gil_scoped_release unlocked;
+            self.send_cuda(meta(kind, chunk, microbatch, dtype, std::move(shape), nbytes, true),
+                           pointer(address), producer_stream, copy_stream);
+          },
+          py::arg("kind"), py::arg("chunk"), py::arg("microbatch"), py::arg("dtype"),
+          py::arg("shape"), py::arg("address"), py::arg("nbytes"), py::arg("producer_stream"),
+          py::arg("copy_stream"))
+      .def("enable_cuda", &ShmSender::enable_cuda, py::arg("device"), py::arg("path"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("close", &ShmSender::close, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("receiver_pid", &ShmSender::receiver_pid);
+
+#ifdef DPP_WITH_RDMA
+  dpp::bind_rdma(m);
+#endif
+}

@@ -1,0 +1,311 @@
+"""The DPP decision rule: which task a pipeline stage runs next.
+
+Pure Python (no torch, no I/O) so the runtime schedule and the simulator run the same code.
+
+The rule is plan-guided greedy. The plan is megatron-core's static order for this rank
+(1F1B, or interleaved 1F1B with virtual chunks) with `slack` more warmup forwards; with
+slack 0 it is exactly megatron's order. The cap on in-flight microbatches is the plan's
+peak: megatron's peak plus the slack. A stage runs the first task of the plan it has not
+run yet whenever that task's input is here. When it is not, it runs the earliest later
+task of the plan whose input is here, under two conditions:
+
+* a forward may run ahead only while the plan stays feasible under the cap: the plan's
+  own in-flight count from here on plus the forwards already run ahead of it stays within
+  the cap. So the planned task is never blocked by the cap, and since the static plan is
+  deadlock-free, a stage waiting for its planned task can never deadlock the pipeline.
+* a backward may run ahead only with slack > 0. A backward run early delays the planned
+  forward, and with no slack the downstream stages hold no spare forwards to cover the
+  delay: in the simulator that made DPP 2-4 % slower than static 1F1B under variance
+  (docs/benchmarks/simulator.md), while with slack it is where most of the gain comes from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+FORWARD = "F"
+BACKWARD = "B"
+
+
+@dataclass(frozen=True, order=True, slots=True)
+class Task:
+    kind: str  # FORWARD or BACKWARD
+    chunk: int  # local model chunk index on this rank
+    microbatch: int
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """One pipeline rank's view of the schedule.
+
+    Virtual stage of local chunk c is c * pp_size + rank (megatron's layout).
+    `microbatch_group_size` is megatron's microbatch_group_size_per_vp_stage (default
+    pp_size); it only matters with num_chunks > 1.
+    """
+
+    rank: int
+    pp_size: int
+    num_chunks: int = 1
+    num_microbatches: int = 1
+    slack: int = 0
+    forward_only: bool = False
+    microbatch_group_size: int | None = None
+
+    def __post_init__(self):
+        if self.pp_size < 1:
+            raise ValueError(f"StageConfig: pp_size must be >= 1, got {self.pp_size}")
+        if not 0 <= self.rank < self.pp_size:
+            raise ValueError(f"StageConfig: rank {self.rank} not in [0, {self.pp_size})")
+        if self.num_chunks < 1:
+            raise ValueError(f"StageConfig: num_chunks must be >= 1, got {self.num_chunks}")
+        if self.num_microbatches < 1:
+            raise ValueError(
+                f"StageConfig: num_microbatches must be >= 1, got {self.num_microbatches}"
+            )
+        if self.slack < 0:
+            raise ValueError(f"StageConfig: slack must be >= 0, got {self.slack}")
+        if self.num_chunks > 1:
+            self._check_interleaving()
+
+    def _check_interleaving(self):
+        # the same limits megatron-core 0.16.1 enforces for its interleaved schedule
+        group, p, m = self.group_size, self.pp_size, self.num_microbatches
+        if not p <= group <= m:
+            raise ValueError(
+                f"StageConfig: with num_chunks={self.num_chunks}, microbatch group size "
+                f"{group} must be in [pp_size={p}, num_microbatches={m}]"
+            )
+        remainder = m % group
+        if 0 < remainder < p:
+            raise ValueError(
+                f"StageConfig: with num_chunks={self.num_chunks}, num_microbatches={m} "
+                f"leaves a last microbatch group of {remainder} < pp_size={p} "
+                f"(group size {group}); megatron-core rejects this too"
+            )
+
+    @property
+    def group_size(self) -> int:
+        return self.microbatch_group_size or self.pp_size
+
+    @property
+    def num_virtual_stages(self) -> int:
+        return self.pp_size * self.num_chunks
+
+    def virtual_stage(self, chunk: int) -> int:
+        return chunk * self.pp_size + self.rank
+
+
+def _interleaved_table(stage: StageConfig) -> list[tuple[int, int]]:
+    """(microbatch, chunk) of each forward, in megatron's interleaved forward order."""
+    m, chunks, group = stage.num_microbatches, stage.num_chunks, stage.group_size
+    table = []
+    for first in range(0, m, group):
+        last = m if first + group >= m else first + group
+        table.extend((i, c) for c in range(chunks) for i in range(first, last))
+    return table
+
+
+def static_order(stage: StageConfig) -> list[Task]:
+    """This rank's task order in megatron-core's static schedule.
+
+    num_chunks == 1: 1F1B (warmup forwards, then one forward one backward, then cooldown
+    backwards). num_chunks > 1: megatron-core's interleaved 1F1B, whose backward k runs
+    chunk num_chunks - 1 - chunk(k) on the microbatch of forward k.
+    """
+    return plan_order(stage, extra_warmup=0)
+
+
+def plan_order(stage: StageConfig, extra_warmup: int | None = None) -> list[Task]:
+    """The static order with `extra_warmup` (default: the stage's slack) more warmup
+    forwards; the DPP policy's plan."""
+    p, r, chunks, m = stage.pp_size, stage.rank, stage.num_chunks, stage.num_microbatches
+    if extra_warmup is None:
+        extra_warmup = stage.slack
+    table = [(i, 0) for i in range(m)] if chunks == 1 else _interleaved_table(stage)
+    forwards = [Task(FORWARD, c, i) for i, c in table]
+    if stage.forward_only:
+        return forwards
+    backwards = [Task(BACKWARD, chunks - 1 - c, i) for i, c in table]
+    total = len(table)
+    if chunks == 1:
+        warmup = p - r - 1
+    else:
+        warmup = 2 * (p - r - 1) + (chunks - 1) * stage.group_size
+    warmup = min(warmup + extra_warmup, total)
+    order = forwards[:warmup]
+    for k in range(total - warmup):
+        order.append(forwards[warmup + k])
+        order.append(backwards[k])
+    order.extend(backwards[total - warmup :])
+    return order
+
+
+def in_flight_profile(order: list[Task]) -> list[int]:
+    """In-flight count (forwards done, backward not done) after each prefix of `order`."""
+    counts = [0]
+    for task in order:
+        counts.append(counts[-1] + (1 if task.kind == FORWARD else -1))
+    return counts
+
+
+def static_peak_in_flight(stage: StageConfig) -> int:
+    return max(in_flight_profile(static_order(stage)))
+
+
+def input_is_local(stage: StageConfig, task: Task) -> bool:
+    """F of virtual stage 0 reads local data; B of the last virtual stage starts from the
+    local loss. Every other task waits for a neighbour's message."""
+    if task.kind == FORWARD:
+        return stage.rank == 0 and task.chunk == 0
+    return stage.rank == stage.pp_size - 1 and task.chunk == stage.num_chunks - 1
+
+
+class GreedyPolicy:
+    """Plan-guided greedy task choice for one pipeline rank (see the module docstring).
+
+    `cost_model(task)`, when given, predicts a task's duration (for example from its
+    token count); `estimated_duration` falls back to the mean of the durations passed to
+    `complete` per kind and chunk. The rule itself does not use estimates: deviating only
+    when the substitute would finish before the planned input arrives never deviated in
+    the simulator, because a lower bound on that arrival is shorter than a backward.
+    """
+
+    def __init__(
+        self,
+        stage: StageConfig,
+        cost_model: Callable[[Task], float] | None = None,
+        extra_warmup: int | None = None,
+    ):
+        self.stage = stage
+        self._cost_model = cost_model
+        chunks, m = stage.num_chunks, stage.num_microbatches
+        if extra_warmup is None:
+            extra_warmup = stage.slack
+        if not 0 <= extra_warmup <= stage.slack:
+            raise ValueError(f"extra_warmup {extra_warmup} not in [0, slack={stage.slack}]")
+        self._plan = plan_order(stage, extra_warmup)
+        self._plan_pos = {task: k for k, task in enumerate(self._plan)}
+        profile = in_flight_profile(self._plan)
+        # suffix maxima: the most the plan will hold in flight from position k on
+        self._plan_peak_from = profile[:]
+        for k in range(len(profile) - 2, -1, -1):
+            self._plan_peak_from[k] = max(profile[k], self._plan_peak_from[k + 1])
+        if stage.forward_only:
+            self._cap = m * chunks
+        else:
+            static_peak = static_peak_in_flight(stage)
+            self._cap = min(static_peak + stage.slack, m * chunks)
+        self._done = bytearray(len(self._plan))
+        self._next_pos = 0  # first plan position not done
+        self._ahead_forwards = 0  # forwards done at plan positions after _next_pos
+        self._next_forward = [0] * chunks
+        self._next_backward = [0] * chunks
+        self._in_flight = 0
+        self._running: Task | None = None
+        self._forwards = [[Task(FORWARD, c, i) for i in range(m)] for c in range(chunks)]
+        self._backwards = [[Task(BACKWARD, c, i) for i in range(m)] for c in range(chunks)]
+        last_rank = stage.pp_size - 1
+        # -1 never matches a chunk: this rank has no local input of that kind
+        self._local_forward_chunk = 0 if stage.rank == 0 else -1
+        self._local_backward_chunk = chunks - 1 if stage.rank == last_rank else -1
+        self._duration_sum = {}
+        self._duration_count = {}
+
+    @property
+    def cap(self) -> int:
+        return self._cap
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def finished(self) -> bool:
+        return self._next_pos == len(self._plan)
+
+    @property
+    def plan(self) -> list[Task]:
+        return list(self._plan)
+
+    def input_is_local(self, task: Task) -> bool:
+        return input_is_local(self.stage, task)
+
+    def next_task(self, arrived: Callable[[Task], bool], now: float | None = None) -> Task | None:
+        if self._running is not None:
+            raise RuntimeError(f"next_task called while {self._running} is still running")
+        if self.finished:
+            return None
+        planned = self._plan[self._next_pos]
+        if self._ready(planned, arrived):
+            return self._start(planned)
+        best, best_pos = None, len(self._plan)
+        forward_room = self._cap - self._plan_peak_from[self._next_pos] - self._ahead_forwards
+        backward_ahead = self.stage.slack > 0 and not self.stage.forward_only
+        for chunk in range(self.stage.num_chunks):
+            i = self._next_backward[chunk]
+            if backward_ahead and i < self._next_forward[chunk]:
+                task = self._backwards[chunk][i]
+                pos = self._plan_pos[task]
+                if pos < best_pos and self._ready(task, arrived):
+                    best, best_pos = task, pos
+            i = self._next_forward[chunk]
+            if forward_room > 0 and i < self.stage.num_microbatches:
+                task = self._forwards[chunk][i]
+                pos = self._plan_pos[task]
+                if pos < best_pos and self._ready(task, arrived):
+                    best, best_pos = task, pos
+        if best is None:
+            return None
+        return self._start(best)
+
+    def complete(self, task: Task, duration: float | None = None) -> None:
+        if task != self._running:
+            raise RuntimeError(f"complete({task}) but the running task is {self._running}")
+        self._running = None
+        chunk = task.chunk
+        if task.kind == FORWARD:
+            self._next_forward[chunk] += 1
+            self._in_flight += 1
+        else:
+            self._next_backward[chunk] += 1
+            self._in_flight -= 1
+        if duration is not None:
+            key = (task.kind, chunk)
+            self._duration_sum[key] = self._duration_sum.get(key, 0.0) + duration
+            self._duration_count[key] = self._duration_count.get(key, 0) + 1
+        pos = self._plan_pos[task]
+        self._done[pos] = 1
+        if pos != self._next_pos:
+            if task.kind == FORWARD:
+                self._ahead_forwards += 1
+            return
+        plan, done = self._plan, self._done
+        pos += 1
+        while pos < len(plan) and done[pos]:
+            if plan[pos].kind == FORWARD:
+                self._ahead_forwards -= 1
+            pos += 1
+        self._next_pos = pos
+
+    def estimated_duration(self, task: Task) -> float | None:
+        """Predicted duration: the cost model's, else the mean measured one, else None."""
+        if self._cost_model is not None:
+            return self._cost_model(task)
+        key = (task.kind, task.chunk)
+        count = self._duration_count.get(key)
+        return self._duration_sum[key] / count if count else None
+
+    def _ready(self, task: Task, arrived: Callable[[Task], bool]) -> bool:
+        if task.kind == FORWARD:
+            if self._in_flight >= self._cap:
+                return False
+            if task.chunk == self._local_forward_chunk:
+                return True
+        elif task.chunk == self._local_backward_chunk:
+            return True
+        return arrived(task)
+
+    def _start(self, task: Task) -> Task:
+        self._running = task
+        return task

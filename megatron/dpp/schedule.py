@@ -1,0 +1,304 @@
+"""forward_backward_dpp: the dynamic pipeline schedule, a drop-in for the function
+megatron.core's get_forward_backward_func() returns.
+
+Each stage asks the policy (megatron/dpp/policy.py) for its next task among those whose
+inputs have arrived, runs it with megatron.core's own forward_step / backward_step, and
+sends the result through the mailbox transport. Nothing ready: it blocks on the inbox.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.enums import ModelType
+from megatron.core.pipeline_parallel.schedules import (
+    backward_step,
+    deallocate_output_tensor,
+    forward_step,
+)
+from megatron.core.utils import get_model_config
+
+from megatron.dpp.policy import BACKWARD, FORWARD, GreedyPolicy, StageConfig, Task
+from megatron.dpp.transport.channel import MessageKey, MessageKind
+from megatron.dpp.transport.pipeline import PipelineTransport
+
+log = logging.getLogger(__name__)
+
+# Extra in-flight microbatches beyond megatron's schedule by default (docs/benchmarks/
+# simulator.md: +2 gave the gains under variance at a bounded memory cost).
+DEFAULT_SLACK = 2
+
+
+@dataclass(frozen=True)
+class DppOptions:
+    slack: int = DEFAULT_SLACK
+    transport: str = "auto"
+    timeout: float = 60.0
+
+
+class _TaskCoordinator:
+    """Tensor-parallel ranks of one stage must run the same task sequence: rank 0 of the
+    tensor-parallel group decides, the others follow through a tiny broadcast."""
+
+    def __init__(self):
+        self.group = None
+        self.leader = None
+        tp_ranks = dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group())
+        if len(tp_ranks) == 1:
+            return
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, tuple(tp_ranks))
+        for ranks in sorted(set(gathered)):
+            group = dist.new_group(list(ranks), backend="gloo")
+            if dist.get_rank() in ranks:
+                self.group, self.leader = group, ranks[0]
+
+    @property
+    def deciding(self) -> bool:
+        return self.group is None or dist.get_rank() == self.leader
+
+    def share(self, task: Task | None) -> Task:
+        if self.group is None:
+            return task
+        message = torch.zeros(3, dtype=torch.int64)
+        if task is not None:
+            message[:] = torch.tensor([task.kind == BACKWARD, task.chunk, task.microbatch])
+        dist.broadcast(message, self.leader, group=self.group)
+        kind, chunk, microbatch = message.tolist()
+        return Task(BACKWARD if kind else FORWARD, chunk, microbatch)
+
+
+class DppSchedule:
+    """Callable with exactly the keyword arguments of megatron.core's schedule functions;
+    keeps its channels open across iterations (`close()` at the end of training)."""
+
+    def __init__(self, options: DppOptions | None = None):
+        self.options = options or DppOptions()
+        self._transport: PipelineTransport | None = None
+        self._coordinator: _TaskCoordinator | None = None
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+
+    def _open(self, device: torch.device, num_chunks: int) -> None:
+        if self._transport is not None:
+            return
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self._pipeline = dist.get_process_group_ranks(pp_group)
+        self._transport = PipelineTransport(
+            self._pipeline, ring=num_chunks > 1, device=device,
+            transport=self.options.transport, timeout=self.options.timeout,
+        )
+        self._coordinator = _TaskCoordinator()
+
+    def __call__(
+        self,
+        *,
+        forward_step_func,
+        data_iterator,
+        model,
+        num_microbatches: int,
+        seq_length: int | None = None,
+        micro_batch_size: int | None = None,
+        decoder_seq_length: int | None = None,
+        forward_only: bool = False,
+        collect_non_loss_data: bool = False,
+        first_val_step: bool | None = None,
+        adjust_tensor_shapes_fn=None,
+        p2p_communicator=None,
+        pg_collection=None,
+        force_all_reduce: bool | None = False,
+    ):
+        # seq_length, micro_batch_size, decoder_seq_length and adjust_tensor_shapes_fn size
+        # megatron's receive buffers; DPP messages carry their own shape and dtype.
+        model = model if isinstance(model, list) else [model]
+        iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
+        if len(iterators) != len(model):
+            raise ValueError(f"forward_backward_dpp: {len(model)} model chunks but "
+                             f"{len(iterators)} data iterators")
+        config = get_model_config(model[0])
+        device = next(model[0].parameters()).device
+        self._open(device, len(model))
+        self._transport.barrier()
+        run = _Iteration(self, model, iterators, forward_step_func, num_microbatches,
+                         config, forward_only, collect_non_loss_data)
+        return run.execute(pg_collection, force_all_reduce)
+
+
+class _Iteration:
+    """One call of the schedule: the task loop and the state it needs."""
+
+    def __init__(self, schedule: DppSchedule, model, iterators, forward_step_func,
+                 num_microbatches, config, forward_only, collect_non_loss_data):
+        self.model, self.iterators = model, iterators
+        self.forward_step_func = forward_step_func
+        self.config, self.forward_only = config, forward_only
+        self.collect_non_loss_data = collect_non_loss_data
+        self.num_microbatches = num_microbatches
+        self.transport = schedule._transport
+        self.coordinator = schedule._coordinator
+        self.pipeline = schedule._pipeline
+        self.pp_size = len(self.pipeline)
+        self.rank = parallel_state.get_pipeline_model_parallel_rank()
+        self.num_chunks = len(model)
+        self.stage = StageConfig(
+            rank=self.rank, pp_size=self.pp_size, num_chunks=self.num_chunks,
+            num_microbatches=num_microbatches, slack=schedule.options.slack,
+            forward_only=forward_only,
+        )
+        self.policy = GreedyPolicy(self.stage)
+        self.saved: dict[tuple[int, int], tuple] = {}
+        self.forward_data_store: list = []
+        self.total_num_tokens = torch.zeros([], dtype=torch.int, device=_device(model))
+        self.no_sync = _NoSyncPerChunk(config, self.num_chunks, forward_only)
+
+    def execute(self, pg_collection, force_all_reduce):
+        tasks = len(self.policy.plan)
+        with self.no_sync:
+            for _ in range(tasks):
+                task = self._next()
+                if task.kind == FORWARD:
+                    self._forward(task)
+                else:
+                    self._backward(task)
+                if self.coordinator.deciding:
+                    self.policy.complete(task)
+        self.transport.flush()
+        if not self.forward_only:
+            if self.config.grad_sync_func is not None:
+                syncs = _per_chunk(self.config.grad_sync_func, self.num_chunks)
+                for chunk, sync in enumerate(syncs):
+                    sync(self.model[chunk].parameters())
+            if self.config.finalize_model_grads_func is not None:
+                kwargs = {"pg_collection": pg_collection} if pg_collection is not None else {}
+                self.config.finalize_model_grads_func(
+                    self.model,
+                    self.total_num_tokens if self.config.calculate_per_token_loss else None,
+                    **kwargs,
+                )
+        return self.forward_data_store
+
+    def _next(self) -> Task:
+        """The next task; blocks on the inbox while nothing is ready."""
+        if not self.coordinator.deciding:
+            return self.coordinator.share(None)
+        inbox = self.transport.inbox
+        while True:
+            version = inbox.version
+            task = self.policy.next_task(self._arrived)
+            if task is not None:
+                return self.coordinator.share(task)
+            inbox.wait(version, self.transport.timeout)
+
+    def _arrived(self, task: Task) -> bool:
+        return self.transport.inbox.has(_input_key(task))
+
+    def _virtual_stage(self, chunk: int) -> int:
+        return chunk * self.pp_size + self.rank
+
+    def _forward(self, task: Task) -> None:
+        chunk, microbatch = task.chunk, task.microbatch
+        virtual = self._virtual_stage(chunk)
+        last = virtual == self.num_chunks * self.pp_size - 1
+        input_tensor = None
+        if virtual > 0:
+            input_tensor = self.transport.take(_input_key(task))
+            if not self.forward_only:
+                input_tensor.requires_grad_(True)
+        output, num_tokens = forward_step(
+            self.forward_step_func,
+            self.iterators[chunk],
+            self.model[chunk],
+            self.num_microbatches,
+            input_tensor,
+            self.forward_data_store,
+            self.config,
+            cp_group_size=1,
+            collect_non_loss_data=self.collect_non_loss_data,
+            is_first_microbatch=microbatch == 0,
+            current_microbatch=microbatch,
+            vp_stage=chunk if self.num_chunks > 1 else None,
+            is_last_stage=last,
+        )
+        self.total_num_tokens += num_tokens
+        if not last:
+            next_rank = self.pipeline[(self.rank + 1) % self.pp_size]
+            next_chunk = chunk if self.rank < self.pp_size - 1 else chunk + 1
+            self.transport.send(
+                next_rank, MessageKey(MessageKind.ACTIVATION, next_chunk, microbatch), output
+            )
+        if not self.forward_only:
+            self.saved[(chunk, microbatch)] = (input_tensor, output)
+            if not last:
+                deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)
+
+    def _backward(self, task: Task) -> None:
+        chunk, microbatch = task.chunk, task.microbatch
+        virtual = self._virtual_stage(chunk)
+        last = virtual == self.num_chunks * self.pp_size - 1
+        input_tensor, output = self.saved.pop((chunk, microbatch))
+        output_grad = None if last else self.transport.take(_input_key(task))
+        if microbatch == self.num_microbatches - 1:
+            # the chunk's last backward: let DDP start reducing its gradients
+            self.no_sync.enable(chunk)
+        input_grad = backward_step(
+            input_tensor, output, output_grad, ModelType.encoder_or_decoder, self.config
+        )
+        if virtual > 0:
+            prev_rank = self.pipeline[(self.rank - 1) % self.pp_size]
+            prev_chunk = chunk if self.rank > 0 else chunk - 1
+            self.transport.send(
+                prev_rank, MessageKey(MessageKind.GRADIENT, prev_chunk, microbatch), input_grad
+            )
+
+
+def _input_key(task: Task) -> MessageKey:
+    kind = MessageKind.ACTIVATION if task.kind == FORWARD else MessageKind.GRADIENT
+    return MessageKey(kind, task.chunk, task.microbatch)
+
+
+def _device(model) -> torch.device:
+    return next(model[0].parameters()).device
+
+
+def _per_chunk(func_or_list, num_chunks: int) -> list:
+    if isinstance(func_or_list, list):
+        if len(func_or_list) != num_chunks:
+            raise ValueError(f"{len(func_or_list)} per-chunk functions for {num_chunks} chunks")
+        return func_or_list
+    return [func_or_list] * num_chunks
+
+
+class _NoSyncPerChunk:
+    """Gradient reduction stays off for every chunk until that chunk's last backward
+    (DDP then overlaps its reduction with the remaining work); all are re-enabled on exit."""
+
+    def __init__(self, config, num_chunks: int, forward_only: bool):
+        funcs = config.no_sync_func
+        self._funcs = None if forward_only or funcs is None else _per_chunk(funcs, num_chunks)
+        self._open: dict[int, contextlib.AbstractContextManager] = {}
+
+    def __enter__(self):
+        if self._funcs is not None:
+            for chunk, func in enumerate(self._funcs):
+                context = func()
+                context.__enter__()
+                self._open[chunk] = context
+        return self
+
+    def enable(self, chunk: int) -> None:
+        context = self._open.pop(chunk, None)
+        if context is not None:
+            context.__exit__(None, None, None)
+
+    def __exit__(self, *exc):
+        for chunk in list(self._open):
+            self.enable(chunk)
+        return False

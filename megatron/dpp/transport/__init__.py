@@ -1,0 +1,1 @@
+"""Mailbox channels between pipeline stages."""

@@ -1,0 +1,174 @@
+"""The channels of one rank's pipeline edges, with the backend chosen per edge.
+
+Edges: activations r -> r+1 and gradients r+1 -> r within every pipeline; with virtual
+chunks the ring closes (last rank -> rank 0 for activations, rank 0 -> last rank for
+gradients). Opening is collective over the whole job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+
+import torch
+import torch.distributed as dist
+
+from megatron.dpp.transport.channel import (
+    Edge,
+    Inbox,
+    MessageKey,
+    MessageKind,
+    TransportError,
+)
+
+log = logging.getLogger(__name__)
+
+TRANSPORTS = ("auto", "torch", "shm", "rdma")
+# test hook: deliver each arrival after a random delay of up to this many milliseconds
+JITTER_ENV = "DPP_TEST_DELIVERY_JITTER_MS"
+
+
+def pipeline_edges(pipelines: list[list[int]], ring: bool) -> list[Edge]:
+    edges = []
+    for ranks in pipelines:
+        p = len(ranks)
+        links = [(ranks[i], ranks[i + 1]) for i in range(p - 1)]
+        if ring and p > 1:
+            links.append((ranks[-1], ranks[0]))
+        for a, b in links:
+            edges.append(Edge(a, b, MessageKind.ACTIVATION))
+            edges.append(Edge(b, a, MessageKind.GRADIENT))
+    # a canonical order, identical on every rank
+    return sorted(set(edges), key=lambda e: (e.src, e.dst, int(e.kind)))
+
+
+class JitterInbox(Inbox):
+    """Delays every arrival by a random time (tests: any arrival order must give the same
+    result and never deadlock)."""
+
+    def __init__(self, max_delay_s: float, seed: int):
+        super().__init__()
+        self._max_delay = max_delay_s
+        self._rng = random.Random(seed)
+        self._rng_lock = threading.Lock()
+
+    def put(self, key, tensor) -> None:
+        with self._rng_lock:
+            delay = self._rng.uniform(0, self._max_delay)
+        timer = threading.Timer(delay, super().put, args=(key, tensor))
+        timer.daemon = True
+        timer.start()
+
+
+class PipelineTransport:
+    """This rank's send channels (by destination rank and kind) and its inbox."""
+
+    def __init__(self, pipeline_ranks: list[int], ring: bool, device: torch.device,
+                 transport: str = "auto", timeout: float = 60.0):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"--dpp-transport {transport}: choose one of {', '.join(TRANSPORTS)}")
+        self.rank = dist.get_rank()
+        self.timeout = timeout
+        jitter_ms = float(os.environ.get(JITTER_ENV, "0"))
+        self.inbox = JitterInbox(jitter_ms / 1000.0, self.rank) if jitter_ms > 0 else Inbox()
+        pipelines = _all_pipelines(pipeline_ranks)
+        self.barrier_group = None
+        for ranks in pipelines:
+            group = dist.new_group(ranks, backend="gloo")
+            if self.rank in ranks:
+                self.barrier_group = group
+        edges = pipeline_edges(pipelines, ring)
+        self._senders = {}
+        self._receivers = {}
+        for backend, backend_edges in _assign_backends(edges, transport, device, timeout):
+            senders, receivers = backend.open(backend_edges, self.rank, self.inbox)
+            self._senders.update(senders)
+            self._receivers.update(receivers)
+            mine = [e for e in backend_edges if self.rank in (e.src, e.dst)]
+            if mine:
+                log.info("DPP transport %s for edges %s", backend.name,
+                         ", ".join(f"{e.src}->{e.dst}:{e.kind.name[0]}" for e in mine))
+        self._by_destination = {(e.dst, e.kind): ch for e, ch in self._senders.items()}
+
+    def send(self, dst: int, key: MessageKey, tensor: torch.Tensor) -> None:
+        try:
+            channel = self._by_destination[(dst, key.kind)]
+        except KeyError:
+            raise TransportError(f"rank {self.rank} has no {key.kind.name} channel to rank {dst}")\
+                from None
+        channel.send(key, tensor)
+
+    def barrier(self) -> None:
+        """Every stage of this pipeline has finished the previous schedule call: message keys
+        repeat from call to call, and a stage that never waits (forward-only) must not run
+        a whole call ahead."""
+        dist.barrier(group=self.barrier_group)
+
+    def take(self, key: MessageKey) -> torch.Tensor:
+        return self.inbox.take(key, self.timeout)
+
+    def flush(self) -> None:
+        for channel in self._senders.values():
+            channel.flush(self.timeout)
+
+    def close(self) -> None:
+        for channel in self._senders.values():
+            channel.close()
+        for channel in self._receivers.values():
+            channel.close()
+        self._senders.clear()
+        self._receivers.clear()
+
+
+def _all_pipelines(mine: list[int]) -> list[list[int]]:
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, list(mine))
+    return [list(p) for p in sorted({tuple(p) for p in gathered})]
+
+
+def _hosts() -> list[str]:
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, os.uname().nodename)
+    return gathered
+
+
+def _assign_backends(edges, transport, device, timeout):
+    """[(backend, its edges)] in an order every rank agrees on."""
+    from megatron.dpp.transport.torch_backend import TorchBackend
+
+    if transport == "torch":
+        return [(TorchBackend(device), edges)]
+    if transport == "rdma":
+        raise TransportError("--dpp-transport rdma: the RDMA backend is not available in this "
+                             "build; use --dpp-transport torch or auto")
+    native = _native_backend(timeout, required=transport == "shm")
+    hosts = _hosts()
+    local = [e for e in edges if hosts[e.src] == hosts[e.dst]]
+    remote = [e for e in edges if hosts[e.src] != hosts[e.dst]]
+    if native is None:
+        return [(TorchBackend(device), edges)]
+    if transport == "shm" and remote:
+        raise TransportError(
+            f"--dpp-transport shm: {len(remote)} pipeline edges cross hosts "
+            f"(e.g. rank {remote[0].src} on {hosts[remote[0].src]} -> rank {remote[0].dst} on "
+            f"{hosts[remote[0].dst]}); use --dpp-transport auto")
+    plan = []
+    if local:
+        plan.append((native, local))
+    if remote:
+        plan.append((TorchBackend(device), remote))
+    return plan
+
+
+def _native_backend(timeout: float, required: bool):
+    try:
+        from megatron.dpp.transport.shm import ShmBackend
+    except ImportError as error:
+        if required:
+            raise TransportError(
+                f"--dpp-transport shm: the native extension is not built ({error}); run "
+                "`pip install --no-build-isolation -e .`") from error
+        return None
+    return ShmBackend(timeout=timeout)

@@ -1,0 +1,277 @@
+"""Shared-memory channels between ranks of one host (native extension, csrc/).
+
+Each edge gets one POSIX shared-memory ring, created by the receiving rank under a name
+made of a random token agreed by the job plus src/dst/kind, and unlinked as soon as the
+sender mapped it. A drain thread per receive channel copies every arrival into a fresh
+tensor and puts it into the Inbox. GPU tensors travel device to device through CUDA IPC
+or staged through the (host-registered) ring, when the extension was built with CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+
+import torch
+import torch.distributed as dist
+
+from megatron.dpp.transport import native
+from megatron.dpp.transport.channel import (
+    CODE_DTYPES,
+    Backend,
+    Edge,
+    Inbox,
+    MessageKey,
+    MessageKind,
+    RecvChannel,
+    SendChannel,
+    TransportError,
+    dtype_code,
+)
+
+logger = logging.getLogger(__name__)
+
+GPU_PATHS = ("auto", "staged", "ipc")
+
+
+def segment_name(token: str, edge: Edge) -> str:
+    return f"/dpp-{token}-{edge.src}-{edge.dst}-{int(edge.kind)}"
+
+
+def _as_transport_error(error: Exception, edge: Edge) -> TransportError:
+    return TransportError(f"shm channel {edge.src}->{edge.dst} ({edge.kind.name}): {error}")
+
+
+class _CudaEnd:
+    """The CUDA side of one channel end: its device and a side stream for the copies."""
+
+    def __init__(self, device: int):
+        self.device = device
+        self.copy_stream = torch.cuda.Stream(device)
+        # Tensors handed to the Inbox are used on the stream that was current at open.
+        self.consumer_stream = torch.cuda.current_stream(device)
+
+
+class ShmSendChannel(SendChannel):
+    def __init__(self, edge: Edge, sender, cuda: _CudaEnd | None):
+        self.edge = edge
+        self._sender = sender
+        self._cuda = cuda
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
+        code = dtype_code(tensor.dtype)
+        if key.kind != self.edge.kind:
+            raise TransportError(f"{key} sent on a {self.edge.kind.name} channel")
+        with self._lock:
+            if self._closed:
+                raise TransportError(f"send of {key} on closed channel {self.edge}")
+            try:
+                if tensor.is_cuda:
+                    self._send_cuda(key, code, tensor)
+                else:
+                    data = tensor.contiguous()
+                    self._sender.send(int(key.kind), key.chunk, key.microbatch, code,
+                                      list(data.shape), data.data_ptr(),
+                                      data.numel() * data.element_size())
+            except native.module().NativeTransportError as error:
+                raise _as_transport_error(error, self.edge) from error
+
+    def _send_cuda(self, key: MessageKey, code: int, tensor: torch.Tensor) -> None:
+        if self._cuda is None:
+            raise TransportError(
+                f"GPU tensor sent on shm channel {self.edge}, but the native transport was "
+                f"built without CUDA (build_info: {native.build_info()})")
+        data = tensor.contiguous()
+        producer = torch.cuda.current_stream(data.device)
+        self._sender.send_cuda(int(key.kind), key.chunk, key.microbatch, code, list(data.shape),
+                               data.data_ptr(), data.numel() * data.element_size(),
+                               producer.cuda_stream, self._cuda.copy_stream.cuda_stream)
+        # The IPC copy may still read `data` on the side stream after we return.
+        data.record_stream(self._cuda.copy_stream)
+
+    def flush(self, timeout: float | None = None) -> None:
+        # Host copies are done when send() returns; device copies end on the side stream.
+        if self._cuda is not None:
+            self._cuda.copy_stream.synchronize()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.flush()
+            try:
+                self._sender.close()
+            except native.module().NativeTransportError as error:
+                raise _as_transport_error(error, self.edge) from error
+
+
+class ShmRecvChannel(RecvChannel):
+    def __init__(self, edge: Edge, receiver, inbox: Inbox, cuda: _CudaEnd | None):
+        self.edge = edge
+        self._receiver = receiver
+        self._inbox = inbox
+        self._cuda = cuda
+        self._thread = threading.Thread(
+            target=self._drain, name=f"dpp-shm-drain-{edge.src}-{edge.dst}-{edge.kind.name}",
+            daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _drain(self) -> None:
+        try:
+            if self._cuda is not None:
+                torch.cuda.set_device(self._cuda.device)
+            while True:
+                message = self._receiver.next()
+                if message is None:
+                    return
+                key, tensor = self._read(*message)
+                if tensor is None:
+                    return
+                self._inbox.put(key, tensor)
+        except Exception as error:  # every failure must reach the waiting schedule
+            self._inbox.fail(_as_transport_error(error, self.edge))
+            self._receiver.interrupt()
+
+    def _read(self, kind, chunk, microbatch, code, shape, nbytes, on_cuda):
+        if code not in CODE_DTYPES:
+            raise TransportError(f"unknown dtype code {code}")
+        key = MessageKey(MessageKind(kind), chunk, microbatch)
+        if not on_cuda:
+            tensor = torch.empty(shape, dtype=CODE_DTYPES[code])
+            self._check_size(tensor, nbytes)
+            return key, tensor if self._receiver.read_into(tensor.data_ptr(), nbytes) else None
+        if self._cuda is None:
+            raise TransportError("GPU message arrived, but this rank has no CUDA path")
+        with torch.cuda.stream(self._cuda.copy_stream):
+            tensor = torch.empty(shape, dtype=CODE_DTYPES[code], device=self._cuda.device)
+        self._check_size(tensor, nbytes)
+        if not self._receiver.read_into_cuda(tensor.data_ptr(), nbytes,
+                                             self._cuda.copy_stream.cuda_stream):
+            return key, None
+        # The copy is synchronized; this keeps the allocator from reusing the block for the
+        # next arrival while the consumer's stream still reads it.
+        tensor.record_stream(self._cuda.consumer_stream)
+        return key, tensor
+
+    @staticmethod
+    def _check_size(tensor: torch.Tensor, nbytes: int) -> None:
+        if tensor.numel() * tensor.element_size() != nbytes:
+            raise TransportError(f"message of {nbytes} bytes does not match shape "
+                                 f"{tuple(tensor.shape)} of {tensor.dtype}")
+
+    def close(self) -> None:
+        self._receiver.interrupt()
+        if self._thread.is_alive():
+            self._thread.join()
+        self._receiver.close()
+
+
+class ShmBackend(Backend):
+    """Shared-memory channels for edges between ranks of one host.
+
+    `slots` x `slot_bytes` is each channel's ring (larger messages are split into
+    consecutive slots); `timeout` bounds every wait on a peer that is not the receiver's
+    idle wait for the next message (that one ends when the peer dies); `path` picks the GPU
+    path: "ipc" (device to device), "staged" (through host memory) or "auto" (IPC where
+    the peer's pool can be opened). `token` names the segments; by default rank 0 draws a
+    random one and broadcasts it on the default process group.
+    """
+
+    name = "shm"
+
+    def __init__(self, timeout: float = 60.0, slots: int = 32, slot_bytes: int = 1 << 20,
+                 path: str = "auto", token: str | None = None, spins: int = 2000):
+        if timeout <= 0:
+            raise ValueError(f"ShmBackend timeout must be > 0 s, got {timeout}")
+        if slots < 2:
+            raise ValueError(f"ShmBackend slots must be >= 2, got {slots}")
+        if slot_bytes < 4096:
+            raise ValueError(f"ShmBackend slot_bytes must be >= 4096, got {slot_bytes}")
+        if path not in GPU_PATHS:
+            raise ValueError(f"ShmBackend path must be one of {GPU_PATHS}, got {path!r}")
+        if token is not None and not token.isalnum():
+            raise ValueError(f"ShmBackend token must be alphanumeric, got {token!r}")
+        self.timeout = timeout
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        self.path = path
+        self.spins = spins
+        self._token = token
+
+    def _agree_token(self) -> str:
+        if self._token is not None:
+            return self._token
+        if not dist.is_initialized():
+            raise TransportError("ShmBackend.open needs torch.distributed initialised (to agree "
+                                 "on segment names) or an explicit token")
+        holder = [secrets.token_hex(8) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(holder, src=0)
+        return holder[0]
+
+    @staticmethod
+    def _barrier() -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def _cuda_end(self) -> _CudaEnd | None:
+        if native.build_info()["cuda"] and torch.cuda.is_available():
+            return _CudaEnd(torch.cuda.current_device())
+        return None
+
+    def open(self, edges: list[Edge], rank: int, inbox: Inbox):
+        if len(set(edges)) != len(edges):
+            raise TransportError(f"duplicate edges given to ShmBackend.open: {edges}")
+        extension = native.module()
+        token = self._agree_token()
+        receivers: dict[Edge, ShmRecvChannel] = {}
+        senders: dict[Edge, ShmSendChannel] = {}
+        failure: Exception | None = None
+        try:
+            for edge in edges:
+                if edge.dst == rank:
+                    receivers[edge] = self._open_receiver(extension, token, edge, inbox)
+        except Exception as error:  # still reach the barrier, or the other ranks hang there
+            failure = error
+        self._barrier()
+        try:
+            if failure is not None:
+                raise failure
+            for edge in edges:
+                if edge.src == rank:
+                    senders[edge] = self._open_sender(extension, token, edge)
+        except Exception as error:
+            for channel in [*senders.values(), *receivers.values()]:
+                try:
+                    channel.close()
+                except TransportError:
+                    logger.exception("closing %s after a failed open", channel.edge)
+            if isinstance(error, TransportError):
+                raise
+            raise TransportError(f"ShmBackend.open on rank {rank} failed: {error}") from error
+        for channel in receivers.values():
+            channel.start()
+        return senders, receivers
+
+    def _open_receiver(self, extension, token: str, edge: Edge, inbox: Inbox) -> ShmRecvChannel:
+        receiver = extension.ShmReceiver(segment_name(token, edge), self.slots, self.slot_bytes,
+                                         edge.dst, edge.src, self.timeout, self.spins)
+        cuda = self._cuda_end()
+        if cuda is not None:
+            receiver.enable_cuda(cuda.device, self.path != "staged", self.slot_bytes)
+        return ShmRecvChannel(edge, receiver, inbox, cuda)
+
+    def _open_sender(self, extension, token: str, edge: Edge) -> ShmSendChannel:
+        sender = extension.ShmSender(segment_name(token, edge), edge.src, edge.dst, self.timeout,
+                                     self.spins)
+        cuda = self._cuda_end()
+        if cuda is not None:
+            chosen = sender.enable_cuda(cuda.device, self.path)
+            logger.info("shm channel %d->%d (%s): GPU path %s", edge.src, edge.dst,
+                        edge.kind.name, chosen)
+        return ShmSendChannel(edge, sender, cuda)

@@ -1,0 +1,1 @@
+"""The MegatronDPP trainer on megatron.core."""

@@ -1,0 +1,418 @@
+"""Command-line flags with Megatron-LM's names, and their validation.
+
+`parse_args()` returns an argparse Namespace, as Megatron users expect; `validate_args`
+fills derived values and stops with one message naming every inconsistent flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+
+from megatron.training.tokenizer import TOKENIZER_TYPES
+
+
+class ArgumentError(ValueError):
+    """Inconsistent or unsupported flags; the message names each flag and value."""
+
+
+def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="MegatronDPP trainer", allow_abbrev=False, conflict_handler="error"
+    )
+    _model_args(parser.add_argument_group("model"))
+    _batch_and_schedule_args(parser.add_argument_group("training"))
+    _precision_args(parser.add_argument_group("precision"))
+    _parallel_args(parser.add_argument_group("parallelism"))
+    _data_args(parser.add_argument_group("data"))
+    _io_args(parser.add_argument_group("checkpoints and logging"))
+    _dpp_args(parser.add_argument_group("dynamic pipeline (DPP)"))
+    if extra_args_provider is not None:
+        extra_args_provider(parser)
+    return parser
+
+
+def _model_args(g):
+    g.add_argument("--num-layers", type=int, required=True)
+    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--kv-channels", type=int, default=None)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument(
+        "--position-embedding-type", default="learned_absolute",
+        choices=["learned_absolute", "rope", "none"],
+    )
+    g.add_argument("--use-rotary-position-embeddings", action="store_true")
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--apply-residual-connection-post-layernorm", action="store_true")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true")
+    g.add_argument("--no-masked-softmax-fusion", action="store_true")
+    g.add_argument("--no-bias-gelu-fusion", action="store_true")
+    g.add_argument("--no-bias-dropout-fusion", action="store_true")
+    g.add_argument("--use-flash-attn", action="store_true")
+    g.add_argument(
+        "--attention-backend", default="auto",
+        choices=["auto", "flash", "fused", "unfused", "local"],
+    )
+    g.add_argument(
+        "--transformer-impl", default="auto", choices=["auto", "local", "transformer_engine"],
+        help="auto: Transformer Engine on GPU when importable, else the project's SDPA spec",
+    )
+    g.add_argument("--use-mcore-models", action="store_true", help="accepted; always true")
+    g.add_argument("--bert-no-binary-head", action="store_true")
+    g.add_argument("--num-tokentypes", type=int, default=2)
+    g.add_argument("--mask-prob", type=float, default=0.15)
+    g.add_argument("--short-seq-prob", type=float, default=0.1)
+
+
+def _batch_and_schedule_args(g):
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
+                   metavar=("START", "INCREMENT", "SAMPLES"))
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None)
+    g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
+    g.add_argument("--lr", type=float, default=None)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument(
+        "--lr-decay-style", default="linear",
+        choices=["constant", "linear", "cosine", "inverse-square-root"],
+    )
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-decay-samples", type=int, default=None)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--start-weight-decay", type=float, default=None)
+    g.add_argument("--end-weight-decay", type=float, default=None)
+    g.add_argument("--weight-decay-incr-style", default="constant",
+                   choices=["constant", "linear", "cosine"])
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--recompute-activations", action="store_true")
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+
+
+def _precision_args(g):
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None)
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=float, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+    g.add_argument("--fp32-residual-connection", action="store_true")
+
+
+def _parallel_args(g):
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"])
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10)
+    g.add_argument("--local-rank", "--local_rank", type=int, default=None)
+    g.add_argument("--no-batch-p2p-comm", action="store_true",
+                   help="megatron-core schedules: unbatched p2p (needed for PP=2 with VPP)")
+
+
+def _data_args(g):
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="prefixes written by tools/preprocess_data.py, optionally weighted: "
+                        "'0.3 a_text_document 0.7 b_text_document'")
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--num-workers", type=int, default=0)
+    g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES)
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--vocab-size", type=int, default=None)
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--seq-length-cv", type=float, default=0.0,
+                   help="variable-length microbatches: lognormal CV of each microbatch's "
+                        "token count (mean kept at --seq-length); 0 = fixed length")
+
+
+def _io_args(g):
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--finetune", action="store_true")
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--log-throughput", action="store_true")
+    g.add_argument("--timing-log-level", type=int, default=0)
+
+
+def _dpp_args(g):
+    g.add_argument("--use-dpp", action="store_true",
+                   help="dynamic pipeline schedule instead of megatron-core's static one")
+    g.add_argument("--dpp-max-inflight", type=int, default=None,
+                   help="extra microbatches in flight beyond the static schedule's count")
+    g.add_argument("--dpp-transport", default="auto", choices=["auto", "torch", "shm", "rdma"])
+    g.add_argument("--dpp-timeout", type=float, default=60.0,
+                   help="seconds a stage waits for a pipeline peer before raising")
+    g.add_argument("--multi-node", action="store_true")
+    g.add_argument("--node-ips", nargs="+", default=None,
+                   help="one address per node, in node-rank order")
+    g.add_argument("--workload", type=int, default=None, help=argparse.SUPPRESS)
+    g.add_argument("--num-gpus", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def parse_args(argv=None, extra_args_provider=None, world_size=None) -> argparse.Namespace:
+    parser = build_parser(extra_args_provider)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        raise ArgumentError(f"unknown flags: {' '.join(unknown)}")
+    world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    validate_args(args, world)
+    return args
+
+
+def validate_args(args, world_size: int) -> None:
+    """Fill derived values; raise ArgumentError listing every problem found."""
+    problems: list[str] = []
+
+    def need(ok: bool, message: str):
+        if not ok:
+            problems.append(message)
+
+    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  args.context_parallel_size)
+    need(cp == 1, f"--context-parallel-size {cp}: only 1 is supported")
+    model_parallel = tp * pp * cp
+    need(world_size % model_parallel == 0,
+         f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+         f"--pipeline-model-parallel-size {pp}")
+    args.world_size = world_size
+    args.data_parallel_size = max(1, world_size // model_parallel)
+
+    need(args.num_attention_heads % tp == 0,
+         f"--tensor-model-parallel-size {tp} does not divide --num-attention-heads "
+         f"{args.num_attention_heads}")
+    need(args.hidden_size % args.num_attention_heads == 0,
+         f"--num-attention-heads {args.num_attention_heads} does not divide --hidden-size "
+         f"{args.hidden_size}")
+    if args.num_query_groups is None or not args.group_query_attention:
+        args.num_query_groups = args.num_attention_heads
+    need(args.num_attention_heads % args.num_query_groups == 0 and args.num_query_groups % tp == 0,
+         f"--num-query-groups {args.num_query_groups} must divide --num-attention-heads "
+         f"{args.num_attention_heads} and be divisible by --tensor-model-parallel-size {tp}")
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = (
+            int(8 * args.hidden_size / 3 / 64 + 0.999) * 64 if args.swiglu else 4 * args.hidden_size
+        )
+    if args.kv_channels is None:
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    need(args.position_embedding_type != "learned_absolute"
+         or args.seq_length <= args.max_position_embeddings,
+         f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+         f"{args.max_position_embeddings}")
+
+    _validate_virtual_pipeline(args, need)
+    _validate_batch(args, need)
+    _validate_precision(args, need)
+    _validate_schedule(args, need)
+    _validate_data(args, need)
+    _validate_dpp(args, need)
+
+    if args.sequence_parallel and tp == 1:
+        args.sequence_parallel = False
+    if args.recompute_activations:
+        args.recompute_granularity = "selective"
+    need(args.recompute_granularity != "full" or args.recompute_method is not None,
+         "--recompute-granularity full needs --recompute-method uniform|block")
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if _cuda_available() else "gloo"
+    need(args.save_interval is None or args.save is not None,
+         f"--save-interval {args.save_interval} needs --save DIR")
+    if problems:
+        raise ArgumentError("invalid arguments:\n  " + "\n  ".join(problems))
+
+
+def _validate_virtual_pipeline(args, need):
+    pp = args.pipeline_model_parallel_size
+    layers = args.num_layers
+    vpp = args.virtual_pipeline_model_parallel_size
+    per_stage = args.num_layers_per_virtual_pipeline_stage
+    need(layers % pp == 0,
+         f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    if per_stage is not None:
+        need(pp > 1, "--num-layers-per-virtual-pipeline-stage needs "
+             "--pipeline-model-parallel-size > 1")
+        need(layers % (pp * per_stage) == 0,
+             f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+             f"--num-layers-per-virtual-pipeline-stage {per_stage}")
+        derived = max(1, layers // (pp * per_stage))
+        need(vpp is None or vpp == derived,
+             f"--virtual-pipeline-model-parallel-size {vpp} contradicts "
+             f"--num-layers-per-virtual-pipeline-stage {per_stage} ({derived} chunks)")
+        vpp = derived
+    elif vpp is not None:
+        need(layers % (pp * vpp) == 0,
+             f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+             f"--virtual-pipeline-model-parallel-size {vpp}")
+    if vpp is not None and vpp <= 1:
+        vpp = None
+    args.virtual_pipeline_model_parallel_size = vpp
+
+
+def _validate_batch(args, need):
+    dp, mbs = args.data_parallel_size, args.micro_batch_size
+    if args.global_batch_size is None:
+        args.global_batch_size = mbs * dp
+    gbs = args.global_batch_size
+    need(gbs % (mbs * dp) == 0,
+         f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x "
+         f"data-parallel size {dp}")
+    args.num_microbatches = max(1, gbs // (mbs * dp))
+    vpp = args.virtual_pipeline_model_parallel_size
+    pp = args.pipeline_model_parallel_size
+    if vpp and not args.use_dpp:
+        need(args.num_microbatches >= pp,
+             f"megatron-core's interleaved schedule needs at least --pipeline-model-parallel-size "
+             f"{pp} microbatches, got {args.num_microbatches} (global batch {gbs}); "
+             "--use-dpp has no such limit")
+
+
+def _validate_precision(args, need):
+    need(not (args.fp16 and args.bf16), "--fp16 and --bf16 are mutually exclusive")
+    import torch
+
+    args.params_dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
+    if args.bf16:
+        args.accumulate_allreduce_grads_in_fp32 = True
+
+
+def _validate_schedule(args, need):
+    need((args.train_iters is None) != (args.train_samples is None),
+         "exactly one of --train-iters and --train-samples is needed")
+    if args.train_iters is None and args.train_samples is not None:
+        args.train_iters = args.train_samples // args.global_batch_size
+    need(args.lr is not None, "--lr is required")
+    need(args.lr_warmup_fraction is None or args.lr_warmup_iters == 0,
+         f"--lr-warmup-fraction {args.lr_warmup_fraction} and --lr-warmup-iters "
+         f"{args.lr_warmup_iters} are mutually exclusive")
+    if args.start_weight_decay is None:
+        args.start_weight_decay = args.weight_decay
+    if args.end_weight_decay is None:
+        args.end_weight_decay = args.weight_decay
+
+
+def _validate_data(args, need):
+    if args.tokenizer_type is None:
+        args.tokenizer_type = "NullTokenizer" if args.mock_data else "GPT2BPETokenizer"
+    need(args.mock_data or args.data_path,
+         "no data: give --data-path PREFIX [...] or --mock-data")
+    need(not (args.mock_data and args.data_path),
+         "--mock-data and --data-path are mutually exclusive")
+    need(args.tokenizer_type != "NullTokenizer" or args.vocab_size is not None,
+         "--tokenizer-type NullTokenizer needs --vocab-size N")
+    if args.data_path:
+        _parse_blend(args, need)
+    need(args.seq_length_cv >= 0, f"--seq-length-cv {args.seq_length_cv} must be >= 0")
+
+
+def _parse_blend(args, need):
+    items = args.data_path
+    if len(items) > 1 and _is_number(items[0]):
+        need(len(items) % 2 == 0,
+             f"--data-path with weights needs WEIGHT PREFIX pairs, got {len(items)} items")
+        weights = [float(w) for w in items[0::2] if _is_number(w)]
+        need(len(weights) == len(items) // 2,
+             f"--data-path {' '.join(items)}: every other item must be a weight")
+        args.data_blend = (items[1::2], weights)
+    else:
+        args.data_blend = (items, None)
+
+
+def _validate_dpp(args, need):
+    if args.workload is not None:
+        need(False, f"--workload {args.workload}: no longer used; the native transport sizes its "
+             "copies itself (see --dpp-transport)")
+    if args.num_gpus is not None:
+        need(False, f"--num-gpus {args.num_gpus}: no longer used; torchrun's --nproc_per_node "
+             "sets the GPUs per node")
+    if args.dpp_max_inflight is not None:
+        need(args.dpp_max_inflight >= 0,
+             f"--dpp-max-inflight {args.dpp_max_inflight} must be >= 0")
+    if args.use_dpp:
+        need(args.pipeline_model_parallel_size > 1,
+             "--use-dpp needs --pipeline-model-parallel-size > 1 (nothing to schedule otherwise)")
+    if args.multi_node:
+        need(bool(args.node_ips), "--multi-node needs --node-ips ADDR [ADDR ...]")
+    if args.node_ips:
+        for ip in args.node_ips:
+            need(_is_address(ip), f"--node-ips: '{ip}' is not an IP address")
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+        if local > 0:
+            nnodes = args.world_size // local
+            need(nnodes == len(args.node_ips),
+                 f"--node-ips lists {len(args.node_ips)} addresses but the job has {nnodes} "
+                 f"nodes (WORLD_SIZE {args.world_size} / LOCAL_WORLD_SIZE {local})")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

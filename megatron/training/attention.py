@@ -1,0 +1,83 @@
+"""Core attention through torch.nn.functional.scaled_dot_product_attention.
+
+Drop-in for megatron.core's DotProductAttention (same constructor and forward), but it
+runs on CPU and picks flash / memory-efficient kernels on GPU instead of materialising
+the score matrix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import divide
+
+
+class SDPAttention(MegatronModule):
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPAttention does not support context parallelism")
+        tp_size = (
+            pg_collection.tp.size()
+            if pg_collection is not None
+            else tensor_parallel.get_tensor_model_parallel_world_size()
+        )
+        self.attn_mask_type = attn_mask_type
+        self.heads = divide(config.num_attention_heads, tp_size)
+        self.query_groups = divide(config.num_query_groups, tp_size)
+        head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(head_dim)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("SDPAttention supports neither packed sequences nor attention bias")
+        mask_type = attn_mask_type or self.attn_mask_type
+        # [s, b, heads, dim] -> [b, heads, s, dim]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if self.heads != self.query_groups:
+            repeat = self.heads // self.query_groups
+            k = k.repeat_interleave(repeat, dim=1)
+            v = v.repeat_interleave(repeat, dim=1)
+        causal = attention_mask is None and mask_type == AttnMaskType.causal
+        # megatron masks mark positions to drop with True; SDPA's boolean mask marks positions kept
+        sdpa_mask = None if attention_mask is None else ~attention_mask.bool()
+        dropout_p = self.dropout_p if self.training else 0.0
+        with self._dropout_rng():
+            context = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=sdpa_mask, dropout_p=dropout_p, is_causal=causal,
+                scale=self.softmax_scale,
+            )
+        # [b, heads, s, dim] -> [s, b, heads * dim]
+        s, b = context.shape[2], context.shape[0]
+        return context.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _dropout_rng(self):
+        if self.dropout_p > 0 and self.training and not self.config.sequence_parallel:
+            return tensor_parallel.get_cuda_rng_tracker().fork()
+        return contextlib.nullcontext()

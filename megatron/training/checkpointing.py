@@ -1,0 +1,172 @@
+"""Checkpoints through megatron.core.dist_checkpointing, written atomically.
+
+Layout under --save: `iter_0000010/` (one directory per checkpoint) and
+`latest_checkpointed_iteration.txt`. A checkpoint is first written to `iter_0000010.tmp`
+and renamed into place only when every rank has finished, and the pointer file is replaced
+atomically, so a crash never leaves a half-written checkpoint under a final name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+log = logging.getLogger(__name__)
+
+POINTER = "latest_checkpointed_iteration.txt"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+@dataclass
+class TrainingState:
+    iteration: int = 0
+    consumed_samples: int = 0
+    skipped_iterations: int = 0
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _optimizer_metadata(args) -> dict:
+    return {"distrib_optim_sharding_type": "dp_reshardable"} if args.use_distributed_optimizer else {}
+
+
+def _sharded_state(model, optimizer, scheduler, state, args, loading: bool) -> dict:
+    sharded = {}
+    for index, chunk in enumerate(model):
+        key = "model" if len(model) == 1 else f"model{index}"
+        sharded[key] = chunk.sharded_state_dict()
+    model_sharded = {}
+    for index in range(len(model)):
+        key = "model" if len(model) == 1 else f"model{index}"
+        model_sharded.update(sharded[key])
+    if optimizer is not None:
+        sharded["optimizer"] = optimizer.sharded_state_dict(
+            model_sharded, is_loading=loading, metadata=_optimizer_metadata(args)
+        )
+    if scheduler is not None:
+        sharded["opt_param_scheduler"] = scheduler.state_dict()
+    sharded["rng_state"] = _rng_sharded_object()
+    sharded["training_state"] = vars(state).copy()
+    sharded["checkpoint_version"] = 1
+    return sharded
+
+
+def _rng_sharded_object() -> ShardedObject:
+    """Each rank's RNG state, keyed by its (pipeline, tensor, data) coordinates."""
+    rng = {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    coords = (
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_data_parallel_rank(with_context_parallel=True),
+    )
+    shape = (
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_data_parallel_world_size(with_context_parallel=True),
+    )
+    return ShardedObject("rng_state", rng, shape, coords, replica_id=0)
+
+
+def save_checkpoint(root: str, model, optimizer, scheduler, state: TrainingState, args) -> str:
+    final = checkpoint_dir(root, state.iteration)
+    staging = final + ".tmp"
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        os.makedirs(root, exist_ok=True)
+        # only this job's own staging name for this iteration, left by an earlier crash
+        if os.path.isdir(staging):
+            shutil.rmtree(staging)
+        os.makedirs(staging)
+    dist.barrier()
+    no_optim = args.no_save_optim
+    sharded = _sharded_state(model, None if no_optim else optimizer, scheduler, state, args, False)
+    dist_checkpointing.save(sharded, staging)
+    dist.barrier()
+    if rank0:
+        if os.path.isdir(final):
+            shutil.rmtree(final)
+        os.replace(staging, final)
+        _write_pointer(root, state.iteration)
+    dist.barrier()
+    log.info("saved checkpoint at iteration %d to %s", state.iteration, final)
+    return final
+
+
+def _write_pointer(root: str, iteration: int) -> None:
+    tmp = os.path.join(root, POINTER + ".tmp")
+    with open(tmp, "w") as handle:
+        handle.write(f"{iteration}\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, os.path.join(root, POINTER))
+
+
+def latest_iteration(root: str) -> int | None:
+    pointer = os.path.join(root, POINTER)
+    if not os.path.exists(pointer):
+        return None
+    text = open(pointer).read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{pointer}: expected an iteration number, found {text!r}")
+    return int(text)
+
+
+def load_checkpoint(root: str, model, optimizer, scheduler, args) -> TrainingState:
+    """Restore model, optimizer, scheduler, RNG and data position from the latest
+    checkpoint under `root`; a fresh TrainingState when there is none."""
+    iteration = latest_iteration(root)
+    if iteration is None:
+        log.warning("no checkpoint under %s (no %s); starting from scratch", root, POINTER)
+        return TrainingState()
+    path = checkpoint_dir(root, iteration)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{root}/{POINTER} names iteration {iteration} but {path} is missing")
+    load_optim = optimizer is not None and not args.no_load_optim and not args.finetune
+    with torch.no_grad():
+        sharded = _sharded_state(
+            model, optimizer if load_optim else None, scheduler, TrainingState(), args, True
+        )
+        loaded = dist_checkpointing.load(sharded, path)
+    for index, chunk in enumerate(model):
+        key = "model" if len(model) == 1 else f"model{index}"
+        chunk.load_state_dict(loaded[key])
+    if load_optim:
+        optimizer.load_state_dict(loaded["optimizer"])
+        if scheduler is not None:
+            scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    if not args.no_load_rng and not args.finetune:
+        _restore_rng(loaded["rng_state"])
+    state = TrainingState(**loaded["training_state"])
+    if args.finetune:
+        state = TrainingState()
+    log.info("loaded checkpoint %s (iteration %d)", path, iteration)
+    return state
+
+
+def _restore_rng(rng: dict) -> None:
+    random.setstate(rng["random"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])

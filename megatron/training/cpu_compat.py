@@ -1,0 +1,70 @@
+"""Runs megatron.core on CPU processes (tests, the demo on machines without a GPU).
+
+megatron.core hard-codes CUDA in many places (`device="cuda"`, `.cuda()`,
+`torch.cuda.current_device()`, `torch.cuda.synchronize()`, type strings such as
+"torch.cuda.FloatTensor"). `CpuCompat` maps all of them onto the CPU for the thread that
+enters it. It is only ever entered when no GPU is used, so the GPU path never pays for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_CPU = torch.device("cpu")
+
+
+def _as_cpu(device):
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return _CPU
+    if isinstance(device, str) and device.startswith("cuda"):
+        return _CPU
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return _CPU
+    return device
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA devices in torch calls to the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1)
+        if "device" in kwargs:
+            kwargs["device"] = _as_cpu(kwargs["device"])
+        if func in (torch.Tensor.to,) and args:
+            args = tuple(_as_cpu(a) if isinstance(a, (str, torch.device)) else a for a in args)
+        return func(*args, **kwargs)
+
+
+class CpuCompat(contextlib.ExitStack):
+    """Enter in every CPU rank (the function mode is thread-local)."""
+
+    def __enter__(self):
+        super().__enter__()
+        self.enter_context(_CudaToCpuMode())
+        for name, value in (
+            ("current_device", lambda: 0),
+            ("synchronize", lambda *a, **k: None),
+            ("device_count", lambda: 0),
+        ):
+            self.enter_context(_patched(torch.cuda, name, value))
+        return self
+
+
+@contextlib.contextmanager
+def _patched(owner, name, value):
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)

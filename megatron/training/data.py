@@ -1,0 +1,169 @@
+"""Datasets and micro-batch iterators: megatron.core's GPTDataset / BERT masked-LM dataset
+built from `--data-path` prefixes (or mock data), read in Megatron's sample order so that
+`consumed_samples` alone says where a resumed run continues."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from megatron.core import parallel_state
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SplitSizes:
+    train: int
+    valid: int
+    test: int
+
+
+def split_sizes(args) -> SplitSizes:
+    evals = (args.train_iters // max(1, args.eval_interval) + 1) * args.eval_iters
+    return SplitSizes(
+        train=args.train_iters * args.global_batch_size,
+        valid=evals * args.global_batch_size,
+        test=args.eval_iters * args.global_batch_size,
+    )
+
+
+def build_gpt_datasets(args, tokenizer):
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=None if args.mock_data else args.data_blend,
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        tokenizer=tokenizer,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=False,
+    )
+    dataset_class = MockGPTDataset if args.mock_data else GPTDataset
+    return _build(dataset_class, config, split_sizes(args))
+
+
+def build_bert_datasets(args, tokenizer):
+    from megatron.core.datasets.bert_dataset import (
+        BERTMaskedWordPieceDataset,
+        BERTMaskedWordPieceDatasetConfig,
+    )
+
+    if args.mock_data:
+        sizes = split_sizes(args)
+        return tuple(
+            MockBertDataset(n, args.seq_length, tokenizer.vocab_size, args.seed + i)
+            for i, n in enumerate((sizes.train, sizes.valid, sizes.test))
+        )
+    config = BERTMaskedWordPieceDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=args.data_blend,
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        tokenizer=tokenizer,
+        masking_probability=args.mask_prob,
+        short_sequence_probability=args.short_seq_prob,
+        masking_max_ngram=3,
+        masking_do_full_word=True,
+        masking_do_permutation=False,
+        masking_use_longer_ngrams=False,
+        masking_use_geometric_distribution=False,
+        classification_head=not args.bert_no_binary_head,
+    )
+    return _build(BERTMaskedWordPieceDataset, config, split_sizes(args))
+
+
+def _build(dataset_class, config, sizes: SplitSizes):
+    builder = BlendedMegatronDatasetBuilder(
+        dataset_class, [sizes.train, sizes.valid, sizes.test], lambda: True, config
+    )
+    return tuple(builder.build())
+
+
+class MockBertDataset(torch.utils.data.Dataset):
+    """Random masked-LM samples for `--mock-data` BERT runs (no tokenizer files needed)."""
+
+    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int):
+        self.num_samples, self.seq_length = num_samples, seq_length
+        self.vocab_size, self.seed = vocab_size, seed
+
+    def __len__(self):
+        return self.num_samples
+
+    def __getitem__(self, index):
+        rng = np.random.default_rng([self.seed, index])
+        length = int(rng.integers(self.seq_length // 2, self.seq_length + 1))
+        text = np.zeros(self.seq_length, dtype=np.int64)
+        text[:length] = rng.integers(5, self.vocab_size, size=length)
+        loss_mask = np.zeros(self.seq_length, dtype=np.int64)
+        loss_mask[:length] = rng.random(length) < 0.15
+        labels = np.where(loss_mask == 1, text, -1)
+        padding_mask = (np.arange(self.seq_length) < length).astype(np.int64)
+        types = np.zeros(self.seq_length, dtype=np.int64)
+        types[length // 2 : length] = 1
+        return {
+            "text": text, "types": types, "labels": labels,
+            "is_random": int(rng.integers(0, 2)), "padding_mask": padding_mask,
+            "loss_mask": loss_mask, "truncated": 0,
+        }
+
+
+class MicroBatchIterator:
+    """Yields this data-parallel rank's micro-batches in Megatron's order, starting at
+    `consumed_samples`: global micro-batch k holds samples [k*m*d, (k+1)*m*d) and data-parallel
+    rank r takes its slice [r*m, (r+1)*m) (m = micro-batch size, d = data-parallel size)."""
+
+    def __init__(self, dataset, micro_batch_size: int, consumed_samples: int = 0,
+                 dp_rank: int | None = None, dp_size: int | None = None,
+                 seq_length_cv: float = 0.0, seed: int = 0):
+        self.dataset = dataset
+        self.seq_length_cv, self.seed = seq_length_cv, seed
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = parallel_state.get_data_parallel_rank() if dp_rank is None else dp_rank
+        self.dp_size = parallel_state.get_data_parallel_world_size() if dp_size is None else dp_size
+        self.stride = micro_batch_size * self.dp_size
+        self.next_start = consumed_samples
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        start = self.next_start + self.dp_rank * self.micro_batch_size
+        indices = [(start + i) % len(self.dataset) for i in range(self.micro_batch_size)]
+        global_index = self.next_start
+        self.next_start += self.stride
+        batch = torch.utils.data.default_collate([self.dataset[i] for i in indices])
+        if self.seq_length_cv > 0:
+            batch = _truncate(batch, self.seq_length_cv, self.seed, global_index)
+        return batch
+
+
+def _truncate(batch: dict, cv: float, seed: int, global_index: int) -> dict:
+    """Cut every per-token field to this micro-batch's drawn length."""
+    full = max(v.shape[1] for v in batch.values() if torch.is_tensor(v) and v.dim() >= 2)
+    length = variable_length(full, cv, seed, global_index)
+    return {
+        key: value[:, :length].contiguous()
+        if torch.is_tensor(value) and value.dim() >= 2 and value.shape[1] == full else value
+        for key, value in batch.items()
+    }
+
+
+def variable_length(seq_length: int, cv: float, seed: int, sample_index: int) -> int:
+    """Token count of one micro-batch under `--seq-length-cv`: lognormal with the given CV,
+    mean half of --seq-length (so long draws still fit), multiple of 16, in [16, seq_length].
+    Every rank draws the same value for the same micro-batch."""
+    if cv <= 0:
+        return seq_length
+    sigma = math.sqrt(math.log1p(cv * cv))
+    mu = math.log(seq_length / 2) - sigma * sigma / 2
+    draw = np.random.default_rng([seed, sample_index]).lognormal(mu, sigma)
+    return int(min(seq_length, max(16, round(draw / 16) * 16)))

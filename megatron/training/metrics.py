@@ -1,0 +1,97 @@
+"""Throughput arithmetic, the iteration log line Megatron users read, TensorBoard scalars."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+log = logging.getLogger("megatron.training")
+
+# dense bf16/fp16 peak of the GPUs we measure on, for MFU
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+
+
+def flops_per_token(args, seq_length: int | None = None) -> float:
+    """Model FLOPs of one training token: forward + backward = 3 forwards (4 with full
+    recomputation). Megatron's dense-GPT count, generalised to GQA and SwiGLU; with h hidden,
+    L layers, s sequence, V vocabulary, F ffn width, k = kv channels x query groups:
+      forward = L * (2h(h + 2k) + 2h^2 + 2hF * (3 if swiglu else 2) + 4sh) + 2hV,
+    which for F = 4h, k = h gives Megatron's 72*L*h^2*(1 + s/6h + V/12hL) per token."""
+    h, layers, vocab = args.hidden_size, args.num_layers, args.padded_vocab_size
+    s = seq_length or args.seq_length
+    kv = args.kv_channels * args.num_query_groups
+    ffn_matrices = 3 if args.swiglu else 2
+    per_layer = 2 * h * (h + 2 * kv) + 2 * h * h + 2 * h * args.ffn_hidden_size * ffn_matrices
+    per_layer += 4 * s * h
+    forward = layers * per_layer + 2 * h * vocab
+    passes = 4 if args.recompute_granularity == "full" else 3
+    return float(passes * forward)
+
+
+def peak_tflops(device_name: str) -> float | None:
+    for key, value in PEAK_TFLOPS.items():
+        if key in device_name:
+            return value
+    return None
+
+
+@dataclass
+class IterationStats:
+    iteration: int
+    train_iters: int
+    consumed_samples: int
+    elapsed_ms: float
+    lr: float
+    global_batch_size: int
+    losses: dict[str, float]
+    loss_scale: float
+    grad_norm: float | None
+    skipped: int
+    nan: int
+    tokens: int
+    world_size: int
+    flops: float
+    peak_tflops: float | None
+
+    def line(self, with_throughput: bool) -> str:
+        parts = [
+            f" iteration {self.iteration:8d}/{self.train_iters:8d}",
+            f"consumed samples: {self.consumed_samples:12d}",
+            f"elapsed time per iteration (ms): {self.elapsed_ms:.1f}",
+        ]
+        seconds = self.elapsed_ms / 1000.0
+        tflops = self.flops / seconds / self.world_size / 1e12 if seconds > 0 else 0.0
+        if with_throughput:
+            parts.append(f"throughput per GPU (TFLOP/s/GPU): {tflops:.1f}")
+            if self.peak_tflops:
+                parts.append(f"MFU: {100.0 * tflops / self.peak_tflops:.1f}%")
+            parts.append(f"tokens/s: {self.tokens / seconds if seconds > 0 else 0.0:.0f}")
+        parts.append(f"learning rate: {self.lr:.6E}")
+        parts.append(f"global batch size: {self.global_batch_size:5d}")
+        parts.extend(f"{name}: {value:.6E}" for name, value in self.losses.items())
+        parts.append(f"loss scale: {self.loss_scale:.1f}")
+        if self.grad_norm is not None:
+            parts.append(f"grad norm: {self.grad_norm:.3f}")
+        parts.append(f"number of skipped iterations: {self.skipped:3d}")
+        parts.append(f"number of nan iterations: {self.nan:3d}")
+        return " | ".join(parts) + " |"
+
+
+class TensorBoardLog:
+    """Scalars for TensorBoard; a no-op without --tensorboard-dir or on non-reporting ranks."""
+
+    def __init__(self, directory: str | None, enabled: bool):
+        self.writer = None
+        if directory and enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=directory)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        if self.writer is not None:
+            for name, value in values.items():
+                self.writer.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

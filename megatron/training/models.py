@@ -1,0 +1,222 @@
+"""Model construction: layer specs, TransformerConfig from flags, GPT/BERT stage builders,
+and an initialisation that does not depend on the parallel layout."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import zlib
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
+from megatron.core.models.bert.bert_model import BertModel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from megatron.training.attention import SDPAttention
+
+log = logging.getLogger(__name__)
+
+
+def transformer_engine_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def use_transformer_engine(args) -> bool:
+    if args.transformer_impl == "transformer_engine":
+        if not transformer_engine_available():
+            raise RuntimeError("--transformer-impl transformer_engine: Transformer Engine is not "
+                               "importable (or there is no GPU)")
+        return True
+    return args.transformer_impl == "auto" and transformer_engine_available()
+
+
+def transformer_config_from_args(args) -> TransformerConfig:
+    te = use_transformer_engine(args)
+    kwargs = dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        add_bias_linear=not args.disable_bias_linear,
+        gated_linear_unit=args.swiglu,
+        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
+        bias_activation_fusion=args.swiglu and not args.no_bias_gelu_fusion,
+        bias_dropout_fusion=not args.no_bias_dropout_fusion,
+        masked_softmax_fusion=not args.no_masked_softmax_fusion,
+        apply_residual_connection_post_layernorm=args.apply_residual_connection_post_layernorm,
+        attention_softmax_in_fp32=args.attention_softmax_in_fp32,
+        fp32_residual_connection=args.fp32_residual_connection,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        fp16=args.fp16,
+        bf16=args.bf16,
+        params_dtype=args.params_dtype,
+        pipeline_dtype=args.params_dtype,
+        autocast_dtype=args.params_dtype,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        batch_p2p_comm=not args.no_batch_p2p_comm,
+        deallocate_pipeline_outputs=True,
+        variable_seq_lengths=args.seq_length_cv > 0,
+        # the layout-independent initialisation below replaces megatron's own
+        perform_initialization=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        attention_backend=AttnBackend.auto if te else AttnBackend.local,
+        gradient_accumulation_fusion=False,
+    )
+    if args.seq_length_cv > 0:
+        # megatron-core's validation asks for this whenever variable_seq_lengths is on
+        kwargs["moe_token_dispatcher_type"] = "alltoall"
+    return TransformerConfig(**kwargs)
+
+
+def _with_sdpa(spec: ModuleSpec) -> ModuleSpec:
+    spec = copy.deepcopy(spec)
+    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
+
+
+def gpt_layer_spec(args) -> ModuleSpec:
+    if use_transformer_engine(args):
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        return get_gpt_layer_with_transformer_engine_spec(normalization=args.normalization)
+    return _with_sdpa(get_gpt_layer_local_spec(normalization=args.normalization))
+
+
+def bert_layer_spec(args) -> ModuleSpec:
+    if use_transformer_engine(args):
+        from megatron.core.models.bert.bert_layer_specs import (
+            get_bert_layer_with_transformer_engine_spec,
+        )
+
+        return get_bert_layer_with_transformer_engine_spec()
+    return _with_sdpa(bert_layer_local_spec)
+
+
+class SDPABertModel(BertModel):
+    """BertModel whose mask check accepts the SDPA core (mask layout [b, 1, s, s])."""
+
+    def _sanity_check_attention_and_get_attn_mask_dimension(self) -> str:
+        return "b1ss"
+
+
+def build_gpt_stage(args, config, pre_process, post_process, vp_stage=None):
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=gpt_layer_spec(args),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        vp_stage=vp_stage,
+    )
+
+
+def build_bert_stage(args, config, pre_process, post_process, vp_stage=None):
+    model_class = BertModel if use_transformer_engine(args) else SDPABertModel
+    return model_class(
+        config=config,
+        num_tokentypes=args.num_tokentypes if not args.bert_no_binary_head else 0,
+        transformer_layer_spec=bert_layer_spec(args),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        add_binary_head=not args.bert_no_binary_head,
+        vp_stage=vp_stage,
+    )
+
+
+def build_model_chunks(args, config, build_stage) -> list[torch.nn.Module]:
+    """This rank's model chunks (one per virtual pipeline stage), initialised."""
+    vpp = args.virtual_pipeline_model_parallel_size or 1
+    chunks = []
+    for vp_stage in range(vpp):
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        chunk = build_stage(args, config, pre, post, vp_stage=vp_stage if vpp > 1 else None)
+        chunk.model_type = getattr(chunk, "model_type", None)
+        initialize_layout_independent(chunk, args)
+        chunks.append(chunk)
+    return chunks
+
+
+def _canonical_names(module: torch.nn.Module, tied: bool) -> dict[str, torch.nn.Parameter]:
+    """Parameter name -> parameter, with transformer layers named by their global number so
+    the same weight has the same name under every pipeline layout."""
+    names: dict[str, torch.nn.Parameter] = {}
+    in_layers: set[int] = set()
+    for layer in module.modules():
+        if isinstance(layer, TransformerLayer):
+            for pname, param in layer.named_parameters():
+                names[f"layers.{layer.layer_number}.{pname}"] = param
+                in_layers.add(id(param))
+    for pname, param in module.named_parameters():
+        if id(param) in in_layers:
+            continue
+        if tied and pname == "output_layer.weight":
+            pname = "embedding.word_embeddings.weight"
+        names[pname] = param
+    return names
+
+
+def initialize_layout_independent(module: torch.nn.Module, args) -> None:
+    """Initialise every parameter from a seed derived from its canonical name, generating
+    the full (unsplit) tensor and keeping this rank's tensor-parallel slice."""
+    tied = not args.untie_embeddings_and_output_weights
+    std = args.init_method_std
+    output_std = std / (2.0 * args.num_layers) ** 0.5
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    with torch.no_grad():
+        for name, param in _canonical_names(module, tied).items():
+            full_shape = list(param.shape)
+            split_dim = getattr(param, "partition_dim", -1)
+            sharded = getattr(param, "tensor_model_parallel", False) and split_dim >= 0
+            if sharded:
+                full_shape[split_dim] *= tp_size
+            values = _initial_values(name, full_shape, std, output_std, args.seed)
+            if sharded:
+                values = values.chunk(tp_size, dim=split_dim)[tp_rank]
+            param.copy_(values.to(param.dtype))
+
+
+def _initial_values(name, shape, std, output_std, seed) -> torch.Tensor:
+    leaf = name.rsplit(".", 1)[-1]
+    is_norm = "norm" in name or "layernorm" in name
+    if leaf == "bias" or leaf.endswith("_bias") or (is_norm and leaf != "weight" and "bias" in leaf):
+        return torch.zeros(shape)
+    if is_norm:
+        return torch.ones(shape)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    scale = output_std if ("linear_proj" in name or "linear_fc2" in name) else std
+    return torch.empty(shape).normal_(0.0, scale, generator=generator)

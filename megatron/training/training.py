@@ -1,0 +1,286 @@
+"""The training loop, top to bottom: set up, then train / evaluate / checkpoint / log.
+
+`pretrain(task, argv)` is what pretrain_gpt.py and pretrain_bert.py call; a `ModelTask`
+says what differs between models (stage builder, datasets, forward step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.num_microbatches_calculator import (
+    ConstantNumMicroBatchesCalculator,
+    RampupBatchsizeNumMicroBatchesCalculator,
+)
+
+from megatron.training import checkpointing, metrics
+from megatron.training.arguments import parse_args
+from megatron.training.data import MicroBatchIterator
+from megatron.training.initialize import initialize_distributed, setup_logging
+from megatron.training.models import build_model_chunks, transformer_config_from_args
+from megatron.training.optimizer import build_optimizer, build_scheduler, wrap_model_chunks
+from megatron.training.tokenizer import build_tokenizer
+
+log = logging.getLogger("megatron.training")
+
+
+@dataclass
+class ModelTask:
+    """What a model family brings to the shared loop."""
+
+    name: str
+    build_stage: Callable  # (args, config, pre_process, post_process, vp_stage) -> module
+    build_datasets: Callable  # (args, tokenizer) -> (train, valid, test)
+    make_forward_step: Callable  # (args, device) -> forward_step_func(data_iterator, model)
+    loss_names: tuple[str, ...]
+    data_on_every_stage: bool = False  # BERT: every stage needs the padding mask
+
+
+@dataclass
+class Trainer:
+    args: object
+    task: ModelTask
+    device: torch.device
+    model: list
+    optimizer: object
+    scheduler: object
+    config: object
+    batch_calculator: object
+    datasets: tuple
+    state: checkpointing.TrainingState
+    schedule: Callable
+
+    @property
+    def reporting(self) -> bool:
+        """The last rank reports losses (it is on the last pipeline stage)."""
+        return dist.get_rank() == dist.get_world_size() - 1
+
+
+def pretrain(task: ModelTask, argv=None, extra_args_provider=None) -> checkpointing.TrainingState:
+    args = parse_args(argv, extra_args_provider)
+    with contextlib.ExitStack() as stack:
+        trainer = setup(task, args, stack)
+        train(trainer)
+        return trainer.state
+
+
+def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
+    device = initialize_distributed(args, stack)
+    setup_logging(dist.get_rank(), dist.get_world_size())
+    tokenizer = build_tokenizer(
+        args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
+        tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
+    )
+    args.padded_vocab_size = _padded_vocab_size(tokenizer.vocab_size, args)
+    config = transformer_config_from_args(args)
+    chunks = build_model_chunks(args, config, task.build_stage)
+    model = wrap_model_chunks(chunks, args, config, device)
+    optimizer = build_optimizer(model, args)
+    scheduler = build_scheduler(optimizer, args)
+    _install_schedule_hooks(config, model, optimizer, args)
+    state = checkpointing.TrainingState()
+    if args.load:
+        state = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler, args)
+    datasets = task.build_datasets(args, tokenizer)
+    log.info("%s: %d parameters on this rank, %d model chunk(s), schedule %s",
+             task.name, sum(p.numel() for c in model for p in c.parameters()), len(model),
+             "DPP" if args.use_dpp else "megatron-core")
+    schedule = forward_backward_func(args)
+    if hasattr(schedule, "close"):
+        stack.callback(schedule.close)
+    return Trainer(args, task, device, model, optimizer, scheduler, config,
+                   _batch_calculator(args), datasets, state, schedule)
+
+
+def _padded_vocab_size(vocab_size: int, args) -> int:
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def _batch_calculator(args):
+    common = (args.global_batch_size, args.micro_batch_size, args.data_parallel_size, False,
+              dist.get_rank())
+    if args.rampup_batch_size is None:
+        return ConstantNumMicroBatchesCalculator(*common)
+    return RampupBatchsizeNumMicroBatchesCalculator(*common, *args.rampup_batch_size)
+
+
+def _install_schedule_hooks(config, model, optimizer, args) -> None:
+    """The callbacks megatron.core's schedules (and DPP's) expect on the config."""
+    no_sync = [chunk.no_sync for chunk in model]
+    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    if args.overlap_grad_reduce:
+        sync = [chunk.start_grad_sync for chunk in model]
+        config.grad_sync_func = sync[0] if len(sync) == 1 else sync
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    config.timers = None
+
+
+def forward_backward_func(args):
+    if args.use_dpp:
+        from megatron.dpp import get_forward_backward_func
+
+        return get_forward_backward_func(args)
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()
+
+
+def data_iterators(trainer: Trainer, dataset, consumed_samples: int):
+    """One iterator per local model chunk; None where the chunk needs no data (neither the
+    first nor the last virtual stage reads the batch)."""
+    args = trainer.args
+    iterators = []
+    for vp_stage in range(len(trainer.model)):
+        vp = vp_stage if len(trainer.model) > 1 else None
+        needs_data = trainer.task.data_on_every_stage or parallel_state.is_pipeline_first_stage(
+            ignore_virtual=False, vp_stage=vp
+        ) or parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
+        iterators.append(
+            MicroBatchIterator(dataset, args.micro_batch_size, consumed_samples,
+                               seq_length_cv=args.seq_length_cv, seed=args.seed)
+            if needs_data else None
+        )
+    return iterators if len(iterators) > 1 else iterators[0]
+
+
+def train_step(trainer: Trainer, iterator) -> dict:
+    args = trainer.args
+    for chunk in trainer.model:
+        chunk.zero_grad_buffer()
+    trainer.optimizer.zero_grad()
+    num_microbatches = trainer.batch_calculator.get()
+    losses = trainer.schedule(
+        forward_step_func=trainer.task.make_forward_step(args, trainer.device),
+        data_iterator=iterator,
+        model=trainer.model,
+        num_microbatches=num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        decoder_seq_length=args.seq_length,
+        forward_only=False,
+    )
+    updated, grad_norm, _ = trainer.optimizer.step()
+    batch = trainer.batch_calculator.get_current_global_batch_size()
+    if updated:
+        trainer.scheduler.step(increment=batch)
+    else:
+        trainer.state.skipped_iterations += 1
+    return {
+        "losses": reduce_losses(losses, trainer.task.loss_names),
+        "grad_norm": grad_norm,
+        "updated": updated,
+        "batch": batch,
+    }
+
+
+def reduce_losses(losses: list[dict], names) -> dict[str, float]:
+    """Token-weighted mean of each loss over the micro-batches and data-parallel ranks.
+    Non-reporting stages hold no losses and return an empty dict."""
+    if not losses:
+        return {}
+    totals = {}
+    for name in names:
+        pair = torch.stack([entry[name].float() for entry in losses]).sum(dim=0)
+        dist.all_reduce(pair, group=parallel_state.get_data_parallel_group())
+        totals[name] = (pair[0] / pair[1].clamp(min=1)).item()
+    return totals
+
+
+def evaluate(trainer: Trainer, dataset, consumed: int) -> dict[str, float]:
+    args = trainer.args
+    for chunk in trainer.model:
+        chunk.eval()
+    iterator = data_iterators(trainer, dataset, consumed)
+    gathered: list[dict] = []
+    with torch.no_grad():
+        for _ in range(args.eval_iters):
+            gathered += trainer.schedule(
+                forward_step_func=trainer.task.make_forward_step(args, trainer.device),
+                data_iterator=iterator,
+                model=trainer.model,
+                num_microbatches=trainer.batch_calculator.get(),
+                seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size,
+                decoder_seq_length=args.seq_length,
+                forward_only=True,
+            )
+    for chunk in trainer.model:
+        chunk.train()
+    return reduce_losses(gathered, trainer.task.loss_names)
+
+
+def train(trainer: Trainer) -> None:
+    args, state = trainer.args, trainer.state
+    train_set, valid_set, _ = trainer.datasets
+    iterator = data_iterators(trainer, train_set, state.consumed_samples)
+    board = metrics.TensorBoardLog(args.tensorboard_dir, trainer.reporting)
+    peak = metrics.peak_tflops(torch.cuda.get_device_name() if torch.cuda.is_available() else "")
+    for chunk in trainer.model:
+        chunk.train()
+    nan_iterations = 0
+    interval_start, interval_tokens, interval_flops, interval_iters = time.perf_counter(), 0, 0.0, 0
+    while state.iteration < args.train_iters:
+        trainer.batch_calculator.update(state.consumed_samples, True)
+        result = train_step(trainer, iterator)
+        state.iteration += 1
+        state.consumed_samples += result["batch"]
+        tokens = result["batch"] * args.seq_length
+        interval_tokens += tokens
+        interval_flops += tokens * metrics.flops_per_token(args)
+        interval_iters += 1
+        losses = result["losses"]
+        if any(not math.isfinite(v) for v in losses.values()):
+            nan_iterations += 1
+        if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            elapsed = (time.perf_counter() - interval_start) / interval_iters
+            if trainer.reporting:
+                stats = metrics.IterationStats(
+                    iteration=state.iteration, train_iters=args.train_iters,
+                    consumed_samples=state.consumed_samples, elapsed_ms=elapsed * 1000.0,
+                    lr=trainer.scheduler.get_lr(trainer.optimizer.param_groups[0]),
+                    global_batch_size=result["batch"], losses=losses,
+                    loss_scale=float(trainer.optimizer.get_loss_scale().item()),
+                    grad_norm=result["grad_norm"], skipped=state.skipped_iterations,
+                    nan=nan_iterations, tokens=interval_tokens // interval_iters,
+                    world_size=dist.get_world_size(),
+                    flops=interval_flops / interval_iters, peak_tflops=peak,
+                )
+                log.info(stats.line(args.log_throughput))
+                board.scalars(state.iteration, {**{f"train/{k}": v for k, v in losses.items()},
+                                                "train/lr": stats.lr,
+                                                "train/ms_per_iter": stats.elapsed_ms})
+            interval_start, interval_tokens, interval_flops, interval_iters = (
+                time.perf_counter(), 0, 0.0, 0)
+        if args.eval_interval and args.eval_iters and valid_set is not None and (
+            state.iteration % args.eval_interval == 0
+        ):
+            consumed = (state.iteration // args.eval_interval - 1) * args.eval_iters * (
+                args.global_batch_size)
+            results = evaluate(trainer, valid_set, consumed)
+            if trainer.reporting and results:
+                log.info("validation at iteration %d | %s", state.iteration,
+                         " | ".join(f"{k} value: {v:.6E} | {k} PPL: {math.exp(min(v, 20)):.6E}"
+                                    for k, v in results.items()))
+                board.scalars(state.iteration, {f"valid/{k}": v for k, v in results.items()})
+        if args.save and args.save_interval and state.iteration % args.save_interval == 0:
+            checkpointing.save_checkpoint(args.save, trainer.model, trainer.optimizer,
+                                          trainer.scheduler, state, args)
+        if args.exit_interval and state.iteration % args.exit_interval == 0:
+            break
+    if args.save and (not args.save_interval or state.iteration % args.save_interval != 0):
+        checkpointing.save_checkpoint(args.save, trainer.model, trainer.optimizer,
+                                      trainer.scheduler, state, args)
+    board.close()

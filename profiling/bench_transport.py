@@ -1,0 +1,215 @@
+"""Bandwidth and latency of the DPP transports between two ranks of one host.
+
+    torchrun --nproc_per_node=2 profiling/bench_transport.py --out DIR
+
+On GPUs it measures the shm channel staged through host memory ("shm-staged"), the shm
+channel's CUDA IPC path ("ipc") and torch.distributed NCCL send/recv ("nccl"); without
+GPUs the shm host path and gloo, as a smoke check. Latency is half a ping-pong round trip;
+bandwidth is a one-way stream of messages closed by a small acknowledgement. Rank 0
+prints a table and writes DIR/bench_transport.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron.dpp.transport import native
+from megatron.dpp.transport.channel import Edge, Inbox, MessageKey, MessageKind
+from megatron.dpp.transport.shm import ShmBackend
+
+logger = logging.getLogger("bench_transport")
+
+FORWARD = Edge(0, 1, MessageKind.ACTIVATION)
+BACKWARD = Edge(1, 0, MessageKind.GRADIENT)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="directory for the results")
+    parser.add_argument("--min-bytes", type=int, default=4 << 10)
+    parser.add_argument("--max-bytes", type=int, default=256 << 20)
+    parser.add_argument("--stream-bytes", type=int, default=2 << 30,
+                        help="bytes streamed per size for bandwidth (at least 8 messages)")
+    parser.add_argument("--pingpongs", type=int, default=50, help="round trips per size")
+    parser.add_argument("--slots", type=int, default=16)
+    parser.add_argument("--slot-bytes", type=int, default=4 << 20)
+    return parser.parse_args()
+
+
+def sizes(low: int, high: int) -> list[int]:
+    result, size = [], low
+    while size <= high:
+        result.append(size)
+        size *= 4
+    return result
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class ChannelPair:
+    """One ShmBackend's channels in both directions, driven as mailbox messages."""
+
+    def __init__(self, backend: ShmBackend, rank: int):
+        self.rank = rank
+        self.inbox = Inbox()
+        self.senders, self.receivers = backend.open([FORWARD, BACKWARD], rank, self.inbox)
+        self.counter = 0
+
+    def _key(self, kind: MessageKind) -> MessageKey:
+        return MessageKey(kind, 0, self.counter)
+
+    def send(self, tensor: torch.Tensor) -> None:
+        edge = FORWARD if self.rank == 0 else BACKWARD
+        self.senders[edge].send(MessageKey(edge.kind, 0, self.counter), tensor)
+
+    def recv(self) -> torch.Tensor:
+        kind = BACKWARD.kind if self.rank == 0 else FORWARD.kind
+        return self.inbox.take(MessageKey(kind, 0, self.counter), timeout=120)
+
+    def step(self) -> None:
+        self.counter += 1
+
+    def close(self) -> None:
+        for channel in [*self.senders.values(), *self.receivers.values()]:
+            channel.close()
+
+
+class TorchPair:
+    """torch.distributed send/recv with the same interface."""
+
+    def __init__(self, rank: int):
+        self.peer = 1 - rank
+        self.buffer: torch.Tensor | None = None
+
+    def send(self, tensor: torch.Tensor) -> None:
+        dist.send(tensor, self.peer)
+
+    def recv(self) -> torch.Tensor:
+        dist.recv(self.buffer, self.peer)
+        return self.buffer
+
+    def step(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def measure(pair, rank: int, tensor: torch.Tensor, ack: torch.Tensor, pingpongs: int,
+            streamed: int) -> tuple[float, float]:
+    """(one-way latency in us, bandwidth in GB/s) for messages like `tensor`."""
+    device = tensor.device
+    if isinstance(pair, TorchPair):
+        pair.buffer = torch.empty_like(tensor)
+    for _ in range(3):  # warm-up round trips
+        _round_trip(pair, rank, tensor)
+    synchronize(device)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(pingpongs):
+        _round_trip(pair, rank, tensor)
+    synchronize(device)
+    latency = (time.perf_counter() - start) / pingpongs / 2 * 1e6
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(streamed):
+        if rank == 0:
+            pair.send(tensor)
+        else:
+            pair.recv()
+        pair.step()
+    if isinstance(pair, TorchPair):
+        pair.buffer = torch.empty_like(ack)
+    if rank == 0:
+        pair.recv()
+    else:
+        synchronize(device)
+        pair.send(ack)
+    pair.step()
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    return latency, tensor.numel() * tensor.element_size() * streamed / seconds / 1e9
+
+
+def _round_trip(pair, rank: int, tensor: torch.Tensor) -> None:
+    if rank == 0:
+        pair.send(tensor)
+        pair.recv()
+    else:
+        pair.send(pair.recv())
+    pair.step()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = parse_args()
+    on_gpu = torch.cuda.is_available()
+    rank = int(os.environ["RANK"])
+    if on_gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dist.init_process_group("nccl" if on_gpu else "gloo")
+    if dist.get_world_size() != 2:
+        raise SystemExit("bench_transport.py needs exactly 2 ranks (--nproc_per_node=2)")
+    torch.set_num_threads(1)
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    shm = dict(timeout=120.0, slots=args.slots, slot_bytes=args.slot_bytes)
+    transports = {}
+    if on_gpu and native.build_info()["cuda"]:
+        transports["shm-staged"] = lambda: ChannelPair(ShmBackend(path="staged", **shm), rank)
+        transports["ipc"] = lambda: ChannelPair(ShmBackend(path="ipc", **shm), rank)
+    elif not on_gpu:
+        transports["shm-host"] = lambda: ChannelPair(ShmBackend(**shm), rank)
+    transports["nccl" if on_gpu else "gloo"] = lambda: TorchPair(rank)
+
+    results = []
+    ack = torch.zeros(1, device=device)
+    for name, make in transports.items():
+        pair = make()
+        for size in sizes(args.min_bytes, args.max_bytes):
+            tensor = torch.randn(size // 4, device=device)
+            streamed = max(8, min(2000, args.stream_bytes // size))
+            latency, bandwidth = measure(pair, rank, tensor, ack, args.pingpongs, streamed)
+            results.append({"transport": name, "bytes": size, "latency_us": latency,
+                            "bandwidth_GBps": bandwidth, "messages": streamed})
+            if rank == 0:
+                logger.info("%-10s %10d B  %9.1f us  %8.2f GB/s", name, size, latency, bandwidth)
+        pair.close()
+    dist.barrier()
+    if rank == 0:
+        write_report(args.out, results, device)
+    dist.destroy_process_group()
+
+
+def write_report(out: Path, results: list[dict], device: torch.device) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    names = list(dict.fromkeys(item["transport"] for item in results))
+    by_key = {(item["transport"], item["bytes"]): item for item in results}
+    header = "| bytes | " + " | ".join(f"{n} GB/s | {n} us" for n in names) + " |"
+    lines = [f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}",
+             "", header, "|" + "---|" * (1 + 2 * len(names))]
+    for size in sorted({item["bytes"] for item in results}):
+        cells = []
+        for name in names:
+            item = by_key.get((name, size))
+            cells += ([f"{item['bandwidth_GBps']:.2f}", f"{item['latency_us']:.1f}"]
+                      if item else ["-", "-"])
+        lines.append(f"| {size} | " + " | ".join(cells) + " |")
+    table = "\n".join(lines)
+    (out / "bench_transport.md").write_text(table + "\n")
+    (out / "bench_transport.json").write_text(json.dumps(results, indent=1))
+    logger.info("\n%s", table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Run a function on N gloo ranks in fresh processes (the tests' stand-in for torchrun).
+
+`run_ranks(n, fn, *args)` spawns n processes with torchrun's environment variables, calls
+`fn(rank, *args)` in each, and returns the list of their return values; an exception in
+any rank fails the call with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import socket
+import traceback
+import warnings
+
+DEFAULT_TIMEOUT = 240
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(rank, world_size, port, fn, args, results, env):
+    os.environ.update(env)
+    os.environ.update({
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+    })
+    # megatron.core warns at import that Apex / Transformer Engine are absent
+    warnings.filterwarnings("ignore", category=UserWarning)
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        # bytes, not tensors: shared-memory tensor handles die with this process
+        buffer = io.BytesIO()
+        torch.save(fn(rank, *args), buffer)
+        results.put((rank, True, buffer.getvalue()))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(world_size: int, fn, *args, timeout: float = DEFAULT_TIMEOUT, env=None):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results, env or {}))
+        for r in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    outputs: dict[int, object] = {}
+    failures = []
+    try:
+        for _ in range(world_size):
+            rank, ok, value = results.get(timeout=timeout)
+            if ok:
+                import torch
+
+                outputs[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            else:
+                failures.append(f"rank {rank} failed:\n{value}")
+                break
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if not failures else 0.5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    if failures:
+        raise AssertionError("\n".join(failures))
+    return [outputs[r] for r in range(world_size)]

@@ -1,0 +1,99 @@
+"""Rank functions shared by the pipeline tests: run one training step's forward/backward
+with a given schedule and report losses and gradients by layout-independent name."""
+
+from __future__ import annotations
+
+import contextlib
+
+TINY_GPT = [
+    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+    "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
+    "--vocab-size", "128", "--hidden-dropout", "0", "--attention-dropout", "0",
+    "--eval-iters", "0", "--log-interval", "1",
+]
+
+
+def unwrap(module):
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def named_grads(trainer) -> dict:
+    """Canonical parameter name -> (gradient, tensor-parallel split dim or -1)."""
+    from megatron.training.models import _canonical_names
+
+    tied = not trainer.args.untie_embeddings_and_output_weights
+    grads = {}
+    for chunk in trainer.model:
+        for name, param in _canonical_names(unwrap(chunk), tied).items():
+            grad = param.main_grad if getattr(param, "main_grad", None) is not None else param.grad
+            split = getattr(param, "partition_dim", -1)
+            split = split if getattr(param, "tensor_model_parallel", False) else -1
+            grads[name] = (grad.detach().clone().float(), split)
+    return grads
+
+
+def one_step(trainer, schedule, num_microbatches: int, forward_only: bool = False):
+    """Losses ([loss sum, tokens] per microbatch on the last stage) and gradients of one
+    forward/backward over the first global batch."""
+    import torch
+    from megatron.training.training import data_iterators
+
+    for chunk in trainer.model:
+        chunk.zero_grad_buffer()
+    iterator = data_iterators(trainer, trainer.datasets[0], 0)
+    args = trainer.args
+    with torch.no_grad() if forward_only else contextlib.nullcontext():
+        out = schedule(
+            forward_step_func=trainer.task.make_forward_step(args, trainer.device),
+            data_iterator=iterator, model=trainer.model, num_microbatches=num_microbatches,
+            seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+            decoder_seq_length=args.seq_length, forward_only=forward_only,
+        )
+    losses = [[float(v) for v in entry["lm loss"]] for entry in out]
+    return losses, ({} if forward_only else named_grads(trainer))
+
+
+def compare_schedules(rank, flags, world_size, task_name="gpt"):
+    """Rank function: megatron-core's schedule and DPP (when pipelined) on the same model
+    and batch, training and forward-only."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron.dpp.schedule import DppOptions, DppSchedule
+    from megatron.training.arguments import parse_args
+    from megatron.training.training import setup
+
+    args = parse_args(flags, world_size=world_size)
+    with contextlib.ExitStack() as stack:
+        trainer = setup(_task(task_name), args, stack)
+        m = args.num_microbatches
+        core = get_forward_backward_func()
+        result = {
+            "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+            "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
+            "dp_rank": parallel_state.get_data_parallel_rank(),
+        }
+        if not args.use_dpp:
+            result["core"] = one_step(trainer, core, m)
+            result["core_eval"] = one_step(trainer, core, m, forward_only=True)[0]
+        if args.pipeline_model_parallel_size > 1:
+            slack = 2 if args.dpp_max_inflight is None else args.dpp_max_inflight
+            dpp = DppSchedule(DppOptions(slack=slack, transport=args.dpp_transport,
+                                         timeout=args.dpp_timeout))
+            stack.callback(dpp.close)
+            result["dpp"] = one_step(trainer, dpp, m)
+            result["dpp_eval"] = one_step(trainer, dpp, m, forward_only=True)[0]
+        return result
+
+
+def _task(name):
+    if name == "gpt":
+        from megatron.training.gpt import GPT_TASK
+
+        return GPT_TASK
+    from megatron.training.bert import BERT_TASK
+
+    return BERT_TASK

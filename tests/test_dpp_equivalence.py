@@ -1,0 +1,96 @@
+"""--use-dpp gives megatron-core's losses and gradients, and those of no pipelining."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import run_ranks
+from tests.pipeline_runs import TINY_GPT, compare_schedules
+
+ATOL = 2e-6
+
+
+def _reference(num_layers: int, global_batch: int):
+    """Losses and full gradients without pipelining, from one process."""
+    flags = _flags(num_layers, global_batch)
+    (result,) = run_ranks(1, compare_schedules, flags, 1)
+    losses, grads = result["core"]
+    return losses, {name: grad for name, (grad, _) in grads.items()}
+
+
+def _flags(num_layers: int, global_batch: int, *extra):
+    flags = list(TINY_GPT)
+    flags[flags.index("--num-layers") + 1] = str(num_layers)
+    return flags + ["--global-batch-size", str(global_batch), *extra]
+
+
+def _mean_loss(losses):
+    total = torch.tensor(losses).sum(dim=0)
+    return float(total[0] / total[1])
+
+
+def _check_against_reference(results, reference, key):
+    ref_losses, ref_grads = reference
+    pipeline_losses = [r[key][0] for r in results if r[key][0]]
+    # data-parallel replicas each hold their share of the microbatches
+    assert pipeline_losses, "no rank reported losses"
+    merged = [pair for losses in pipeline_losses[: len(pipeline_losses)] for pair in losses]
+    assert _mean_loss(merged) == pytest.approx(_mean_loss(ref_losses), abs=1e-6)
+    seen = set()
+    for r in results:
+        for name, (grad, split) in r[key][1].items():
+            expected = ref_grads[name]
+            if split >= 0 and r["tp_size"] > 1:
+                expected = expected.chunk(r["tp_size"], dim=split)[r["tp_rank"]]
+            torch.testing.assert_close(grad, expected, atol=ATOL, rtol=1e-5, msg=name)
+            seen.add(name)
+    assert seen == set(ref_grads), f"gradients missing: {set(ref_grads) - seen}"
+
+
+def _check_dpp_matches_core(results):
+    for r in results:
+        core_losses, core_grads = r["core"]
+        dpp_losses, dpp_grads = r["dpp"]
+        torch.testing.assert_close(torch.tensor(dpp_losses), torch.tensor(core_losses),
+                                   atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(torch.tensor(r["dpp_eval"]), torch.tensor(r["core_eval"]),
+                                   atol=1e-6, rtol=1e-6)
+        assert core_grads.keys() == dpp_grads.keys()
+        for name in core_grads:
+            torch.testing.assert_close(dpp_grads[name][0], core_grads[name][0],
+                                       atol=ATOL, rtol=1e-5, msg=name)
+
+
+CASES = {
+    # name: (world size, layers, global batch, extra flags)
+    "pp2": (2, 4, 8, ["--pipeline-model-parallel-size", "2"]),
+    "pp2_m5": (2, 4, 10, ["--pipeline-model-parallel-size", "2"]),
+    "pp2_vpp2": (2, 4, 8, ["--pipeline-model-parallel-size", "2",
+                           "--virtual-pipeline-model-parallel-size", "2",
+                           "--no-batch-p2p-comm"]),
+    "pp4": (4, 4, 12, ["--pipeline-model-parallel-size", "4"]),
+    "pp4_vpp2": (4, 8, 16, ["--pipeline-model-parallel-size", "4",
+                            "--virtual-pipeline-model-parallel-size", "2"]),
+    "tp2_pp2": (4, 4, 8, ["--pipeline-model-parallel-size", "2",
+                          "--tensor-model-parallel-size", "2"]),
+    "dp2_pp2": (4, 4, 16, ["--pipeline-model-parallel-size", "2"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_dpp_equals_core_and_no_pipelining(case):
+    world, layers, batch, extra = CASES[case]
+    flags = _flags(layers, batch, *extra, "--dpp-transport", "torch")
+    results = run_ranks(world, compare_schedules, flags, world)
+    _check_dpp_matches_core(results)
+    _check_against_reference(results, _reference(layers, batch), "dpp")
+
+
+def test_dpp_with_random_delivery_delays():
+    """Messages delivered after random delays, so in scrambled order: same result."""
+    world, layers, batch, extra = CASES["pp4_vpp2"]
+    flags = _flags(layers, batch, *extra, "--dpp-transport", "torch")
+    results = run_ranks(world, compare_schedules, flags, world,
+                        env={"DPP_TEST_DELIVERY_JITTER_MS": "20"})
+    _check_dpp_matches_core(results)

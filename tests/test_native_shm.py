@@ -1,0 +1,265 @@
+"""Shared-memory channels of the native transport, between real processes (gloo for the
+collective open)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import random
+import signal
+import socket
+import threading
+import time
+import traceback
+
+import pytest
+import torch
+
+from megatron.dpp.transport import native
+
+pytestmark = pytest.mark.skipif(
+    not native.available(), reason="native transport extension megatron.dpp._native not built")
+
+MESSAGES = 10_000
+DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int64)
+SLOTS, SLOT_BYTES = 8, 64 << 10  # small ring: fragmentation and full-ring waits happen
+
+
+def shm_entries() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("dpp-")}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def message_tensor(src: int, index: int) -> torch.Tensor:
+    """The index-th message of rank src: random dtype, rank and shape; every 500th is
+    larger than several slots."""
+    pick = random.Random(src * 1_000_003 + index)
+    dtype = pick.choice(DTYPES)
+    if index % 500 == 7:
+        shape = [3, 50_000]
+    else:
+        shape = [pick.randint(1, 9) for _ in range(pick.randint(0, 4))]
+    generator = torch.Generator().manual_seed(src * 1_000_003 + index)
+    if dtype == torch.int64:
+        return torch.randint(-(2**40), 2**40, shape, dtype=dtype, generator=generator)
+    return torch.randn(shape, generator=generator).to(dtype)
+
+
+def checksum(tensor: torch.Tensor) -> float:
+    return float(tensor.double().mul(torch.arange(tensor.numel()).reshape(tensor.shape)).sum())
+
+
+def key_of(kind, index: int):
+    from megatron.dpp.transport.channel import MessageKey
+
+    return MessageKey(kind, index % 3, index)
+
+
+def _init(rank: int, port: int, world: int = 2):
+    import torch.distributed as dist
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+
+
+def _edges():
+    from megatron.dpp.transport.channel import Edge, MessageKind
+
+    return [Edge(0, 1, MessageKind.ACTIVATION), Edge(1, 0, MessageKind.GRADIENT)]
+
+
+def exchange_worker(rank: int, port: int, messages: int, results) -> None:
+    """Both directions at once: a thread sends while the main thread takes the peer's
+    messages in shuffled blocks (out of order) and checks each against its checksum."""
+    try:
+        _init(rank, port)
+        from megatron.dpp.transport.channel import Inbox
+        from megatron.dpp.transport.shm import ShmBackend
+
+        inbox = Inbox()
+        backend = ShmBackend(timeout=10.0, slots=SLOTS, slot_bytes=SLOT_BYTES)
+        senders, receivers = backend.open(_edges(), rank, inbox)
+        (out_edge,), (in_edge,) = senders, receivers
+        send_failure = []
+
+        def send_all():
+            try:
+                for index in range(messages):
+                    senders[out_edge].send(key_of(out_edge.kind, index),
+                                           message_tensor(rank, index))
+            except Exception as error:
+                send_failure.append(error)
+
+        sender_thread = threading.Thread(target=send_all)
+        sender_thread.start()
+        order = random.Random(rank)
+        mismatches = 0
+        for start in range(0, messages, 100):
+            block = list(range(start, min(start + 100, messages)))
+            order.shuffle(block)
+            for index in block:
+                got = inbox.take(key_of(in_edge.kind, index), timeout=30)
+                expected = message_tensor(in_edge.src, index)
+                if (got.dtype != expected.dtype or got.shape != expected.shape
+                        or checksum(got) != checksum(expected) or not torch.equal(got, expected)):
+                    mismatches += 1
+        sender_thread.join()
+        for channel in [*senders.values(), *receivers.values()]:
+            channel.close()
+        results.put((rank, "ok", mismatches, send_failure and repr(send_failure[0]), len(inbox)))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def kill_worker(rank: int, port: int, victim: int, timeout: float, results) -> None:
+    """Rank `victim` kills itself with SIGKILL after 50 messages; the other must raise a
+    TransportError naming the dead peer within the timeout."""
+    try:
+        _init(rank, port)
+        from megatron.dpp.transport.channel import Inbox, TransportError
+        from megatron.dpp.transport.shm import ShmBackend
+
+        inbox = Inbox()
+        senders, _ = ShmBackend(timeout=timeout, slots=SLOTS, slot_bytes=SLOT_BYTES).open(
+            _edges()[:1], rank, inbox)
+        if rank == victim:
+            if rank == 0:
+                for index in range(50):
+                    senders[_edges()[0]].send(key_of(_edges()[0].kind, index),
+                                              message_tensor(0, index))
+            else:
+                for index in range(50):
+                    inbox.take(key_of(_edges()[0].kind, index), timeout=30)
+            results.put((rank, "dying"))
+            time.sleep(0.2)
+            os.kill(os.getpid(), signal.SIGKILL)
+        started = None
+        try:
+            index = 0
+            while True:
+                if rank == 0:
+                    senders[_edges()[0]].send(key_of(_edges()[0].kind, index),
+                                              message_tensor(0, index))
+                else:
+                    inbox.take(key_of(_edges()[0].kind, index), timeout=4 * timeout)
+                index += 1
+                if index == 50:
+                    started = time.monotonic()
+        except TransportError as error:
+            elapsed = time.monotonic() - (started or time.monotonic())
+            results.put((rank, "raised", str(error), elapsed))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    # The dead peer can never join a teardown collective: leave without one, after the
+    # queue's feeder thread delivered the result.
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def run_job(target, world: int, *args):
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [context.Process(target=target, args=(rank, port, *args, results))
+                 for rank in range(world)]
+    for process in processes:
+        process.start()
+    return processes, results
+
+
+def collect(processes, results, expected: int, deadline: float = 60.0):
+    found = []
+    end = time.monotonic() + deadline
+    try:
+        while len(found) < expected:
+            found.append(results.get(timeout=max(0.1, end - time.monotonic())))
+    except queue.Empty:
+        pass
+    for process in processes:
+        process.join(timeout=max(0.1, end - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
+    errors = [item[2] for item in found if item[1] == "error"]
+    assert not errors, "\n".join(errors)
+    assert len(found) == expected, f"only {found} arrived before the deadline"
+    return found
+
+
+def test_exchange_random_messages_both_directions_out_of_order():
+    before = shm_entries()
+    processes, results = run_job(exchange_worker, 2, MESSAGES)
+    found = collect(processes, results, 2)
+    for rank, status, mismatches, send_failure, leftover in found:
+        assert status == "ok"
+        assert mismatches == 0, f"rank {rank}: {mismatches} messages differ"
+        assert not send_failure, f"rank {rank}: {send_failure}"
+        assert leftover == 0
+    assert shm_entries() - before == set()
+    assert all(process.exitcode == 0 for process in processes)
+
+
+def test_two_jobs_with_the_same_ranks_side_by_side():
+    before = shm_entries()
+    first = run_job(exchange_worker, 2, 1000)
+    second = run_job(exchange_worker, 2, 1000)
+    for processes, results in (first, second):
+        for _, status, mismatches, send_failure, _ in collect(processes, results, 2):
+            assert status == "ok" and mismatches == 0 and not send_failure
+    assert shm_entries() - before == set()
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["receiver-killed", "sender-killed"])
+def test_kill_minus_9_makes_the_peer_raise_a_named_error(victim):
+    timeout = 2.0
+    before = shm_entries()
+    processes, results = run_job(kill_worker, 2, victim, timeout)
+    found = collect(processes, results, 2)
+    survivor = [item for item in found if item[0] != victim]
+    assert [item[1] for item in survivor] == ["raised"], found
+    _, _, message, elapsed = survivor[0]
+    assert f"pipeline peer rank {victim} (pid" in message and "died" in message, message
+    assert elapsed < timeout + 2.0
+    assert processes[victim].exitcode == -signal.SIGKILL
+    assert shm_entries() - before == set()
+
+
+def test_receiver_removes_its_segment_when_the_sender_never_attaches():
+    from megatron.dpp.transport.channel import Edge, Inbox, MessageKind, TransportError
+    from megatron.dpp.transport.shm import ShmBackend, segment_name
+
+    token = "lonely" + os.urandom(4).hex()
+    edge = Edge(1, 0, MessageKind.GRADIENT)
+    inbox = Inbox()
+    _, receivers = ShmBackend(timeout=0.5, token=token).open([edge], 0, inbox)
+    assert os.path.exists("/dev/shm" + segment_name(token, edge))
+    with pytest.raises(TransportError, match="attach"):
+        inbox.take(key_of(edge.kind, 0), timeout=5)
+    assert not os.path.exists("/dev/shm" + segment_name(token, edge))
+    receivers[edge].close()
+
+
+def test_bad_settings_are_rejected_by_name():
+    from megatron.dpp.transport.shm import ShmBackend
+
+    with pytest.raises(ValueError, match="slots must be >= 2"):
+        ShmBackend(slots=1)
+    with pytest.raises(ValueError, match="path must be one of"):
+        ShmBackend(path="nvlink")
+    with pytest.raises(ValueError, match="timeout must be > 0"):
+        ShmBackend(timeout=0)
+
+
+def test_build_info_reports_the_shared_memory_part():
+    info = native.build_info()
+    assert info["shm"] is True
+    assert set(info) == {"shm", "cuda", "rdma"}

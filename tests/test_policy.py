@@ -1,0 +1,237 @@
+"""GreedyPolicy and static_order: megatron's orders, cap, invariants under any arrivals."""
+
+import heapq
+import random
+
+import pytest
+
+from megatron.dpp.policy import (
+    BACKWARD,
+    FORWARD,
+    GreedyPolicy,
+    StageConfig,
+    Task,
+    in_flight_profile,
+    static_order,
+)
+
+# (pp_size, num_chunks, num_microbatches): m not a multiple of p only where megatron allows
+CONFIGS = [
+    (1, 1, 3),
+    (2, 1, 1),
+    (2, 1, 5),
+    (3, 1, 7),
+    (4, 1, 2),
+    (4, 1, 9),
+    (2, 2, 2),
+    (2, 2, 6),
+    (4, 2, 8),
+    (4, 2, 12),
+    (3, 3, 6),
+    (2, 4, 4),
+]
+
+
+def megatron_table(m, chunks, group):
+    """Forward (microbatch, chunk) order, written from megatron's docstring example."""
+    rows = []
+    for first in range(0, m, group):
+        size = min(group, m - first) if first + group < m else m - first
+        for c in range(chunks):
+            rows.extend((first + k, c) for k in range(size))
+    return rows
+
+
+def test_interleaved_table_matches_megatron_docstring():
+    # megatron-core's comment for PP2 N3 M5 VP2: microbatch 0 1 2 0 1 2 3 4 3 4,
+    # chunk 0 0 0 1 1 1 0 0 1 1
+    stage = StageConfig(0, 2, num_chunks=2, num_microbatches=5, microbatch_group_size=3)
+    forwards = [t for t in static_order(stage) if t.kind == FORWARD]
+    assert [t.microbatch for t in forwards] == [0, 1, 2, 0, 1, 2, 3, 4, 3, 4]
+    assert [t.chunk for t in forwards] == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
+
+
+def test_matches_megatron_get_schedule_table():
+    schedules = pytest.importorskip(
+        "megatron.core.pipeline_parallel.schedules", reason="megatron-core not installed"
+    )
+    for p, chunks, m in CONFIGS:
+        if chunks == 1:
+            continue
+        stage = StageConfig(0, p, num_chunks=chunks, num_microbatches=m)
+        forwards = [(t.microbatch, t.chunk) for t in static_order(stage) if t.kind == FORWARD]
+        assert forwards == list(schedules.get_schedule_table(m, chunks, p))
+
+
+def test_1f1b_order_and_peak():
+    stage = StageConfig(1, 4, num_microbatches=5)
+    f = [Task(FORWARD, 0, i) for i in range(5)]
+    b = [Task(BACKWARD, 0, i) for i in range(5)]
+    assert static_order(stage) == [f[0], f[1], f[2], b[0], f[3], b[1], f[4], b[2], b[3], b[4]]
+    for p in (2, 4, 8):
+        for m in (1, 3, 16):
+            for r in range(p):
+                policy = GreedyPolicy(StageConfig(r, p, num_microbatches=m))
+                assert policy.cap == min(p - r, m)
+
+
+def test_interleaved_warmup_and_cap():
+    # rank 0 of p=4, 2 chunks: warmup 2*(p-1) + (chunks-1)*p = 10 forwards, peak 11
+    stage = StageConfig(0, 4, num_chunks=2, num_microbatches=8)
+    order = static_order(stage)
+    assert [t.kind for t in order[:11]] == [FORWARD] * 11
+    assert order[11].kind == BACKWARD and order[11] == Task(BACKWARD, 1, 0)
+    assert GreedyPolicy(stage).cap == 11 == max(in_flight_profile(order))
+    assert GreedyPolicy(StageConfig(0, 4, 2, 8, slack=3)).cap == 14
+
+
+def test_megatron_limits_are_named():
+    with pytest.raises(ValueError, match="num_microbatches=6"):
+        StageConfig(0, 4, num_chunks=2, num_microbatches=6)
+    with pytest.raises(ValueError, match="rank 4"):
+        StageConfig(4, 4)
+    with pytest.raises(ValueError, match="slack"):
+        StageConfig(0, 4, slack=-1)
+
+
+def pipeline_run(p, chunks, m, slack, rng):
+    """Drive all ranks' policies with a random interleaving of who runs next; each run
+    task's output arrives at the neighbour after a random number of steps."""
+    stages = [StageConfig(r, p, chunks, m, slack=slack) for r in range(p)]
+    policies = [GreedyPolicy(s) for s in stages]
+    arrived = [set() for _ in range(p)]
+    pending = []  # heap of (deliver_at_step, rank, task)
+    orders = [[] for _ in range(p)]
+    last_v = p * chunks - 1
+    for step in range(20 * 2 * m * chunks * p + 100):
+        while pending and pending[0][0] <= step:
+            _, rank, arrival = heapq.heappop(pending)
+            arrived[rank].add(arrival)
+        r = rng.randrange(p)
+        policy = policies[r]
+        task = policy.next_task(arrived[r].__contains__)
+        if task is not None:
+            assert policy.in_flight < policy.cap or task.kind == BACKWARD
+            policy.complete(task, duration=1.0)
+            assert policy.in_flight <= policy.cap
+            orders[r].append(task)
+            v = task.chunk * p + r
+            if task.kind == FORWARD and v < last_v:
+                target = ((v + 1) % p, Task(FORWARD, (v + 1) // p, task.microbatch))
+            elif task.kind == BACKWARD and v > 0:
+                target = ((v - 1) % p, Task(BACKWARD, (v - 1) // p, task.microbatch))
+            else:
+                target = None
+            if target:
+                heapq.heappush(pending, (step + rng.randrange(4 * p), *target))
+        if all(pol.finished for pol in policies):
+            return stages, policies, orders
+    raise AssertionError(f"no progress: p={p} chunks={chunks} m={m} slack={slack}")
+
+
+@pytest.mark.parametrize("p,chunks,m", CONFIGS)
+@pytest.mark.parametrize("slack", [0, 2])
+def test_random_arrivals_keep_invariants(p, chunks, m, slack):
+    rng = random.Random(p * 1000 + chunks * 100 + m + slack)
+    for _ in range(3):
+        stages, policies, orders = pipeline_run(p, chunks, m, slack, rng)
+        for stage, policy, order in zip(stages, policies, orders, strict=True):
+            assert sorted(order) == sorted(static_order(stage))  # every task exactly once
+            assert max(in_flight_profile(order)) <= policy.cap
+            done_forward = set()
+            for c in range(chunks):
+                for kind in (FORWARD, BACKWARD):
+                    mbs = [t.microbatch for t in order if t.kind == kind and t.chunk == c]
+                    assert mbs == list(range(m))
+            for task in order:
+                if task.kind == FORWARD:
+                    done_forward.add((task.chunk, task.microbatch))
+                else:
+                    assert (task.chunk, task.microbatch) in done_forward
+
+
+def test_waits_for_missing_input_and_never_runs_twice():
+    policy = GreedyPolicy(StageConfig(1, 2, num_microbatches=2))
+    assert policy.next_task(lambda task: False) is None
+    task = policy.next_task(lambda task: True)
+    assert task == Task(FORWARD, 0, 0)
+    with pytest.raises(RuntimeError, match="still running"):
+        policy.next_task(lambda task: True)
+    with pytest.raises(RuntimeError, match="running task"):
+        policy.complete(Task(FORWARD, 0, 1))
+
+
+def test_local_inputs_are_not_asked_for():
+    asked = []
+
+    def arrived(task):
+        asked.append(task)
+        return False
+
+    last = GreedyPolicy(StageConfig(1, 2, num_microbatches=1))
+    assert last.input_is_local(Task(BACKWARD, 0, 0))
+    assert not last.input_is_local(Task(FORWARD, 0, 0))
+    first = GreedyPolicy(StageConfig(0, 2, num_microbatches=1))
+    assert first.next_task(arrived) == Task(FORWARD, 0, 0)
+    first.complete(Task(FORWARD, 0, 0))
+    assert first.next_task(arrived) is None
+    assert asked == [Task(BACKWARD, 0, 0)]
+
+
+def test_forward_only_runs_forwards_in_table_order_without_cap():
+    stage = StageConfig(0, 2, num_chunks=2, num_microbatches=4, forward_only=True)
+    policy = GreedyPolicy(stage)
+    order = []
+    while not policy.finished:
+        task = policy.next_task(lambda task: True)
+        policy.complete(task)
+        order.append(task)
+    assert order == static_order(stage)
+    assert all(t.kind == FORWARD for t in order) and len(order) == 8
+    assert policy.in_flight == 8 <= policy.cap
+
+
+def run_plan_prefix(policy, tasks):
+    for task in tasks:
+        assert policy.next_task(lambda t: True) == task
+        policy.complete(task)
+
+
+def test_backward_runs_ahead_only_with_slack():
+    f = [Task(FORWARD, 0, i) for i in range(4)]
+    b = [Task(BACKWARD, 0, i) for i in range(4)]
+    only_b1 = b[1].__eq__
+    # rank 1 of p=3, m=4, slack 0: plan F0 F1 B0 F2 B1 F3 B2 B3. F2 is missing, B1 is
+    # here: wait, the downstream has no spare forward to cover a delayed F2.
+    policy = GreedyPolicy(StageConfig(1, 3, num_microbatches=4))
+    run_plan_prefix(policy, [f[0], f[1], b[0]])
+    assert policy.next_task(only_b1) is None
+    # slack 1: plan F0 F1 F2 B0 F3 B1 B2 B3. F3 is missing, B1 is here: run it.
+    policy = GreedyPolicy(StageConfig(1, 3, num_microbatches=4, slack=1))
+    run_plan_prefix(policy, [f[0], f[1], f[2], b[0]])
+    assert policy.next_task(only_b1) == b[1]
+
+
+def test_forward_runs_ahead_within_slack_only():
+    f = [Task(FORWARD, 0, i) for i in range(6)]
+    b0_missing = Task(BACKWARD, 0, 0).__ne__
+    # rank 0 of p=2, m=6, slack 2 with the plain 1F1B plan (extra_warmup=0): cap 4, so up
+    # to two forwards may run ahead of the missing B0, and no more.
+    policy = GreedyPolicy(StageConfig(0, 2, num_microbatches=6, slack=2), extra_warmup=0)
+    assert policy.cap == 4
+    run_plan_prefix(policy, [f[0], f[1]])
+    for task in (f[2], f[3]):
+        assert policy.next_task(b0_missing) == task
+        policy.complete(task)
+    assert policy.next_task(b0_missing) is None
+    assert policy.in_flight == 4
+
+
+def test_duration_estimates():
+    policy = GreedyPolicy(StageConfig(0, 1, num_microbatches=2))
+    f0 = Task(FORWARD, 0, 0)
+    assert policy.estimated_duration(f0) is None
+    policy.complete(policy.next_task(lambda t: True), duration=2.0)
+    assert policy.estimated_duration(Task(FORWARD, 0, 1)) == 2.0
+    model = GreedyPolicy(StageConfig(0, 1), cost_model=lambda t: 7.0)
+    assert model.estimated_duration(f0) == 7.0

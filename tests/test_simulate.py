@@ -1,0 +1,97 @@
+"""The pipeline simulator: closed forms, DPP == static under uniform costs, DPP gains."""
+
+import json
+
+import pytest
+
+from megatron.dpp.policy import StageConfig, static_order
+from megatron.dpp.simulate import CostModel, compare, main, sample_durations, simulate
+
+
+def uniform(p, m, chunks=1):
+    return sample_durations(CostModel(), p, chunks, m, seed=0)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 3), (8, 32)])
+def test_1f1b_and_gpipe_closed_forms(p, m):
+    tf, tb = 1.0, 2.0
+    one_f_one_b = simulate("1f1b", p, m, uniform(p, m))
+    assert one_f_one_b.makespan == pytest.approx((m + p - 1) * (tf + tb))
+    assert one_f_one_b.peak_in_flight == [min(p - r, m) for r in range(p)]
+    gpipe = simulate("gpipe", p, m, uniform(p, m))
+    assert gpipe.makespan == pytest.approx((m + p - 1) * (tf + tb))
+    assert gpipe.peak_in_flight == [m] * p
+    expected_bubble = (p - 1) / (m + p - 1)
+    assert one_f_one_b.bubble == pytest.approx([expected_bubble] * p)
+
+
+def test_latency_adds_per_hop():
+    p, m, latency = 4, 8, 0.25
+    result = simulate("1f1b", p, m, uniform(p, m), latency=latency)
+    # the last microbatch's forward and backward each cross p - 1 links after the steady
+    # state, and the first one crosses them before it
+    assert result.makespan > (m + p - 1) * 3.0
+    assert result.makespan <= (m + p - 1) * 3.0 + 2 * (p - 1) * latency * m
+
+
+@pytest.mark.parametrize("p,m,chunks", [(2, 8, 1), (4, 16, 1), (4, 5, 1), (4, 8, 2), (2, 4, 2)])
+def test_uniform_dpp_reproduces_static_order(p, m, chunks):
+    base = "1f1b" if chunks == 1 else "interleaved"
+    static = simulate(base, p, m, uniform(p, m, chunks), num_chunks=chunks)
+    dpp = simulate("dpp", p, m, uniform(p, m, chunks), num_chunks=chunks, record=True)
+    assert dpp.makespan == static.makespan
+    for r in range(p):
+        assert dpp.orders[r] == static_order(StageConfig(r, p, chunks, m))
+
+
+def test_uniform_interleaved_beats_1f1b():
+    p, m = 4, 8
+    results = compare(p, m, CostModel(), num_chunks=2)
+    assert results["interleaved"].makespan < results["1f1b"].makespan
+
+
+@pytest.mark.parametrize("model", [CostModel(cv=0.5), CostModel(jitter=0.3)])
+def test_dpp_under_variance(model):
+    p, m = 4, 16
+    durations = sample_durations(model, p, 1, m, seed=3)
+    static = simulate("1f1b", p, m, durations)
+    equal_memory = simulate("dpp", p, m, durations, slack=0)
+    with_slack = simulate("dpp", p, m, durations, slack=2)
+    assert equal_memory.makespan <= static.makespan
+    assert max(equal_memory.peak_in_flight) <= max(static.peak_in_flight)
+    assert with_slack.makespan < static.makespan
+    assert max(with_slack.peak_in_flight) <= max(static.peak_in_flight) + 2
+
+
+def test_same_factor_on_every_stage():
+    durations = sample_durations(CostModel(cv=0.5), 3, 1, 6, seed=1)
+    assert durations.forward[0] == durations.forward[2]
+    assert durations.backward[1] == [2 * x for x in durations.forward[1]]
+    slow = sample_durations(CostModel(slow_stage=1, slow_factor=1.5), 3, 1, 2, seed=0)
+    assert slow.forward[1] == [1.5, 1.5] and slow.forward[0] == [1.0, 1.0]
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="slow_stage 5"):
+        sample_durations(CostModel(slow_stage=5), 4, 1, 4, seed=0)
+    with pytest.raises(ValueError, match="cv"):
+        CostModel(cv=-1)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        simulate("zb", 2, 2, uniform(2, 2))
+
+
+def test_cli_json_and_trace(tmp_path, capsys):
+    trace = tmp_path / "trace.json"
+    main(["--pp", "2", "--microbatches", "4", "--cv", "0.5", "--json", "--trace", str(trace)])
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["schedules"]) == {"1f1b", "gpipe", "dpp"}
+    assert report["schedules"]["1f1b"]["speedup_vs_1f1b"] == 1.0
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert len(events) == 2 * 2 * 4
+    assert {e["args"]["kind"] for e in events} == {"F", "B"}
+
+
+def test_cli_grid_small(capsys):
+    main(["--grid", "--grid-pp", "2", "--seeds", "2", "--jobs", "1"])
+    out = capsys.readouterr().out
+    assert out.count("| 2 | 8 |") == 8  # 4 cost models x 2 slacks
