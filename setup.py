@@ -68,6 +68,7 @@ setup(
         "pybind11",
         "psutil",
         "tokenizers",
+        "tiktoken",
         "tensorboard",
         "matplotlib",
         "pyyaml",

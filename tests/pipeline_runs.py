@@ -9,7 +9,7 @@ TINY_GPT = [
     "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
     "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
     "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
-    "--vocab-size", "128", "--hidden-dropout", "0", "--attention-dropout", "0",
+    "--vocab-size", "128", "--make-vocab-size-divisible-by", "64", "--hidden-dropout", "0", "--attention-dropout", "0",
     "--eval-iters", "0", "--log-interval", "1",
 ]
 

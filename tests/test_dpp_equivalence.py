@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron.dpp.transport import native
 from tests.distributed import run_ranks
 from tests.pipeline_runs import TINY_GPT, compare_schedules
 
@@ -93,4 +94,13 @@ def test_dpp_with_random_delivery_delays():
     flags = _flags(layers, batch, *extra, "--dpp-transport", "torch")
     results = run_ranks(world, compare_schedules, flags, world,
                         env={"DPP_TEST_DELIVERY_JITTER_MS": "20"})
+    _check_dpp_matches_core(results)
+
+
+@pytest.mark.skipif(not native.available(), reason="native extension not built")
+@pytest.mark.parametrize("case", ["pp2_vpp2", "pp4"])
+def test_dpp_over_shared_memory(case):
+    world, layers, batch, extra = CASES[case]
+    flags = _flags(layers, batch, *extra, "--dpp-transport", "shm")
+    results = run_ranks(world, compare_schedules, flags, world)
     _check_dpp_matches_core(results)

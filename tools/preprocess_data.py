@@ -13,6 +13,7 @@ names and renamed into place only when complete.
 """
 
 import argparse
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -34,6 +35,8 @@ from tools.document_encoder import (  # noqa: E402
 
 logger = logging.getLogger("preprocess_data")
 
+# The same names as megatron.training.tokenizer.TOKENIZER_TYPES (a test checks), listed here
+# so that --help needs no megatron.core import.
 TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
     "BertWordPieceLowerCase",
@@ -265,10 +268,12 @@ def preprocess(args: argparse.Namespace) -> Summary:
     progress = _Progress(summary, args.log_interval, start)
     try:
         chunks = read_line_chunks(args.input, args.chunk_bytes)
-        for chunk in _encoded_chunks(encoder, chunks, args.workers):
-            _account(chunk, args, summary)
-            writers.add(chunk)
-            progress.update()
+        # closing(): a failure stops the worker pool now, not when the traceback is freed.
+        with contextlib.closing(_encoded_chunks(encoder, chunks, args.workers)) as encoded:
+            for chunk in encoded:
+                _account(chunk, args, summary)
+                writers.add(chunk)
+                progress.update()
         summary.outputs = writers.commit()
     except BaseException:
         writers.abort()

@@ -345,7 +345,12 @@ def _validate_schedule(args, need):
 
 def _validate_data(args, need):
     if args.tokenizer_type is None:
-        args.tokenizer_type = "NullTokenizer" if args.mock_data else "GPT2BPETokenizer"
+        # Megatron-LM's GPT examples give --vocab-file/--merge-file and no --tokenizer-type;
+        # they keep meaning GPT-2 BPE when --mock-data replaces --data-path
+        bpe_files = args.vocab_file is not None and args.merge_file is not None
+        args.tokenizer_type = (
+            "NullTokenizer" if args.mock_data and not bpe_files else "GPT2BPETokenizer"
+        )
     need(args.mock_data or args.data_path,
          "no data: give --data-path PREFIX [...] or --mock-data")
     need(not (args.mock_data and args.data_path),

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.utils import unwrap_model
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,9 @@ def _optimizer_metadata(args) -> dict:
 
 
 def _sharded_state(model, optimizer, scheduler, state, args, loading: bool) -> dict:
+    # the bare models (no DDP / Float16Module wrapper): their keys are what load_state_dict
+    # expects and do not change with the precision
+    model = unwrap_model(model)
     sharded = {}
     for index, chunk in enumerate(model):
         key = "model" if len(model) == 1 else f"model{index}"
@@ -88,6 +92,7 @@ def _rng_sharded_object() -> ShardedObject:
 
 
 def save_checkpoint(root: str, model, optimizer, scheduler, state: TrainingState, args) -> str:
+    _require_psutil()
     final = checkpoint_dir(root, state.iteration)
     staging = final + ".tmp"
     rank0 = dist.get_rank() == 0
@@ -110,6 +115,15 @@ def save_checkpoint(root: str, model, optimizer, scheduler, state: TrainingState
     dist.barrier()
     log.info("saved checkpoint at iteration %d to %s", state.iteration, final)
     return final
+
+
+def _require_psutil() -> None:
+    """dist_checkpointing's writer processes import psutil; without it they die and the
+    save waits for them until the job times out, so fail here with the fix instead."""
+    try:
+        import psutil  # noqa: F401
+    except ImportError as error:
+        raise CheckpointError("saving checkpoints needs psutil: pip install psutil") from error
 
 
 def _write_pointer(root: str, iteration: int) -> None:
@@ -142,18 +156,23 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args) -> TrainingSta
     if not os.path.isdir(path):
         raise CheckpointError(f"{root}/{POINTER} names iteration {iteration} but {path} is missing")
     load_optim = optimizer is not None and not args.no_load_optim and not args.finetune
+    if load_optim and args.use_distributed_optimizer:
+        _create_adam_states(optimizer)
     with torch.no_grad():
         sharded = _sharded_state(
             model, optimizer if load_optim else None, scheduler, TrainingState(), args, True
         )
         loaded = dist_checkpointing.load(sharded, path)
-    for index, chunk in enumerate(model):
-        key = "model" if len(model) == 1 else f"model{index}"
-        chunk.load_state_dict(loaded[key])
-    if load_optim:
-        optimizer.load_state_dict(loaded["optimizer"])
-        if scheduler is not None:
-            scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        for index, chunk in enumerate(unwrap_model(model)):
+            key = "model" if len(model) == 1 else f"model{index}"
+            chunk.load_state_dict(loaded[key])
+        # in no_grad: the distributed optimizer copies into views of the parameters
+        if load_optim:
+            optimizer.load_state_dict(loaded["optimizer"])
+            if args.use_distributed_optimizer:
+                _restore_adam_steps(optimizer)
+            if scheduler is not None:
+                scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if not args.no_load_rng and not args.finetune:
         _restore_rng(loaded["rng_state"])
     state = TrainingState(**loaded["training_state"])
@@ -161,6 +180,40 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args) -> TrainingSta
         state = TrainingState()
     log.info("loaded checkpoint %s (iteration %d)", path, iteration)
     return state
+
+
+def _create_adam_states(optimizer) -> None:
+    """torch's Adam creates its per-parameter state on the first step, but the distributed
+    optimizer's loading state dict reads `step` from every entry (without TE/apex). Zeros
+    as placeholders, replaced by the load; parameters are left untouched."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        adam = inner.optimizer
+        if not isinstance(adam, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in adam.param_groups:
+            for param in group["params"]:
+                state = adam.state[param]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(param)
+                    state["exp_avg_sq"] = torch.zeros_like(param)
+
+
+def _restore_adam_steps(optimizer) -> None:
+    """The distributed optimizer restores Adam's step count into its param groups, but then
+    copies the placeholder `step` of `_create_adam_states` back into every parameter's state,
+    and all of them share one tensor (torch's foreach Adam would add 1 per parameter). Give
+    each parameter its own step from the param group."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        adam = inner.optimizer
+        if not isinstance(adam, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in adam.param_groups:
+            if group.get("step") is None:
+                continue
+            for param in group["params"]:
+                if "step" in adam.state[param]:
+                    adam.state[param]["step"] = torch.tensor(float(group["step"]))
 
 
 def _restore_rng(rng: dict) -> None:

@@ -167,3 +167,13 @@ def variable_length(seq_length: int, cv: float, seed: int, sample_index: int) ->
     mu = math.log(seq_length / 2) - sigma * sigma / 2
     draw = np.random.default_rng([seed, sample_index]).lognormal(mu, sigma)
     return int(min(seq_length, max(16, round(draw / 16) * 16)))
+
+
+def microbatch_lengths(args, consumed_samples: int, global_batch: int) -> list[int]:
+    """Sequence length of each global micro-batch of the batch starting at
+    `consumed_samples` (all equal to --seq-length unless --seq-length-cv is set)."""
+    stride = args.micro_batch_size * args.data_parallel_size
+    return [
+        variable_length(args.seq_length, args.seq_length_cv, args.seed, consumed_samples + k)
+        for k in range(0, global_batch, stride)
+    ]

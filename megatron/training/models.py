@@ -42,6 +42,7 @@ def use_transformer_engine(args) -> bool:
 
 def transformer_config_from_args(args) -> TransformerConfig:
     te = use_transformer_engine(args)
+    on_gpu = torch.cuda.is_available()
     kwargs = dict(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -57,8 +58,10 @@ def transformer_config_from_args(args) -> TransformerConfig:
         add_bias_linear=not args.disable_bias_linear,
         gated_linear_unit=args.swiglu,
         activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
-        bias_activation_fusion=args.swiglu and not args.no_bias_gelu_fusion,
-        bias_dropout_fusion=not args.no_bias_dropout_fusion,
+        # the fused bias ops go through torch.compile: seconds of compilation per process
+        # on CPU for no gain there, so only on GPU
+        bias_activation_fusion=args.swiglu and not args.no_bias_gelu_fusion and on_gpu,
+        bias_dropout_fusion=not args.no_bias_dropout_fusion and on_gpu,
         masked_softmax_fusion=not args.no_masked_softmax_fusion,
         apply_residual_connection_post_layernorm=args.apply_residual_connection_post_layernorm,
         attention_softmax_in_fp32=args.attention_softmax_in_fp32,
@@ -78,8 +81,9 @@ def transformer_config_from_args(args) -> TransformerConfig:
         batch_p2p_comm=not args.no_batch_p2p_comm,
         deallocate_pipeline_outputs=True,
         variable_seq_lengths=args.seq_length_cv > 0,
-        # the layout-independent initialisation below replaces megatron's own
-        perform_initialization=False,
+        # megatron's own initialisation also tags tensor-parallel weights (partition dim,
+        # duplicates for the grad norm); initialize_layout_independent then overwrites values
+        perform_initialization=True,
         use_cpu_initialization=not torch.cuda.is_available(),
         attention_backend=AttnBackend.auto if te else AttnBackend.local,
         gradient_accumulation_fusion=False,
@@ -103,7 +107,8 @@ def gpt_layer_spec(args) -> ModuleSpec:
         )
 
         return get_gpt_layer_with_transformer_engine_spec(normalization=args.normalization)
-    return _with_sdpa(get_gpt_layer_local_spec(normalization=args.normalization))
+    local = get_gpt_layer_local_spec(normalization=args.normalization)
+    return local if _stock_attention(args) else _with_sdpa(local)
 
 
 def bert_layer_spec(args) -> ModuleSpec:
@@ -113,7 +118,18 @@ def bert_layer_spec(args) -> ModuleSpec:
         )
 
         return get_bert_layer_with_transformer_engine_spec()
-    return _with_sdpa(bert_layer_local_spec)
+    return bert_layer_local_spec if _stock_attention(args) else _with_sdpa(bert_layer_local_spec)
+
+
+def _stock_attention(args) -> bool:
+    """`--attention-backend local` (or unfused) keeps megatron.core's own DotProductAttention,
+    which materialises the score matrix and needs CUDA; every other choice uses SDPA."""
+    if args.attention_backend not in ("local", "unfused"):
+        return False
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"--attention-backend {args.attention_backend}: megatron.core's "
+                           "DotProductAttention needs CUDA; use --attention-backend auto on CPU")
+    return True
 
 
 class SDPABertModel(BertModel):
@@ -140,7 +156,8 @@ def build_gpt_stage(args, config, pre_process, post_process, vp_stage=None):
 
 
 def build_bert_stage(args, config, pre_process, post_process, vp_stage=None):
-    model_class = BertModel if use_transformer_engine(args) else SDPABertModel
+    stock = use_transformer_engine(args) or _stock_attention(args)
+    model_class = BertModel if stock else SDPABertModel
     return model_class(
         config=config,
         num_tokentypes=args.num_tokentypes if not args.bert_no_binary_head else 0,

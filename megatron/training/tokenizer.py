@@ -140,11 +140,6 @@ class _HFBackedTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
-    def _token_id(self, token: str, what: str) -> int:
-        if token not in self._vocab:
-            raise NotImplementedError(f"{self.tokenizer_type}: no {what} token {token!r} in vocab")
-        return self._vocab[token]
-
 
 class GPT2BPETokenizer(_HFBackedTokenizer):
     """GPT-2 byte-level BPE from vocab.json + merges.txt; EOD is <|endoftext|>.

@@ -24,7 +24,7 @@ from megatron.core.num_microbatches_calculator import (
 
 from megatron.training import checkpointing, metrics
 from megatron.training.arguments import parse_args
-from megatron.training.data import MicroBatchIterator
+from megatron.training.data import MicroBatchIterator, microbatch_lengths
 from megatron.training.initialize import initialize_distributed, setup_logging
 from megatron.training.models import build_model_chunks, transformer_config_from_args
 from megatron.training.optimizer import build_optimizer, build_scheduler, wrap_model_chunks
@@ -233,11 +233,12 @@ def train(trainer: Trainer) -> None:
     while state.iteration < args.train_iters:
         trainer.batch_calculator.update(state.consumed_samples, True)
         result = train_step(trainer, iterator)
+        stride = args.micro_batch_size * args.data_parallel_size
+        for length in microbatch_lengths(args, state.consumed_samples, result["batch"]):
+            interval_tokens += length * stride
+            interval_flops += length * stride * metrics.flops_per_token(args, length)
         state.iteration += 1
         state.consumed_samples += result["batch"]
-        tokens = result["batch"] * args.seq_length
-        interval_tokens += tokens
-        interval_flops += tokens * metrics.flops_per_token(args)
         interval_iters += 1
         losses = result["losses"]
         if any(not math.isfinite(v) for v in losses.values()):

@@ -163,12 +163,12 @@ def _assign_backends(edges, transport, device, timeout):
 
 
 def _native_backend(timeout: float, required: bool):
-    try:
-        from megatron.dpp.transport.shm import ShmBackend
-    except ImportError as error:
+    from megatron.dpp.transport import native
+
+    if not native.available():
         if required:
-            raise TransportError(
-                f"--dpp-transport shm: the native extension is not built ({error}); run "
-                "`pip install --no-build-isolation -e .`") from error
+            native.module()  # raises, saying why the extension does not import
         return None
+    from megatron.dpp.transport.shm import ShmBackend
+
     return ShmBackend(timeout=timeout)

@@ -1,0 +1,245 @@
+# Shared body of run_{single,master,worker}_{gpt,bert}.sh; see docs/launching.md.
+# Usage (from those scripts): source examples/launch_common.sh; dpp_launch MODEL ROLE "$@"
+# MODEL is gpt or bert, ROLE single, master or worker; "$@" are extra trainer flags, appended
+# last (a repeated flag overrides the scripts' value).
+#
+# Settings, from the environment (CPU default / GPU default):
+#   GPUS_PER_NODE   processes per node: the GPUs present; without GPUs 2 CPU processes
+#                   (single) or 1 per node (master/worker)
+#   TP, PP, VPP     tensor / pipeline parallel size, model chunks per stage: 1, 2, unset
+#   NODE_IPS        master/worker: one address per node, in node-rank order (required)
+#   NNODES          number of nodes: 1 (single) or the count of NODE_IPS
+#   NODE_RANK       0 on the master; a worker finds its own from NODE_IPS
+#   MASTER_ADDR     127.0.0.1 (single) or the first of NODE_IPS
+#   MASTER_PORT     a free port (single) or 29500
+#   RDZV_TIMEOUT    seconds nodes wait for each other at start-up: 300
+#   CHECK_LOCAL_ADDRESS  0 skips the check that NODE_IPS[NODE_RANK] is this machine's (NAT)
+#   MODEL_SIZE      a preset of examples/<model>/settings.sh: tiny / seed
+#   NUM_LAYERS, HIDDEN_SIZE, NUM_HEADS, SEQ_LENGTH   override the preset
+#   MICRO_BATCH     2 / 2 (GPT) or 8 (BERT)
+#   NUM_MICROBATCHES  per iteration and data-parallel rank: 4 / 16
+#   GLOBAL_BATCH    MICRO_BATCH x data-parallel size x NUM_MICROBATCHES
+#   TRAIN_ITERS     30 / 50;  LR 1e-3 / 3e-4;  LOG_INTERVAL 5 / 10;  EVAL_ITERS 1 / 10
+#   EVAL_INTERVAL   TRAIN_ITERS (one evaluation at the end)
+#   PRECISION       fp32 / bf16 (also fp16)
+#   DATA_PATH       the sample data (prepared on first use), a --data-path prefix, or "mock"
+#   TOKENIZER_TYPE, VOCAB_FILE, MERGE_FILE   the sample's; VOCAB_SIZE (mock data) 1024
+#   USE_DPP         1: dynamic pipeline schedule (--use-dpp); 0: megatron-core's schedule
+#   DPP_TRANSPORT   auto (torch, shm); DPP_MAX_INFLIGHT unset (the schedule's default)
+#   CHECKPOINT_DIR  unset: no checkpoints; else --save/--load there, every SAVE_INTERVAL
+#   RUN_NAME        <model>-<role>;  RUN_DIR <checkout>/runs/RUN_NAME (log: RUN_DIR/train.log)
+#   PYTHON          python3;  SKIP_PREREQ  auto: run prerequisite.sh when imports fail, 1 never,
+#                   0 always
+
+DPP_REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+# settings a worker must share with the master; the master repeats the ones set explicitly
+DPP_SHARED_SETTINGS="GPUS_PER_NODE TP PP VPP RDZV_TIMEOUT MODEL_SIZE NUM_LAYERS HIDDEN_SIZE
+NUM_HEADS SEQ_LENGTH MICRO_BATCH NUM_MICROBATCHES GLOBAL_BATCH TRAIN_ITERS LR LOG_INTERVAL
+EVAL_ITERS EVAL_INTERVAL PRECISION DATA_PATH TOKENIZER_TYPE VOCAB_FILE MERGE_FILE VOCAB_SIZE
+USE_DPP DPP_TRANSPORT DPP_MAX_INFLIGHT CHECKPOINT_DIR SAVE_INTERVAL SKIP_PREREQ PYTHON"
+
+dpp_say() { echo "[$DPP_SCRIPT] $*" >&2; }
+dpp_die() { dpp_say "error: $*"; exit 2; }
+
+dpp_prerequisites() {
+    local mode=${SKIP_PREREQ:-auto}
+    if [[ $mode == 1 ]]; then return; fi
+    if [[ $mode == auto ]] && "$PYTHON" -c "import importlib.metadata as m, torch, megatron.core
+m.version('megatron-dpp')" 2>/dev/null; then
+        return
+    fi
+    dpp_say "installing prerequisites (bash prerequisite.sh; SKIP_PREREQ=1 skips)"
+    PYTHON=$PYTHON bash "$DPP_REPO/prerequisite.sh"
+}
+
+dpp_count_gpus() {
+    "$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0
+}
+
+# the flags of the data: sample data (prepared once), a prefix, or mock data
+dpp_data_flags() {
+    local path=${DATA_PATH:-sample}
+    if [[ $path == mock ]]; then
+        DATA_FLAGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size "${VOCAB_SIZE:-1024}")
+        return
+    fi
+    if [[ $path == sample ]]; then
+        path=$DPP_REPO/$SAMPLE_PREFIX
+        if [[ ! -f $path.idx ]]; then
+            dpp_say "preparing the sample data into $SAMPLE_DIR/ (first use)"
+            # master and worker may share a checkout (network namespaces): prepare once
+            PYTHON=$PYTHON flock "${TMPDIR:-/tmp}/megatron-dpp-$SAMPLE_DIR.lock" \
+                bash "$DPP_REPO/$SAMPLE_DIR/prepare.sh"
+        fi
+        : "${TOKENIZER_TYPE:=$SAMPLE_TOKENIZER}" "${VOCAB_FILE:=$DPP_REPO/$SAMPLE_VOCAB}"
+        if [[ -n $SAMPLE_MERGES ]]; then : "${MERGE_FILE:=$DPP_REPO/$SAMPLE_MERGES}"; fi
+    elif [[ ! -f $path.idx ]]; then
+        dpp_die "DATA_PATH=$path: $path.idx not found (give the prefix that tools/preprocess_data.py wrote, 'sample' or 'mock')"
+    fi
+    # the dataset index cache goes to the run dir, not next to the data in the checkout
+    DATA_FLAGS=(--data-path "$path" --data-cache-path "$RUN_DIR/data_cache")
+    if [[ -n ${TOKENIZER_TYPE:-} ]]; then DATA_FLAGS+=(--tokenizer-type "$TOKENIZER_TYPE"); fi
+    if [[ -n ${VOCAB_FILE:-} ]]; then DATA_FLAGS+=(--vocab-file "$VOCAB_FILE"); fi
+    if [[ -n ${MERGE_FILE:-} ]]; then DATA_FLAGS+=(--merge-file "$MERGE_FILE"); fi
+}
+
+dpp_model_flags() {
+    local size=${MODEL_SIZE:-$1} preset layers hidden heads seq
+    preset=$(model_preset "$size") || dpp_die "MODEL_SIZE=$size: unknown; one of: $MODEL_PRESETS"
+    read -r layers hidden heads seq <<<"$preset"
+    MODEL_FLAGS=(--num-layers "${NUM_LAYERS:-$layers}" --hidden-size "${HIDDEN_SIZE:-$hidden}"
+                 --num-attention-heads "${NUM_HEADS:-$heads}" --seq-length "${SEQ_LENGTH:-$seq}"
+                 --max-position-embeddings "${SEQ_LENGTH:-$seq}")
+}
+
+dpp_integer() {
+    [[ ${!1} =~ ^[0-9]+$ ]] || dpp_die "$1=${!1} is not a whole number"
+}
+
+# trainer flags from the settings; sets TRAIN_FLAGS
+dpp_train_flags() {
+    local on_gpu=$1 world=$2
+    local tp=${TP:-1} pp=${PP:-2}
+    dpp_integer tp; dpp_integer pp
+    (( world % (tp * pp) == 0 )) ||
+        dpp_die "TP=$tp x PP=$pp does not divide the $world processes (NNODES x GPUS_PER_NODE)"
+    local dp=$(( world / (tp * pp) ))
+    local micro=${MICRO_BATCH:-$([[ $on_gpu == 1 ]] && echo "$GPU_MICRO_BATCH" || echo 2)}
+    local count=${NUM_MICROBATCHES:-$([[ $on_gpu == 1 ]] && echo 16 || echo 4)}
+    local iters=${TRAIN_ITERS:-$([[ $on_gpu == 1 ]] && echo 50 || echo 30)}
+    dpp_integer micro; dpp_integer count; dpp_integer iters
+    dpp_model_flags "$([[ $on_gpu == 1 ]] && echo seed || echo tiny)"
+    dpp_data_flags
+    TRAIN_FLAGS=("${MODEL_FLAGS[@]}" "${DATA_FLAGS[@]}"
+        --tensor-model-parallel-size "$tp" --pipeline-model-parallel-size "$pp"
+        --micro-batch-size "$micro" --global-batch-size "${GLOBAL_BATCH:-$(( micro * dp * count ))}"
+        --train-iters "$iters" --lr "${LR:-$([[ $on_gpu == 1 ]] && echo 3e-4 || echo 1e-3)}"
+        --log-interval "${LOG_INTERVAL:-$([[ $on_gpu == 1 ]] && echo 10 || echo 5)}"
+        --eval-interval "${EVAL_INTERVAL:-$iters}"
+        --eval-iters "${EVAL_ITERS:-$([[ $on_gpu == 1 ]] && echo 10 || echo 1)}"
+        --log-throughput)
+    if [[ -n ${VPP:-} ]]; then TRAIN_FLAGS+=(--virtual-pipeline-model-parallel-size "$VPP"); fi
+    case ${PRECISION:-$([[ $on_gpu == 1 ]] && echo bf16 || echo fp32)} in
+        bf16) TRAIN_FLAGS+=(--bf16) ;;
+        fp16) TRAIN_FLAGS+=(--fp16) ;;
+        fp32) ;;
+        *) dpp_die "PRECISION=$PRECISION: expected bf16, fp16 or fp32" ;;
+    esac
+    case ${USE_DPP:-1} in
+        1) TRAIN_FLAGS+=(--use-dpp --dpp-transport "${DPP_TRANSPORT:-auto}")
+           if [[ -n ${DPP_MAX_INFLIGHT:-} ]]; then
+               TRAIN_FLAGS+=(--dpp-max-inflight "$DPP_MAX_INFLIGHT")
+           fi ;;
+        0) ;;
+        *) dpp_die "USE_DPP=$USE_DPP: expected 1 (dynamic schedule) or 0 (megatron-core's)" ;;
+    esac
+    if [[ -n ${CHECKPOINT_DIR:-} ]]; then
+        TRAIN_FLAGS+=(--save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR")
+        if [[ -n ${SAVE_INTERVAL:-} ]]; then TRAIN_FLAGS+=(--save-interval "$SAVE_INTERVAL"); fi
+    fi
+}
+
+# the command that starts the worker of node $1, with the settings given to the master
+dpp_worker_command() {
+    local rank=$1 name words=()
+    words+=("NODE_IPS=$(printf %q "$NODE_IPS")" "NODE_RANK=$rank" "MASTER_PORT=$MASTER_PORT")
+    for name in $DPP_SHARED_SETTINGS; do
+        if [[ -n ${DPP_EXPLICIT[$name]+x} ]]; then words+=("$name=$(printf %q "${!name}")"); fi
+    done
+    words+=(bash "run_worker_${DPP_MODEL}.sh")
+    if (( ${#DPP_EXTRA[@]} )); then words+=("$(printf '%q ' "${DPP_EXTRA[@]}")"); fi
+    echo "${words[*]}"
+}
+
+dpp_launch() {
+    DPP_MODEL=$1 DPP_ROLE=$2
+    shift 2
+    DPP_EXTRA=("$@")
+    DPP_SCRIPT="run_${DPP_ROLE}_${DPP_MODEL}.sh"
+    declare -gA DPP_EXPLICIT=()
+    local name
+    for name in $DPP_SHARED_SETTINGS; do
+        if [[ -n ${!name+x} ]]; then DPP_EXPLICIT[$name]=1; fi
+    done
+    case $DPP_MODEL in
+        gpt) source "$DPP_REPO/examples/gpt3/settings.sh" ;;
+        bert) source "$DPP_REPO/examples/bert/settings.sh" ;;
+        *) dpp_die "unknown model $DPP_MODEL" ;;
+    esac
+    PYTHON=${PYTHON:-python3}
+    dpp_prerequisites
+
+    local gpus on_gpu=0
+    gpus=$(dpp_count_gpus)
+    if (( gpus > 0 )); then on_gpu=1; fi
+    if [[ $DPP_ROLE == single ]]; then
+        : "${GPUS_PER_NODE:=$(( on_gpu ? gpus : 2 ))}"
+    else
+        : "${GPUS_PER_NODE:=$(( on_gpu ? gpus : 1 ))}"
+    fi
+    dpp_integer GPUS_PER_NODE
+    if (( on_gpu && GPUS_PER_NODE > gpus )); then
+        dpp_die "GPUS_PER_NODE=$GPUS_PER_NODE but this node has $gpus GPUs"
+    fi
+    if (( ! on_gpu )); then export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}; fi
+
+    # node settings: checked here so that mistakes do not end in a rendezvous timeout
+    local exports
+    exports=$(PYTHONPATH="$DPP_REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m \
+        megatron.training.launch preflight --role "$DPP_ROLE" --script "$DPP_SCRIPT") || exit 2
+    eval "$exports"
+
+    RUN_DIR=${RUN_DIR:-$DPP_REPO/runs/${RUN_NAME:-$DPP_MODEL-$DPP_ROLE}}
+    mkdir -p "$RUN_DIR"
+    dpp_train_flags "$on_gpu" $(( NNODES * GPUS_PER_NODE ))
+    local node_flags=()
+    if [[ $DPP_ROLE != single ]]; then
+        # shellcheck disable=SC2206  # NODE_IPS is a list of addresses
+        node_flags=(--multi-node --node-ips $NODE_IPS)
+    fi
+    local logfile=$RUN_DIR/train.log
+    local launcher=(torchrun)
+    if ! command -v torchrun >/dev/null; then launcher=("$PYTHON" -m torch.distributed.run); fi
+    local cmd=("${launcher[@]}" --nnodes "$NNODES" --node_rank "$NODE_RANK"
+        --nproc_per_node "$GPUS_PER_NODE" --master_addr "$MASTER_ADDR"
+        --master_port "$MASTER_PORT" --rdzv-conf "timeout=${RDZV_TIMEOUT:-300}"
+        "$DPP_REPO/$MODEL_ENTRY" "${TRAIN_FLAGS[@]}" "${node_flags[@]}" "${DPP_EXTRA[@]}")
+    printf '%q ' "${cmd[@]}" >"$RUN_DIR/command.txt"
+    echo >>"$RUN_DIR/command.txt"
+
+    dpp_say "node $NODE_RANK of $NNODES, $GPUS_PER_NODE processes on $([[ $on_gpu == 1 ]] && echo GPUs || echo CPU), schedule $([[ ${USE_DPP:-1} == 1 ]] && echo DPP || echo megatron-core); log: $logfile"
+    if [[ $DPP_ROLE == master ]]; then
+        local rank ips
+        read -r -a ips <<<"$NODE_IPS"
+        dpp_say "now start the worker on each other node, in its MegatronDPP checkout:"
+        for (( rank = 1; rank < NNODES; rank++ )); do
+            echo "  node $rank (${ips[rank]}):  $(dpp_worker_command "$rank")" >&2
+        done
+    fi
+    dpp_say "running: $(cat "$RUN_DIR/command.txt")"
+
+    if [[ $DPP_ROLE == worker && ${DATA_PATH:-sample} != mock ]]; then
+        # megatron.core writes the dataset index files on rank 0 (the master's node) only
+        dpp_say "building this node's dataset index cache in $RUN_DIR/data_cache"
+        PYTHONPATH="$DPP_REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m megatron.training.launch \
+            prepare-data --model "$DPP_MODEL" --world-size $(( NNODES * GPUS_PER_NODE )) -- \
+            "${TRAIN_FLAGS[@]}" "${node_flags[@]}" "${DPP_EXTRA[@]}" >"$RUN_DIR/prepare_data.log" 2>&1 ||
+            { cat "$RUN_DIR/prepare_data.log" >&2; dpp_die "could not build the dataset index cache"; }
+    fi
+    local status=0
+    "${cmd[@]}" 2>&1 | tee "$logfile" || status=${PIPESTATUS[0]}
+    if (( status != 0 )); then
+        dpp_say "training failed (exit $status); log: $logfile"
+        if grep -q "waiting for clients" "$logfile"; then
+            dpp_say "no worker joined within RDZV_TIMEOUT=${RDZV_TIMEOUT:-300} s: start the worker command printed above on each other node"
+        fi
+        exit "$status"
+    fi
+    if grep -q "tokens/s:" "$logfile"; then
+        PYTHONPATH="$DPP_REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m megatron.training.launch \
+            summarize "$logfile" | sed "s/^/[$DPP_SCRIPT] /"
+    else
+        dpp_say "finished; the last pipeline stage (node $(( NNODES - 1 ))) logs the iterations"
+    fi
+}

@@ -1,0 +1,380 @@
+"""Helpers of the launch scripts (run_*_gpt.sh, run_*_bert.sh, examples/mpi/, examples/slurm/).
+
+Sub-commands (`python -m megatron.training.launch CMD`):
+  preflight  check the node settings in the environment before torchrun starts, so that a
+             wrong node count, node rank, busy port or unreachable master gets one clear
+             message instead of a rendezvous timeout; prints the resolved settings as shell
+             assignments for the script to `eval`.
+  mpi-exec   map the ranks of mpiexec/srun (OpenMPI, MPICH/Hydra PMI, Cray PALS, SLURM) to
+             torch.distributed's variables and exec the trainer.
+  prepare-data  build the dataset index cache of a node before torchrun (see below).
+  summarize  the throughput and losses of a training log.
+
+Only the standard library at import: preflight runs before torch is importable on a fresh
+machine; prepare-data imports the trainer when called.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import fcntl
+import ipaddress
+import logging
+import os
+import re
+import shlex
+import socket
+import struct
+import sys
+import time
+
+log = logging.getLogger("megatron.training.launch")
+
+ROLES = ("single", "master", "worker")
+
+
+class LaunchError(RuntimeError):
+    """A setting of the launch scripts that cannot work; the message names it."""
+
+
+def parse_node_ips(text: str) -> list[str]:
+    """NODE_IPS: addresses separated by spaces or commas, one per node, in node-rank order."""
+    ips = [item for item in re.split(r"[\s,]+", text.strip()) if item]
+    for ip in ips:
+        try:
+            ipaddress.ip_address(ip)
+        except ValueError:
+            raise LaunchError(
+                f"NODE_IPS: '{ip}' is not an IP address (NODE_IPS lists one address per node, "
+                "in node-rank order, e.g. NODE_IPS=\"10.0.0.1 10.0.0.2\")") from None
+    if len(set(ips)) != len(ips):
+        raise LaunchError(f"NODE_IPS lists an address twice: {' '.join(ips)}")
+    return ips
+
+
+def is_local_address(ip: str) -> bool:
+    """True when a socket can bind to `ip` here, i.e. the address belongs to this machine."""
+    family = socket.AF_INET6 if ipaddress.ip_address(ip).version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((ip, 0))
+        except OSError:
+            return False
+    return True
+
+
+def interface_of(ip: str) -> str | None:
+    """The network interface whose IPv4 network holds `ip` (for GLOO/NCCL_SOCKET_IFNAME)."""
+    if ipaddress.ip_address(ip).version != 4:
+        return None
+    get_address, get_netmask = 0x8915, 0x891B  # SIOCGIFADDR, SIOCGIFNETMASK
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                address = socket.inet_ntoa(fcntl.ioctl(probe, get_address, request)[20:24])
+                netmask = socket.inet_ntoa(fcntl.ioctl(probe, get_netmask, request)[20:24])
+            except OSError:
+                continue
+            if ipaddress.ip_address(ip) in ipaddress.ip_network(f"{address}/{netmask}",
+                                                                 strict=False):
+                return name
+    return None
+
+
+def port_in_use(port: int) -> bool:
+    """Whether torchrun's rendezvous store could not listen on `port` (all addresses)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                return True
+            raise
+    return False
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
+
+
+def wait_for_master(addr: str, port: int, timeout_s: float, attempt_s: float = 2.0) -> None:
+    """Block until a TCP connection to the master's rendezvous port succeeds."""
+    deadline = time.monotonic() + timeout_s
+    last_error = "no attempt"
+    announced = False
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=attempt_s):
+                return
+        except OSError as error:
+            last_error = error.strerror or str(error)
+        if time.monotonic() >= deadline:
+            raise LaunchError(
+                f"cannot reach the master at {addr}:{port} within {timeout_s:.0f} s "
+                f"(RDZV_TIMEOUT; last error: {last_error}). Start run_master_*.sh on node 0 "
+                "first, and check MASTER_ADDR/NODE_IPS, MASTER_PORT and that the port is open "
+                "between the nodes.")
+        if not announced:
+            log.warning("waiting for the master at %s:%d (%s); giving up after %.0f s",
+                        addr, port, last_error, timeout_s)
+            announced = True
+        time.sleep(1.0)
+
+
+def _int_setting(env, name: str, default: int | None = None) -> int | None:
+    text = env.get(name, "")
+    if text == "":
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise LaunchError(f"{name}={text!r} is not an integer") from None
+
+
+def preflight(role: str, env, script: str = "") -> dict[str, str]:
+    """Check and complete the node settings of `role`; returns the variables to export."""
+    if role not in ROLES:
+        raise LaunchError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
+    out: dict[str, str] = {}
+    port_text = env.get("MASTER_PORT", "")
+    if role == "single":
+        out["NNODES"], out["NODE_RANK"] = "1", "0"
+        out["MASTER_ADDR"] = env.get("MASTER_ADDR") or "127.0.0.1"
+        port = free_port() if port_text in ("", "auto") else _port(port_text)
+        _check_port_free(port, script)
+        out["MASTER_PORT"] = str(port)
+        return out
+
+    ips = parse_node_ips(env.get("NODE_IPS", ""))
+    if not ips:
+        raise LaunchError(f"{script or role}: NODE_IPS is not set; give one address per node in "
+                          "node-rank order, e.g. NODE_IPS=\"10.0.0.1 10.0.0.2\"")
+    nnodes = _int_setting(env, "NNODES", len(ips))
+    if nnodes != len(ips):
+        raise LaunchError(f"NNODES={nnodes} but NODE_IPS lists {len(ips)} addresses "
+                          f"({' '.join(ips)}): give exactly one address per node")
+    if nnodes < 2:
+        raise LaunchError(f"NODE_IPS lists one node ({ips[0]}); use run_single_*.sh for one node")
+    check_local = env.get("CHECK_LOCAL_ADDRESS", "1") != "0"
+    rank = _node_rank(role, env, ips, check_local)
+    master_addr = env.get("MASTER_ADDR") or ips[0]
+    if _is_ip(master_addr) and master_addr != ips[0]:
+        raise LaunchError(f"MASTER_ADDR={master_addr} differs from NODE_IPS[0]={ips[0]}: node 0 "
+                          "hosts the rendezvous; leave MASTER_ADDR unset or list the master first")
+    port = _port(port_text or "29500")
+    if role == "master":
+        _check_port_free(port, script)
+    else:
+        wait_for_master(master_addr, port, float(_int_setting(env, "RDZV_TIMEOUT", 300)))
+    out.update(NNODES=str(nnodes), NODE_RANK=str(rank), MASTER_ADDR=master_addr,
+               MASTER_PORT=str(port), NODE_IPS=" ".join(ips))
+    interface = interface_of(ips[rank]) if check_local else None
+    if interface:
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            out[name] = env.get(name) or interface
+    return out
+
+
+def _node_rank(role, env, ips, check_local) -> int:
+    local = [i for i, ip in enumerate(ips) if is_local_address(ip)] if check_local else []
+    here = (f"this machine holds {', '.join(f'NODE_IPS[{i}]={ips[i]}' for i in local)}"
+            if local else "none of NODE_IPS is an address of this machine")
+    rank = _int_setting(env, "NODE_RANK")
+    if role == "master":
+        if rank not in (None, 0):
+            raise LaunchError(f"NODE_RANK={rank}: the master is node 0; run run_worker_*.sh on "
+                              f"node {rank}")
+        rank = 0
+    elif rank is None:
+        if not check_local:
+            raise LaunchError("NODE_RANK is not set (needed with CHECK_LOCAL_ADDRESS=0)")
+        workers = [i for i in local if i > 0]
+        if len(workers) != 1:
+            raise LaunchError(f"cannot tell this worker's NODE_RANK: {here}; set NODE_RANK=1.."
+                              f"{len(ips) - 1} (its address is NODE_IPS[NODE_RANK])")
+        rank = workers[0]
+    elif not 1 <= rank < len(ips):
+        raise LaunchError(f"wrong node rank: NODE_RANK={rank}, but workers are nodes 1.."
+                          f"{len(ips) - 1} of NODE_IPS ({' '.join(ips)}); node 0 is the master")
+    if check_local and role == "master" and 0 not in local:
+        raise LaunchError(f"the master runs on the first node of NODE_IPS ({ips[0]}), but {here}"
+                          "; run run_worker_*.sh here, or list the nodes in node-rank order "
+                          "(CHECK_LOCAL_ADDRESS=0 skips this check where addresses are "
+                          "translated, e.g. NAT)")
+    if check_local and rank not in local:
+        raise LaunchError(f"wrong node rank: NODE_RANK={rank} is NODE_IPS[{rank}]={ips[rank]}, "
+                          f"but {here}. Fix NODE_RANK or NODE_IPS (CHECK_LOCAL_ADDRESS=0 skips "
+                          "this check where the node's address is translated, e.g. NAT)")
+    return rank
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise LaunchError(f"MASTER_PORT={text!r} is not a TCP port (1-65535)")
+    return int(text)
+
+
+def _check_port_free(port: int, script: str) -> None:
+    if port_in_use(port):
+        raise LaunchError(
+            f"MASTER_PORT={port} is already in use on this machine (another run, or one still "
+            f"exiting?): set MASTER_PORT to a free port, e.g. MASTER_PORT={free_port()} "
+            f"{'bash ' + script if script else ''}".rstrip()
+            + " (and give the workers the same)")
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+# (rank, world size, local rank, local world size) variables of each MPI-style launcher
+MPI_FLAVOURS = {
+    "OpenMPI": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    "Cray PALS": ("PALS_RANKID", "PMI_SIZE", "PALS_LOCAL_RANKID", "PALS_LOCAL_SIZE"),
+    "MPICH/Hydra": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    "SLURM srun": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+}
+
+
+def torch_env_from_mpi(env) -> dict[str, str]:
+    """RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK from the launcher's variables.
+
+    MASTER_ADDR/MASTER_PORT must already be set (the launcher script derives them from the
+    host list); without a local world size, one is inferred from PMI_LOCAL_SIZE or
+    GPUS_PER_NODE."""
+    for flavour, (rank_var, size_var, local_var, local_size_var) in MPI_FLAVOURS.items():
+        if rank_var not in env or local_var not in env:
+            continue
+        size = env.get(size_var) or env.get("PMI_SIZE")
+        local_size = (env.get(local_size_var) or env.get("PMI_LOCAL_SIZE")
+                      or env.get("GPUS_PER_NODE"))
+        if not size or not local_size:
+            raise LaunchError(f"{flavour} launch: {size_var} or {local_size_var} is missing "
+                              "(set GPUS_PER_NODE to the ranks per node)")
+        # SLURM writes tasks-per-node as e.g. "4(x2)"
+        local_size = re.match(r"\d+", local_size).group(0)
+        rank, world, local_rank, local_world = (int(env[rank_var]), int(size),
+                                                int(env[local_var]), int(local_size))
+        if not (0 <= rank < world and 0 <= local_rank < local_world):
+            raise LaunchError(f"{flavour} launch: rank {rank}/{world}, local rank "
+                              f"{local_rank}/{local_world} are inconsistent")
+        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not env.get(name)]
+        if missing:
+            raise LaunchError(f"{flavour} launch: {' and '.join(missing)} not set; export them "
+                              "before mpiexec (examples/mpi/run_mpi_gpt.sh does)")
+        return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local_rank),
+                "LOCAL_WORLD_SIZE": str(local_world), "GROUP_RANK": str(rank // local_world),
+                "MASTER_ADDR": env["MASTER_ADDR"], "MASTER_PORT": env["MASTER_PORT"]}
+    raise LaunchError("no MPI rank variables found (looked for "
+                      + ", ".join(f"{v[0]} ({k})" for k, v in MPI_FLAVOURS.items())
+                      + "); start this under mpiexec or srun")
+
+
+def prepare_data_cache(model: str, trainer_argv: list[str], world_size: int) -> None:
+    """Build the dataset index files (--data-cache-path) of `trainer_argv` in this process.
+
+    megatron.core builds them on global rank 0 only and the other ranks then read them, which
+    needs a filesystem every node sees; a worker node calls this first so that its ranks find
+    identical files locally (the same flags and seed give the same files)."""
+    from megatron.training.arguments import parse_args
+    from megatron.training.tokenizer import build_tokenizer
+
+    if model == "gpt":
+        from megatron.training.gpt import GPT_TASK as task
+    else:
+        from megatron.training.bert import BERT_TASK as task
+    args = parse_args(trainer_argv, world_size=world_size)
+    if args.mock_data:
+        return
+    tokenizer = build_tokenizer(
+        args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
+        tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
+    )
+    task.build_datasets(args, tokenizer)
+
+
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|")
+FIELD = re.compile(r"([a-zA-Z /()]+?): ([-+0-9.Ee]+)(?: \||$)")
+
+
+def read_iterations(lines) -> list[dict[str, float]]:
+    """The numeric fields of each Megatron iteration log line, e.g. 'lm loss', 'tokens/s'."""
+    rows = []
+    for line in lines:
+        match = ITERATION.search(line)
+        if not match:
+            continue
+        fields = {"iteration": float(match.group(1))}
+        for name, value in FIELD.findall(line[match.end():]):
+            fields[name.strip()] = float(value)
+        rows.append(fields)
+    return rows
+
+
+def summarize(lines) -> str | None:
+    """One line: mean tokens/s (first logged interval left out as warm-up) and the losses."""
+    rows = [row for row in read_iterations(lines) if "tokens/s" in row]
+    if not rows:
+        return None
+    steady = rows[1:] or rows
+    tokens = sum(row["tokens/s"] for row in steady) / len(steady)
+    first, last = int(steady[0]["iteration"]), int(steady[-1]["iteration"])
+    span = f"iteration {first}" if first == last else f"iterations {first}-{last}"
+    text = f"throughput: {tokens:.0f} tokens/s (mean over logged {span})"
+    if "lm loss" in rows[0]:
+        text += f"; lm loss {rows[0]['lm loss']:.4f} -> {rows[-1]['lm loss']:.4f}"
+    return text
+
+
+def _main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron.training.launch",
+                                     description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    check = commands.add_parser("preflight", help="check node settings; print shell exports")
+    check.add_argument("--role", required=True, choices=ROLES)
+    check.add_argument("--script", default="", help="the calling script, for messages")
+    run = commands.add_parser("mpi-exec", help="map MPI ranks to torch.distributed; exec CMD")
+    run.add_argument("cmd", nargs=argparse.REMAINDER)
+    data = commands.add_parser("prepare-data", help="build this node's dataset index cache")
+    data.add_argument("--model", required=True, choices=["gpt", "bert"])
+    data.add_argument("--world-size", type=int, required=True)
+    data.add_argument("trainer_args", nargs=argparse.REMAINDER)
+    report = commands.add_parser("summarize", help="throughput and losses of a training log")
+    report.add_argument("log")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    try:
+        if args.command == "preflight":
+            exports = preflight(args.role, os.environ, args.script)
+            sys.stdout.write("".join(f"export {k}={shlex.quote(v)}\n" for k, v in exports.items()))
+        elif args.command == "mpi-exec":
+            cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+            if not cmd:
+                parser.error("mpi-exec needs a command, e.g. -- python pretrain_gpt.py ...")
+            os.execvpe(cmd[0], cmd, {**os.environ, **torch_env_from_mpi(os.environ)})
+        elif args.command == "prepare-data":
+            flags = args.trainer_args[1:] if args.trainer_args[:1] == ["--"] else args.trainer_args
+            prepare_data_cache(args.model, flags, args.world_size)
+        else:
+            with open(args.log, encoding="utf-8", errors="replace") as handle:
+                line = summarize(handle)
+            sys.stdout.write((line or "throughput: no iteration line with tokens/s in "
+                              f"{args.log} (the last pipeline stage logs them)") + "\n")
+    except LaunchError as error:
+        log.error("error: %s", error)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

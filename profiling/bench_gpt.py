@@ -1,0 +1,120 @@
+"""Throughput of the GPT of ../shared/GPU.md under several configurations, in one call.
+
+Each configuration is one `torchrun pretrain_gpt.py` run; the script parses Megatron's
+iteration lines (--log-interval 1), drops the warm-up iterations and reports the median
+time per iteration, tokens/s (tokens actually trained), TFLOP/s/GPU and MFU.
+
+    python profiling/bench_gpt.py --out runs/bench --configs local,sdpa,dpp-torch
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger("bench_gpt")
+
+GPT_OF_GPU_MD = [
+    "--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
+    "--seq-length", "2048", "--max-position-embeddings", "2048", "--micro-batch-size", "2",
+    "--bf16", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "50304",
+    "--lr", "1e-4", "--log-interval", "1", "--eval-iters", "0", "--log-throughput",
+    "--pipeline-model-parallel-size", "2",
+]
+
+CONFIGS = {
+    # name: extra flags
+    "local": ["--attention-backend", "local"],
+    "sdpa": [],
+    "dpp-torch": ["--use-dpp", "--dpp-transport", "torch"],
+    "dpp-shm": ["--use-dpp", "--dpp-transport", "shm"],
+    "var-1f1b": ["--seq-length-cv", "0.5"],
+    "var-dpp-torch": ["--seq-length-cv", "0.5", "--use-dpp", "--dpp-transport", "torch"],
+    "var-dpp-shm": ["--seq-length-cv", "0.5", "--use-dpp", "--dpp-transport", "shm"],
+}
+
+LINE = re.compile(
+    r"iteration\s+(\d+)/.*elapsed time per iteration \(ms\): ([\d.]+).*"
+    r"throughput per GPU \(TFLOP/s/GPU\): ([\d.]+)(?:.*MFU: ([\d.]+)%)?.*tokens/s: (\d+)"
+)
+
+
+def run(name: str, flags: list[str], args, out: Path) -> dict:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.gpus}",
+        f"--master_port={args.port}", "pretrain_gpt.py", *GPT_OF_GPU_MD,
+        "--global-batch-size", str(2 * args.microbatches),
+        "--train-iters", str(args.warmup + args.iters), *flags,
+    ]
+    started = time.time()
+    log_path = out / f"{name}.log"
+    with open(log_path, "w") as log_file:
+        try:
+            returncode = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT,
+                                        env=os.environ.copy(), timeout=args.timeout).returncode
+        except subprocess.TimeoutExpired:
+            returncode = "timeout"
+    text = log_path.read_text()
+    rows = [m.groups() for m in LINE.finditer(text)]
+    if returncode != 0 or not rows:
+        return {"name": name, "error": f"exit {returncode}", "tail": text[-3000:]}
+    measured = [r for r in rows if int(r[0]) > args.warmup]
+    ms = statistics.median(float(r[1]) for r in measured)
+    tokens = statistics.median(float(r[4]) for r in measured)
+    return {
+        "name": name, "flags": " ".join(flags), "ms_per_iter": ms,
+        "tokens_per_s": tokens,
+        "tflops_per_gpu": statistics.median(float(r[2]) for r in measured),
+        "mfu_percent": statistics.median(float(r[3]) for r in measured) if measured[0][3] else None,
+        "iterations": len(measured), "wall_s": round(time.time() - started, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--configs", default="local,sdpa,dpp-torch")
+    parser.add_argument("--microbatches", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--port", type=int, default=29533)
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per configuration")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for name in args.configs.split(","):
+        results.append(run(name, CONFIGS[name], args, out))
+        log.info(json.dumps(results[-1]))
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+    base = {r["name"]: r for r in results if "error" not in r}
+    header = f"{'config':16s} {'ms/iter':>9s} {'tokens/s':>10s} {'TFLOP/s/GPU':>12s} {'MFU%':>6s}"
+    lines = [header]
+    for r in results:
+        if "error" in r:
+            lines.append(f"{r['name']:16s} FAILED ({r['error']})")
+            continue
+        lines.append(f"{r['name']:16s} {r['ms_per_iter']:9.1f} {r['tokens_per_s']:10.0f} "
+                     f"{r['tflops_per_gpu']:12.1f} {r['mfu_percent'] or 0:6.1f}")
+    for a, b in (("sdpa", "local"), ("dpp-torch", "sdpa"), ("dpp-shm", "sdpa"),
+                 ("dpp-shm", "dpp-torch"), ("var-dpp-torch", "var-1f1b"),
+                 ("var-dpp-shm", "var-1f1b")):
+        if a in base and b in base:
+            lines.append(f"{a} / {b}: {base[a]['tokens_per_s'] / base[b]['tokens_per_s']:.3f}x")
+    table = "\n".join(lines)
+    (out / "table.txt").write_text(table + "\n")
+    sys.stdout.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

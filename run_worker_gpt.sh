@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# A worker node of a multi-node GPT run started by run_master_gpt.sh.
+# Settings come from environment variables (listed with their defaults in
+# examples/launch_common.sh and docs/launching.md); extra arguments are passed to
+# pretrain_gpt.py after the scripts' own flags. Outputs go to RUN_DIR (runs/gpt-worker).
+#   NODE_IPS="10.0.0.1 10.0.0.2" bash run_worker_gpt.sh   # NODE_RANK found from NODE_IPS
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/examples/launch_common.sh"
+dpp_launch gpt worker "$@"
