@@ -39,6 +39,7 @@ def one_step(trainer, schedule, num_microbatches: int, forward_only: bool = Fals
     """Losses ([loss sum, tokens] per microbatch on the last stage) and gradients of one
     forward/backward over the first global batch."""
     import torch
+
     from megatron.training.training import data_iterators
 
     for chunk in trainer.model:

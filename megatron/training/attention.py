@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import math
 
-import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,10 +24,14 @@ from megatron.core.num_microbatches_calculator import (
 )
 
 from megatron.training import checkpointing, metrics
-from megatron.training.arguments import parse_args
+from megatron.training.arguments import ArgumentError, parse_args
 from megatron.training.data import MicroBatchIterator, microbatch_lengths
 from megatron.training.initialize import initialize_distributed, setup_logging
-from megatron.training.models import build_model_chunks, transformer_config_from_args
+from megatron.training.models import (
+    build_model_chunks,
+    transformer_config_from_args,
+    use_transformer_engine,
+)
 from megatron.training.optimizer import build_optimizer, build_scheduler, wrap_model_chunks
 from megatron.training.tokenizer import build_tokenizer
 
@@ -66,7 +71,12 @@ class Trainer:
 
 
 def pretrain(task: ModelTask, argv=None, extra_args_provider=None) -> checkpointing.TrainingState:
-    args = parse_args(argv, extra_args_provider)
+    try:
+        args = parse_args(argv, extra_args_provider)
+    except ArgumentError as error:
+        # one readable message and argparse's exit status, not a traceback
+        sys.stderr.write(f"{sys.argv[0]}: {error}\n")
+        raise SystemExit(2) from None
     with contextlib.ExitStack() as stack:
         trainer = setup(task, args, stack)
         train(trainer)
@@ -91,9 +101,10 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     if args.load:
         state = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler, args)
     datasets = task.build_datasets(args, tokenizer)
-    log.info("%s: %d parameters on this rank, %d model chunk(s), schedule %s",
+    log.info("%s: %d parameters on this rank, %d model chunk(s), schedule %s, layers %s",
              task.name, sum(p.numel() for c in model for p in c.parameters()), len(model),
-             "DPP" if args.use_dpp else "megatron-core")
+             "DPP" if args.use_dpp else "megatron-core",
+             "Transformer Engine" if use_transformer_engine(args) else "megatron.core + SDPA")
     schedule = forward_backward_func(args)
     if hasattr(schedule, "close"):
         stack.callback(schedule.close)
