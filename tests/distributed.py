@@ -44,7 +44,11 @@ def _entry(rank, world_size, port, fn, args, results, env):
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(world_size: int, fn, *args, timeout: float = DEFAULT_TIMEOUT, env=None):
+def run_ranks(world_size: int, fn, *args, timeout: float = DEFAULT_TIMEOUT, env=None,
+              reporting=None):
+    """`reporting`: the ranks whose results to wait for (default all; a test that kills a
+    rank on purpose waits only for the survivors)."""
+    reporting = list(range(world_size)) if reporting is None else list(reporting)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -57,7 +61,7 @@ def run_ranks(world_size: int, fn, *args, timeout: float = DEFAULT_TIMEOUT, env=
     outputs: dict[int, object] = {}
     failures = []
     try:
-        for _ in range(world_size):
+        for _ in reporting:
             rank, ok, value = results.get(timeout=timeout)
             if ok:
                 import torch
@@ -74,4 +78,4 @@ def run_ranks(world_size: int, fn, *args, timeout: float = DEFAULT_TIMEOUT, env=
                 proc.join()
     if failures:
         raise AssertionError("\n".join(failures))
-    return [outputs[r] for r in range(world_size)]
+    return [outputs[r] for r in reporting]

@@ -52,6 +52,12 @@ BAD_VALUES = {
     "dpp_without_pipeline": (dict(use_dpp=True), 1,
                              ["--use-dpp", "--pipeline-model-parallel-size"]),
     "save_interval_without_save": (dict(save_interval=5), 1, ["--save-interval 5", "--save"]),
+    "dpp_with_param_gather_overlap": (
+        dict(use_dpp=True, pipeline_model_parallel_size=2, overlap_param_gather=True), 2,
+        ["--overlap-param-gather", "--use-dpp"]),
+    "dpp_over_rdma_not_wired": (
+        dict(use_dpp=True, pipeline_model_parallel_size=2, dpp_transport="rdma"), 2,
+        ["--dpp-transport rdma", "not wired"]),
 }
 
 

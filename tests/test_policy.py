@@ -191,6 +191,24 @@ def test_forward_only_runs_forwards_in_table_order_without_cap():
     assert policy.in_flight == 8 <= policy.cap
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_forward_only_with_slack_never_offers_a_backward(rank):
+    """Evaluation with the default slack: out-of-plan choices must stay forwards (a
+    backward offered here once crashed the runtime's forward-only calls)."""
+    stage = StageConfig(rank, 2, num_chunks=2, num_microbatches=4, slack=2, forward_only=True)
+    policy = GreedyPolicy(stage)
+    rng = random.Random(rank)
+    order = []
+    while not policy.finished:
+        task = policy.next_task(lambda task: rng.random() < 0.5)
+        if task is None:
+            continue
+        assert task.kind == FORWARD
+        policy.complete(task)
+        order.append(task)
+    assert sorted(order) == sorted(static_order(stage))
+
+
 def run_plan_prefix(policy, tasks):
     for task in tasks:
         assert policy.next_task(lambda t: True) == task

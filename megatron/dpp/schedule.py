@@ -24,6 +24,7 @@ from megatron.core.pipeline_parallel.schedules import (
 from megatron.core.utils import get_model_config
 
 from megatron.dpp.policy import BACKWARD, FORWARD, GreedyPolicy, StageConfig, Task
+from megatron.dpp.tracing import NullTracer
 from megatron.dpp.transport.channel import MessageKey, MessageKind
 from megatron.dpp.transport.pipeline import PipelineTransport
 
@@ -81,6 +82,7 @@ class DppSchedule:
         self.options = options or DppOptions()
         self._transport: PipelineTransport | None = None
         self._coordinator: _TaskCoordinator | None = None
+        self.tracer = NullTracer()  # the trainer installs a Tracer under --trace
 
     def close(self) -> None:
         if self._transport is not None:
@@ -144,6 +146,7 @@ class _Iteration:
         self.num_microbatches = num_microbatches
         self.transport = schedule._transport
         self.coordinator = schedule._coordinator
+        self.tracer = schedule.tracer
         self.pipeline = schedule._pipeline
         self.pp_size = len(self.pipeline)
         self.rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -170,7 +173,8 @@ class _Iteration:
                     self._backward(task)
                 if self.coordinator.deciding:
                     self.policy.complete(task)
-        self.transport.flush()
+        with self.tracer.span("send"):
+            self.transport.flush()
         if not self.forward_only:
             if self.config.grad_sync_func is not None:
                 syncs = _per_chunk(self.config.grad_sync_func, self.num_chunks)
@@ -188,14 +192,18 @@ class _Iteration:
     def _next(self) -> Task:
         """The next task; blocks on the inbox while nothing is ready."""
         if not self.coordinator.deciding:
-            return self.coordinator.share(None)
+            with self.tracer.span("recv_wait"):
+                return self.coordinator.share(None)
         inbox = self.transport.inbox
-        while True:
-            version = inbox.version
-            task = self.policy.next_task(self._arrived)
-            if task is not None:
-                return self.coordinator.share(task)
-            inbox.wait(version, self.transport.timeout)
+        version = inbox.version
+        task = self.policy.next_task(self._arrived)
+        if task is None:
+            with self.tracer.span("recv_wait"):
+                while task is None:
+                    inbox.wait(version, self.transport.timeout)
+                    version = inbox.version
+                    task = self.policy.next_task(self._arrived)
+        return self.coordinator.share(task)
 
     def _arrived(self, task: Task) -> bool:
         return self.transport.inbox.has(_input_key(task))
@@ -208,6 +216,7 @@ class _Iteration:
         virtual = self._virtual_stage(chunk)
         last = virtual == self.num_chunks * self.pp_size - 1
         input_tensor = None
+        span = self.tracer.start("forward", microbatch, chunk)
         if virtual > 0:
             input_tensor = self.transport.take(_input_key(task))
             if not self.forward_only:
@@ -227,13 +236,15 @@ class _Iteration:
             vp_stage=chunk if self.num_chunks > 1 else None,
             is_last_stage=last,
         )
+        self.tracer.stop(span)
         self.total_num_tokens += num_tokens
         if not last:
             next_rank = self.pipeline[(self.rank + 1) % self.pp_size]
             next_chunk = chunk if self.rank < self.pp_size - 1 else chunk + 1
-            self.transport.send(
-                next_rank, MessageKey(MessageKind.ACTIVATION, next_chunk, microbatch), output
-            )
+            with self.tracer.span("send", microbatch, chunk):
+                self.transport.send(
+                    next_rank, MessageKey(MessageKind.ACTIVATION, next_chunk, microbatch), output
+                )
         if not self.forward_only:
             self.saved[(chunk, microbatch)] = (input_tensor, output)
             if not last:
@@ -244,6 +255,7 @@ class _Iteration:
         virtual = self._virtual_stage(chunk)
         last = virtual == self.num_chunks * self.pp_size - 1
         input_tensor, output = self.saved.pop((chunk, microbatch))
+        span = self.tracer.start("backward", microbatch, chunk)
         output_grad = None if last else self.transport.take(_input_key(task))
         if microbatch == self.num_microbatches - 1:
             # the chunk's last backward: let DDP start reducing its gradients
@@ -251,12 +263,15 @@ class _Iteration:
         input_grad = backward_step(
             input_tensor, output, output_grad, ModelType.encoder_or_decoder, self.config
         )
+        self.tracer.stop(span)
         if virtual > 0:
             prev_rank = self.pipeline[(self.rank - 1) % self.pp_size]
             prev_chunk = chunk if self.rank > 0 else chunk - 1
-            self.transport.send(
-                prev_rank, MessageKey(MessageKind.GRADIENT, prev_chunk, microbatch), input_grad
-            )
+            with self.tracer.span("send", microbatch, chunk):
+                self.transport.send(
+                    prev_rank, MessageKey(MessageKind.GRADIENT, prev_chunk, microbatch),
+                    input_grad,
+                )
 
 
 def _input_key(task: Task) -> MessageKey:

@@ -182,6 +182,12 @@ def _io_args(g):
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--log-throughput", action="store_true")
     g.add_argument("--timing-log-level", type=int, default=0)
+    g.add_argument("--trace", action="store_true",
+                   help="record per-rank pipeline spans (docs/profiling.md)")
+    g.add_argument("--trace-dir", default=None,
+                   help="where --trace writes trace-rank<R>.jsonl (default: traces)")
+    g.add_argument("--trace-iters", type=int, nargs="+", default=None, metavar="N",
+                   help="iterations to trace, counted from 1 (default: all)")
 
 
 def _dpp_args(g):
@@ -259,6 +265,7 @@ def validate_args(args, world_size: int) -> None:
     _validate_schedule(args, need)
     _validate_data(args, need)
     _validate_dpp(args, need)
+    _validate_trace(args, need)
 
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False
@@ -388,6 +395,12 @@ def _validate_dpp(args, need):
     if args.use_dpp:
         need(args.pipeline_model_parallel_size > 1,
              "--use-dpp needs --pipeline-model-parallel-size > 1 (nothing to schedule otherwise)")
+        need(not args.overlap_param_gather,
+             "--overlap-param-gather is not supported with --use-dpp (the dynamic order has no "
+             "fixed first forward per chunk to gather parameters before)")
+        need(args.dpp_transport != "rdma",
+             "--dpp-transport rdma: the RDMA channel is compiled but not wired into the "
+             "schedule yet; use --dpp-transport auto or torch")
     if args.multi_node:
         need(bool(args.node_ips), "--multi-node needs --node-ips ADDR [ADDR ...]")
     if args.node_ips:
@@ -399,6 +412,13 @@ def _validate_dpp(args, need):
             need(nnodes == len(args.node_ips),
                  f"--node-ips lists {len(args.node_ips)} addresses but the job has {nnodes} "
                  f"nodes (WORLD_SIZE {args.world_size} / LOCAL_WORLD_SIZE {local})")
+
+
+def _validate_trace(args, need):
+    for flag, value in (("--trace-dir", args.trace_dir), ("--trace-iters", args.trace_iters)):
+        need(args.trace or value is None, f"{flag} needs --trace")
+    bad = [n for n in args.trace_iters or [] if n < 1]
+    need(not bad, f"--trace-iters {' '.join(map(str, bad))}: iterations count from 1")
 
 
 def _is_number(text: str) -> bool:

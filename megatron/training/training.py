@@ -12,7 +12,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from megatron.core.num_microbatches_calculator import (
     RampupBatchsizeNumMicroBatchesCalculator,
 )
 
+from megatron.dpp import tracing
 from megatron.training import checkpointing, metrics
 from megatron.training.arguments import ArgumentError, parse_args
 from megatron.training.data import MicroBatchIterator, microbatch_lengths
@@ -63,6 +64,7 @@ class Trainer:
     datasets: tuple
     state: checkpointing.TrainingState
     schedule: Callable
+    tracer: object = field(default_factory=tracing.NullTracer)  # --trace: see start_tracing
 
     @property
     def reporting(self) -> bool:
@@ -165,12 +167,24 @@ def data_iterators(trainer: Trainer, dataset, consumed_samples: int):
     return iterators if len(iterators) > 1 else iterators[0]
 
 
+def start_tracing(trainer: Trainer) -> None:
+    """--trace: a Tracer for this rank, fed by the DPP schedule itself or, for megatron.core's
+    schedules, through config.timers (which also reports the grad sync under DPP)."""
+    trainer.tracer = tracing.open_tracer(trainer.args, trainer.device, len(trainer.model))
+    timers = trainer.tracer.megatron_timers(label_compute=not trainer.args.use_dpp)
+    if timers is not None:
+        trainer.config.timers = timers
+    if hasattr(trainer.schedule, "tracer"):
+        trainer.schedule.tracer = trainer.tracer
+
+
 def train_step(trainer: Trainer, iterator) -> dict:
     args = trainer.args
+    num_microbatches = trainer.batch_calculator.get()
+    trainer.tracer.begin_iteration(trainer.state.iteration + 1, num_microbatches)
     for chunk in trainer.model:
         chunk.zero_grad_buffer()
     trainer.optimizer.zero_grad()
-    num_microbatches = trainer.batch_calculator.get()
     losses = trainer.schedule(
         forward_step_func=trainer.task.make_forward_step(args, trainer.device),
         data_iterator=iterator,
@@ -181,7 +195,9 @@ def train_step(trainer: Trainer, iterator) -> dict:
         decoder_seq_length=args.seq_length,
         forward_only=False,
     )
-    updated, grad_norm, _ = trainer.optimizer.step()
+    with trainer.tracer.span("optimizer"):
+        updated, grad_norm, _ = trainer.optimizer.step()
+    trainer.tracer.end_iteration()
     batch = trainer.batch_calculator.get_current_global_batch_size()
     if updated:
         trainer.scheduler.step(increment=batch)
@@ -239,6 +255,7 @@ def train(trainer: Trainer) -> None:
     peak = metrics.peak_tflops(torch.cuda.get_device_name() if torch.cuda.is_available() else "")
     for chunk in trainer.model:
         chunk.train()
+    start_tracing(trainer)
     nan_iterations = 0
     interval_start, interval_tokens, interval_flops, interval_iters = time.perf_counter(), 0, 0.0, 0
     while state.iteration < args.train_iters:
@@ -258,6 +275,8 @@ def train(trainer: Trainer) -> None:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             elapsed = (time.perf_counter() - interval_start) / interval_iters
+            # per-rank memory: one tiny all-gather per log interval, only when asked for
+            peaks = tracing.gather_peak_memory(trainer.device) if args.log_throughput else None
             if trainer.reporting:
                 stats = metrics.IterationStats(
                     iteration=state.iteration, train_iters=args.train_iters,
@@ -271,6 +290,8 @@ def train(trainer: Trainer) -> None:
                     flops=interval_flops / interval_iters, peak_tflops=peak,
                 )
                 log.info(stats.line(args.log_throughput))
+                if peaks is not None:
+                    log.info(tracing.memory_line(peaks, trainer.device))
                 board.scalars(state.iteration, {**{f"train/{k}": v for k, v in losses.items()},
                                                 "train/lr": stats.lr,
                                                 "train/ms_per_iter": stats.elapsed_ms})
@@ -295,4 +316,5 @@ def train(trainer: Trainer) -> None:
     if args.save and (not args.save_interval or state.iteration % args.save_interval != 0):
         checkpointing.save_checkpoint(args.save, trainer.model, trainer.optimizer,
                                       trainer.scheduler, state, args)
+    trainer.tracer.close()
     board.close()
