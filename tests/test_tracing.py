@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
+from megatron.dpp import tracing
 from megatron.dpp.simulate import CostModel, compare, write_trace
-from megatron.training import tracing
 from profiling import aggregate, plot_timeline, report
 from tests.distributed import run_ranks
 from tests.trainer_runs import TINY, train_runs, with_flags
