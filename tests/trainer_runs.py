@@ -124,7 +124,8 @@ def train_runs(rank, runs, world_size, task_name="gpt", repeat=None):
     return results
 
 
-def _destroy_model_parallel_only() -> None:
+def _destroy_model_parallel_only(exc_type=None, exc=None, traceback=None) -> bool:
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
+    return False

@@ -62,7 +62,7 @@ def initialize_distributed(args, stack: contextlib.ExitStack) -> torch.device:
             f"world size changed between argument parsing ({args.world_size}) and "
             f"rendezvous ({dist.get_world_size()})"
         )
-    stack.callback(_shutdown)
+    stack.push(_shutdown)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -86,7 +86,10 @@ def set_seeds(seed: int, use_gpu: bool) -> None:
     )
 
 
-def _shutdown() -> None:
-    if dist.is_initialized():
+def _shutdown(exc_type, exc, traceback) -> bool:
+    """Leave the job cleanly after success. After an error, skip it: tearing down NCCL
+    while a peer still waits in a collective hangs, and the launcher ends the peers."""
+    if exc_type is None and dist.is_initialized():
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+    return False

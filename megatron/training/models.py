@@ -4,6 +4,7 @@ and an initialisation that does not depend on the parallel layout."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import logging
 import zlib
 
@@ -62,7 +63,7 @@ def transformer_config_from_args(args) -> TransformerConfig:
         # on CPU for no gain there, so only on GPU
         bias_activation_fusion=args.swiglu and not args.no_bias_gelu_fusion and on_gpu,
         bias_dropout_fusion=not args.no_bias_dropout_fusion and on_gpu,
-        masked_softmax_fusion=not args.no_masked_softmax_fusion,
+        masked_softmax_fusion=not args.no_masked_softmax_fusion and _fused_softmax_available(),
         apply_residual_connection_post_layernorm=args.apply_residual_connection_post_layernorm,
         attention_softmax_in_fp32=args.attention_softmax_in_fp32,
         fp32_residual_connection=args.fp32_residual_connection,
@@ -92,6 +93,15 @@ def transformer_config_from_args(args) -> TransformerConfig:
         # megatron-core's validation asks for this whenever variable_seq_lengths is on
         kwargs["moe_token_dispatcher_type"] = "alltoall"
     return TransformerConfig(**kwargs)
+
+
+def _fused_softmax_available() -> bool:
+    """megatron.core's fused softmax imports these compiled kernels (built by apex or
+    Megatron-LM); without them its fusion path fails at the first forward."""
+    return all(
+        importlib.util.find_spec(name) is not None
+        for name in ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda")
+    )
 
 
 def _with_sdpa(spec: ModuleSpec) -> ModuleSpec:
