@@ -104,7 +104,13 @@ class PipelineTransport:
         """Every stage of this pipeline has finished the previous schedule call: message keys
         repeat from call to call, and a stage that never waits (forward-only) must not run
         a whole call ahead."""
-        dist.barrier(group=self.barrier_group)
+        try:
+            dist.barrier(group=self.barrier_group)
+        except RuntimeError as error:
+            ranks = dist.get_process_group_ranks(self.barrier_group)
+            raise TransportError(
+                f"a pipeline peer (ranks {ranks}) failed or disconnected before this schedule "
+                f"call: {error}") from error
 
     def take(self, key: MessageKey) -> torch.Tensor:
         return self.inbox.take(key, self.timeout)
