@@ -7,9 +7,9 @@ fills derived values and stops with one message naming every inconsistent flag.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 
+from megatron.training.launch import is_ip_address
 from megatron.training.tokenizer import TOKENIZER_TYPES
 
 
@@ -405,7 +405,7 @@ def _validate_dpp(args, need):
         need(bool(args.node_ips), "--multi-node needs --node-ips ADDR [ADDR ...]")
     if args.node_ips:
         for ip in args.node_ips:
-            need(_is_address(ip), f"--node-ips: '{ip}' is not an IP address")
+            need(is_ip_address(ip), f"--node-ips: '{ip}' is not an IP address")
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
         if local > 0:
             nnodes = args.world_size // local
@@ -424,14 +424,6 @@ def _validate_trace(args, need):
 def _is_number(text: str) -> bool:
     try:
         float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _is_address(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
     except ValueError:
         return False
     return True

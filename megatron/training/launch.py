@@ -163,7 +163,7 @@ def preflight(role: str, env, script: str = "") -> dict[str, str]:
     check_local = env.get("CHECK_LOCAL_ADDRESS", "1") != "0"
     rank = _node_rank(role, env, ips, check_local)
     master_addr = env.get("MASTER_ADDR") or ips[0]
-    if _is_ip(master_addr) and master_addr != ips[0]:
+    if is_ip_address(master_addr) and master_addr != ips[0]:
         raise LaunchError(f"MASTER_ADDR={master_addr} differs from NODE_IPS[0]={ips[0]}: node 0 "
                           "hosts the rendezvous; leave MASTER_ADDR unset or list the master first")
     port = _port(port_text or "29500")
@@ -228,7 +228,7 @@ def _check_port_free(port: int, script: str) -> None:
             + " (and give the workers the same)")
 
 
-def _is_ip(text: str) -> bool:
+def is_ip_address(text: str) -> bool:
     try:
         ipaddress.ip_address(text)
     except ValueError:

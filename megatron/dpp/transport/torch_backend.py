@@ -137,7 +137,6 @@ class TorchRecvChannel(RecvChannel):
     def __init__(self, edge: Edge, groups: _Groups, device: torch.device, inbox: Inbox):
         self.edge, self.groups, self.device, self.inbox = edge, groups, device, inbox
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._closed = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"dpp-recv-{edge.src}->{edge.dst}", daemon=True
         )
@@ -161,8 +160,6 @@ class TorchRecvChannel(RecvChannel):
             self.inbox.fail(TransportError(
                 f"pipeline peer rank {src} failed or disconnected while this rank waited for "
                 f"its {self.edge.kind.name.lower()} messages: {error}"))
-        finally:
-            self._closed.set()
 
     def _receive_payload(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         numel = 1
