@@ -30,15 +30,31 @@ GPT_OF_GPU_MD = [
     "--pipeline-model-parallel-size", "2",
 ]
 
+# megatron-core as it runs without apex / TE, only the core attention swapped for SDPA:
+# ../shared/GPU.md's "SDPA-only" configuration
+MEGATRON_FALLBACKS = ["--batch-p2p-sync", "--megatron-optimizer-fallbacks", "--no-bias-gelu-fusion"]
+FUSED = ["--cross-entropy-loss-fusion", "--decoder-first-pipeline-num-layers", "13"]
+M32 = ["--global-batch-size", "64"]
+
 CONFIGS = {
-    # name: extra flags
-    "local": ["--attention-backend", "local"],
+    # name: extra flags (a later --global-batch-size overrides --microbatches)
+    "local": ["--attention-backend", "local", *MEGATRON_FALLBACKS],
     "sdpa": [],
     "dpp-torch": ["--use-dpp", "--dpp-transport", "torch"],
     "dpp-shm": ["--use-dpp", "--dpp-transport", "shm"],
     "var-1f1b": ["--seq-length-cv", "0.5"],
     "var-dpp-torch": ["--seq-length-cv", "0.5", "--use-dpp", "--dpp-transport", "torch"],
     "var-dpp-shm": ["--seq-length-cv", "0.5", "--use-dpp", "--dpp-transport", "shm"],
+    # issue 9's steps, each adding one change to the previous
+    "sdpa-only": MEGATRON_FALLBACKS,
+    "step1-p2p-nosync": ["--megatron-optimizer-fallbacks", "--no-bias-gelu-fusion"],
+    "step2-optimizer": ["--no-bias-gelu-fusion"],
+    "step3-bias-gelu": [],
+    "step4-xent": FUSED[:1],
+    "step5-split": FUSED,
+    "fast-m32": [*FUSED, *M32],
+    "fast-m32-dpp-shm": [*FUSED, *M32, "--use-dpp", "--dpp-transport", "shm"],
+    "fast-m32-dpp-torch": [*FUSED, *M32, "--use-dpp", "--dpp-transport", "torch"],
 }
 
 LINE = re.compile(
@@ -47,12 +63,30 @@ LINE = re.compile(
 )
 
 
+def observer_flags(name: str, args, out: Path) -> list[str]:
+    """--trace / --profile for the measured iterations (they perturb the timings a little:
+    take throughput from a run without them)."""
+    first, end = args.warmup + 1, args.warmup + args.iters + 1
+    flags = []
+    if args.trace:  # the last iteration only: the median of the others stays untouched
+        flags += ["--trace", "--trace-dir", str(out / f"trace-{name}"),
+                  "--trace-iters", str(end - 1)]
+    if args.profile:
+        flags += ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(first),
+                  "--profile-step-end", str(end), "--profile-ranks",
+                  *map(str, range(args.gpus)), "--profile-dir", str(out / f"profile-{name}")]
+    return flags
+
+
 def run(name: str, flags: list[str], args, out: Path) -> dict:
+    # --find-syncs: the same run under profiling/find_syncs.py (device syncs per call site)
+    wrapper = ["profiling/find_syncs.py", "--out", str(out / f"syncs-{name}")] if (
+        args.find_syncs) else []
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.gpus}",
-        f"--master_port={args.port}", "pretrain_gpt.py", *GPT_OF_GPU_MD,
+        f"--master_port={args.port}", *wrapper, "pretrain_gpt.py", *GPT_OF_GPU_MD,
         "--global-batch-size", str(2 * args.microbatches),
-        "--train-iters", str(args.warmup + args.iters), *flags,
+        "--train-iters", str(args.warmup + args.iters), *flags, *observer_flags(name, args, out),
     ]
     started = time.time()
     log_path = out / f"{name}.log"
@@ -88,13 +122,19 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--port", type=int, default=29533)
     parser.add_argument("--timeout", type=float, default=300, help="seconds per configuration")
+    parser.add_argument("--trace", action="store_true", help="--trace the last iteration")
+    parser.add_argument("--profile", action="store_true",
+                        help="torch.profiler over the measured iterations, every rank")
+    parser.add_argument("--find-syncs", action="store_true",
+                        help="count device syncs per call site (slows the run)")
+    parser.add_argument("--extra", default="", help="flags added to every configuration")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for name in args.configs.split(","):
-        results.append(run(name, CONFIGS[name], args, out))
+        results.append(run(name, CONFIGS[name] + args.extra.split(), args, out))
         log.info(json.dumps(results[-1]))
         (out / "results.json").write_text(json.dumps(results, indent=1))
     base = {r["name"]: r for r in results if "error" not in r}
@@ -106,7 +146,8 @@ def main() -> None:
             continue
         lines.append(f"{r['name']:16s} {r['ms_per_iter']:9.1f} {r['tokens_per_s']:10.0f} "
                      f"{r['tflops_per_gpu']:12.1f} {r['mfu_percent'] or 0:6.1f}")
-    for a, b in (("sdpa", "local"), ("dpp-torch", "sdpa"), ("dpp-shm", "sdpa"),
+    for a, b in (("sdpa", "local"), ("step5-split", "local"), ("fast-m32", "sdpa-only"),
+                 ("fast-m32-dpp-shm", "fast-m32"), ("fast-m32-dpp-torch", "fast-m32"), ("dpp-torch", "sdpa"), ("dpp-shm", "sdpa"),
                  ("dpp-shm", "dpp-torch"), ("var-dpp-torch", "var-1f1b"),
                  ("var-dpp-shm", "var-1f1b")):
         if a in base and b in base:

@@ -58,6 +58,68 @@ BAD_VALUES = {
     "dpp_over_rdma_not_wired": (
         dict(use_dpp=True, pipeline_model_parallel_size=2, dpp_transport="rdma"), 2,
         ["--dpp-transport rdma", "not wired"]),
+    # uneven pipeline split (megatron-core's rules for num_layers_in_first/last_pipeline_stage)
+    "uneven_rest_not_divisible": (
+        dict(num_layers=5, pipeline_model_parallel_size=3, decoder_first_pipeline_num_layers=2),
+        3, ["--num-layers 5 minus --decoder-first-pipeline-num-layers 2 leaves 3 layers for the "
+            "2 remaining stages of --pipeline-model-parallel-size 3", "divide evenly"]),
+    "uneven_leaves_a_stage_empty": (
+        dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=4), 2,
+        ["--decoder-first-pipeline-num-layers 4 leaves 0 layers", "at least one layer each"]),
+    "uneven_more_than_num_layers": (
+        dict(pipeline_model_parallel_size=3, decoder_first_pipeline_num_layers=3,
+             decoder_last_pipeline_num_layers=2), 3,
+        ["minus --decoder-last-pipeline-num-layers 2 leaves -1 layers"]),
+    "uneven_first_and_last_must_add_up": (
+        dict(num_layers=5, pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=2,
+             decoder_last_pipeline_num_layers=2), 2,
+        ["--decoder-first-pipeline-num-layers 2 and --decoder-last-pipeline-num-layers 2 must "
+         "add up to --num-layers 5"]),
+    "uneven_zero_layers": (
+        dict(pipeline_model_parallel_size=2, decoder_last_pipeline_num_layers=0), 2,
+        ["--decoder-last-pipeline-num-layers 0 must be >= 1"]),
+    "uneven_without_pipeline": (
+        dict(decoder_first_pipeline_num_layers=4), 1,
+        ["--decoder-first-pipeline-num-layers 4", "--pipeline-model-parallel-size > 1"]),
+    "uneven_with_accounting": (
+        dict(pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=3,
+             account_for_loss_in_pipeline_split=True), 2,
+        ["--decoder-first-pipeline-num-layers 3 and --account-for-loss-in-pipeline-split are "
+         "mutually exclusive"]),
+    "uneven_first_vs_vpp": (
+        dict(num_layers=6, pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=3,
+             virtual_pipeline_model_parallel_size=2, global_batch_size=4), 2,
+        ["--decoder-first-pipeline-num-layers 3 is not divisible by "
+         "--virtual-pipeline-model-parallel-size 2",
+         "3 per stage is not divisible by --virtual-pipeline-model-parallel-size 2"]),
+    "uneven_rest_per_stage_vs_vpp": (
+        dict(num_layers=8, pipeline_model_parallel_size=3, decoder_first_pipeline_num_layers=2,
+             virtual_pipeline_model_parallel_size=2, global_batch_size=6), 3,
+        ["leaves 6 layers for the 2 remaining stages", "3 per stage is not divisible by "
+         "--virtual-pipeline-model-parallel-size 2"]),
+    "uneven_first_and_last_with_vpp_on_two_stages": (
+        dict(num_layers=8, pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=4,
+             decoder_last_pipeline_num_layers=4, virtual_pipeline_model_parallel_size=2,
+             global_batch_size=4), 2,
+        ["--decoder-first-pipeline-num-layers 4 and --decoder-last-pipeline-num-layers 4 with "
+         "--virtual-pipeline-model-parallel-size 2 and --pipeline-model-parallel-size 2",
+         "give only one"]),
+    "uneven_with_layers_per_chunk": (
+        dict(num_layers=6, pipeline_model_parallel_size=2, decoder_first_pipeline_num_layers=4,
+             num_layers_per_virtual_pipeline_stage=1, global_batch_size=4), 2,
+        ["--num-layers-per-virtual-pipeline-stage 1 cannot be combined with "
+         "--decoder-first-pipeline-num-layers", "--virtual-pipeline-model-parallel-size"]),
+    "embedding_in_split_vs_pp": (
+        dict(pipeline_model_parallel_size=2, account_for_embedding_in_pipeline_split=True), 2,
+        ["--num-layers 4 + 1 (--account-for-embedding-in-pipeline-split) is not divisible by "
+         "--pipeline-model-parallel-size 2"]),
+    "embedding_and_loss_in_split_vs_pp_x_vpp": (
+        dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+             account_for_embedding_in_pipeline_split=True,
+             account_for_loss_in_pipeline_split=True, global_batch_size=4), 2,
+        ["--num-layers 4 + 1 (--account-for-embedding-in-pipeline-split) + 1 "
+         "(--account-for-loss-in-pipeline-split) is not divisible by "
+         "--pipeline-model-parallel-size 2 x --virtual-pipeline-model-parallel-size 2"]),
 }
 
 
@@ -101,6 +163,66 @@ def test_derived_values():
     assert args.num_microbatches == 4
     assert args.virtual_pipeline_model_parallel_size == 2
     assert args.ffn_hidden_size == 4 * 32 and args.kv_channels == 8
+
+
+UNEVEN_ACCEPTED = {
+    # name: (flag overrides, world size, virtual pipeline size after validation)
+    "first_of_two": (dict(num_layers=3, pipeline_model_parallel_size=2,
+                          decoder_first_pipeline_num_layers=2), 2, None),
+    "last_of_two": (dict(pipeline_model_parallel_size=2, decoder_last_pipeline_num_layers=1),
+                    2, None),
+    "first_and_last_of_two": (dict(pipeline_model_parallel_size=2,
+                                   decoder_first_pipeline_num_layers=3,
+                                   decoder_last_pipeline_num_layers=1), 2, None),
+    "first_and_last_of_four": (dict(num_layers=8, pipeline_model_parallel_size=4,
+                                    decoder_first_pipeline_num_layers=1,
+                                    decoder_last_pipeline_num_layers=1, global_batch_size=8),
+                               4, None),
+    "first_with_vpp": (dict(num_layers=6, pipeline_model_parallel_size=2,
+                            decoder_first_pipeline_num_layers=4,
+                            virtual_pipeline_model_parallel_size=2, global_batch_size=4), 2, 2),
+    "first_and_last_with_vpp_on_four": (
+        dict(num_layers=8, pipeline_model_parallel_size=4, decoder_first_pipeline_num_layers=2,
+             decoder_last_pipeline_num_layers=2, virtual_pipeline_model_parallel_size=2,
+             global_batch_size=8), 4, 2),
+    "embedding_in_split": (dict(num_layers=3, pipeline_model_parallel_size=2,
+                                account_for_embedding_in_pipeline_split=True), 2, None),
+    "embedding_and_loss_in_split_per_chunk": (
+        dict(num_layers=6, pipeline_model_parallel_size=2,
+             num_layers_per_virtual_pipeline_stage=2,
+             account_for_embedding_in_pipeline_split=True,
+             account_for_loss_in_pipeline_split=True, global_batch_size=4), 2, 2),
+}
+
+
+@pytest.mark.parametrize("case", list(UNEVEN_ACCEPTED))
+def test_uneven_pipeline_split_accepted(case):
+    """Accepted combinations also pass megatron-core's TransformerConfig checks, and its
+    layer placement gives every layer to exactly one (virtual) stage, in order."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from megatron.training.models import transformer_config_from_args
+
+    overrides, world, vpp = UNEVEN_ACCEPTED[case]
+    args = parse_args(with_flags(BASE, **overrides), world_size=world)
+    assert args.virtual_pipeline_model_parallel_size == vpp
+    config = transformer_config_from_args(args)
+    assert config.num_layers_in_first_pipeline_stage == args.decoder_first_pipeline_num_layers
+    assert config.num_layers_in_last_pipeline_stage == args.decoder_last_pipeline_num_layers
+    assert config.account_for_embedding_in_pipeline_split == \
+        args.account_for_embedding_in_pipeline_split
+    placed = []
+    for vp_stage in range(vpp or 1):
+        for pp_rank in range(args.pipeline_model_parallel_size):
+            where = dict(vp_stage=vp_stage if vpp else None, pp_rank=pp_rank)
+            offset = get_transformer_layer_offset(config, **where)
+            placed += range(offset, offset + get_num_layers_to_build(config, **where))
+    assert placed == list(range(args.num_layers))
+    if args.decoder_first_pipeline_num_layers:
+        first = [get_num_layers_to_build(config, vp_stage=v if vpp else None, pp_rank=0)
+                 for v in range(vpp or 1)]
+        assert sum(first) == args.decoder_first_pipeline_num_layers
 
 
 # Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh, sizes scaled down, TP 8 -> 1,

@@ -70,6 +70,14 @@ CASES = {
     "pp2_vpp2": (2, 4, 8, ["--pipeline-model-parallel-size", "2",
                            "--virtual-pipeline-model-parallel-size", "2",
                            "--no-batch-p2p-comm"]),
+    # uneven split: layers 1-3 on the first stage, layer 4 + output layer and loss on the last
+    "pp2_uneven": (2, 4, 8, ["--pipeline-model-parallel-size", "2",
+                             "--decoder-first-pipeline-num-layers", "3"]),
+    # chunks [1,2] [4,5] on the first stage, [3] [6] on the last
+    "pp2_vpp2_uneven": (2, 6, 8, ["--pipeline-model-parallel-size", "2",
+                                  "--virtual-pipeline-model-parallel-size", "2",
+                                  "--decoder-first-pipeline-num-layers", "4",
+                                  "--no-batch-p2p-comm"]),
     "pp4": (4, 4, 12, ["--pipeline-model-parallel-size", "4"]),
     "pp4_vpp2": (4, 8, 16, ["--pipeline-model-parallel-size", "4",
                             "--virtual-pipeline-model-parallel-size", "2"]),
@@ -78,12 +86,19 @@ CASES = {
     "dp2_pp2": (4, 4, 16, ["--pipeline-model-parallel-size", "2"]),
 }
 
+# global layer numbers (from 1) each pipeline rank holds where the split is uneven
+STAGE_LAYERS = {"pp2_uneven": [[1, 2, 3], [4]], "pp2_vpp2_uneven": [[1, 2, 4, 5], [3, 6]]}
+
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_dpp_equals_core_and_no_pipelining(case):
     world, layers, batch, extra = CASES[case]
     flags = _flags(layers, batch, *extra, "--dpp-transport", "torch")
     results = run_ranks(world, compare_schedules, flags, world)
+    if case in STAGE_LAYERS:
+        held = [sorted({int(name.split(".")[1]) for name in r["dpp"][1]
+                        if name.startswith("layers.")}) for r in results]
+        assert held == STAGE_LAYERS[case]
     _check_dpp_matches_core(results)
     _check_against_reference(results, _reference(layers, batch), "dpp")
 

@@ -64,6 +64,9 @@ def _model_args(g):
     g.add_argument("--no-masked-softmax-fusion", action="store_true")
     g.add_argument("--no-bias-gelu-fusion", action="store_true")
     g.add_argument("--no-bias-dropout-fusion", action="store_true")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="megatron-core's fused cross-entropy (GPU; torch.compile'd kernels)")
+    g.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native", "te"])
     g.add_argument("--use-flash-attn", action="store_true")
     g.add_argument(
         "--attention-backend", default="auto",
@@ -110,6 +113,9 @@ def _batch_and_schedule_args(g):
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--megatron-optimizer-fallbacks", action="store_true",
+                   help="keep megatron-core's no-apex grad-norm/scale loops and foreach Adam "
+                        "(default: torch foreach norm/scale, fused Adam on GPU)")
     g.add_argument("--sgd-momentum", type=float, default=0.9)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--recompute-activations", action="store_true")
@@ -135,6 +141,17 @@ def _parallel_args(g):
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="transformer layers on the first pipeline stage; the others share "
+                        "the rest evenly (default: even split over all stages)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="transformer layers on the last pipeline stage; the others share "
+                        "the rest evenly (default: even split over all stages)")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="count the embedding as one layer when splitting layers over stages")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="count the output layer and loss as one layer when splitting layers "
+                        "over stages")
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
@@ -145,6 +162,9 @@ def _parallel_args(g):
     g.add_argument("--local-rank", "--local_rank", type=int, default=None)
     g.add_argument("--no-batch-p2p-comm", action="store_true",
                    help="megatron-core schedules: unbatched p2p (needed for PP=2 with VPP)")
+    g.add_argument("--batch-p2p-sync", action="store_true",
+                   help="megatron-core schedules: synchronise the device after each batched "
+                        "p2p exchange (an old PyTorch workaround; it stalls the host each time)")
 
 
 def _data_args(g):
@@ -188,6 +208,15 @@ def _io_args(g):
                    help="where --trace writes trace-rank<R>.jsonl (default: traces)")
     g.add_argument("--trace-iters", type=int, nargs="+", default=None, metavar="N",
                    help="iterations to trace, counted from 1 (default: all)")
+    g.add_argument("--profile", action="store_true",
+                   help="profile iterations [--profile-step-start, --profile-step-end)")
+    g.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="--profile with torch.profiler (else cudaProfilerStart/Stop for nsys)")
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0])
+    g.add_argument("--profile-dir", default=None,
+                   help="torch.profiler output (default: --tensorboard-dir, else profile)")
 
 
 def _dpp_args(g):
@@ -283,29 +312,88 @@ def validate_args(args, world_size: int) -> None:
 
 def _validate_virtual_pipeline(args, need):
     pp = args.pipeline_model_parallel_size
-    layers = args.num_layers
     vpp = args.virtual_pipeline_model_parallel_size
     per_stage = args.num_layers_per_virtual_pipeline_stage
-    need(layers % pp == 0,
-         f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    uneven = {flag: value for flag, value in (
+        ("--decoder-first-pipeline-num-layers", args.decoder_first_pipeline_num_layers),
+        ("--decoder-last-pipeline-num-layers", args.decoder_last_pipeline_num_layers),
+    ) if value is not None}
     if per_stage is not None:
         need(pp > 1, "--num-layers-per-virtual-pipeline-stage needs "
              "--pipeline-model-parallel-size > 1")
+    if uneven:
+        need(per_stage is None,
+             f"--num-layers-per-virtual-pipeline-stage {per_stage} cannot be combined with "
+             f"{' and '.join(uneven)} (the stages hold different numbers of layers); give "
+             "--virtual-pipeline-model-parallel-size (chunks per stage) instead")
+        _validate_uneven_split(args, need, uneven, vpp if vpp is not None and vpp > 1 else None)
+        per_stage = None
+    # the embedding and the output layer + loss count as one layer each where asked to
+    accounted = [flag for flag, on in (
+        ("--account-for-embedding-in-pipeline-split", args.account_for_embedding_in_pipeline_split),
+        ("--account-for-loss-in-pipeline-split", args.account_for_loss_in_pipeline_split),
+    ) if on]
+    layers = args.num_layers + len(accounted)
+    counted = f"--num-layers {args.num_layers}" + "".join(f" + 1 ({flag})" for flag in accounted)
+    if not uneven:
+        need(layers % pp == 0,
+             f"{counted} is not divisible by --pipeline-model-parallel-size {pp}")
+    if per_stage is not None:
         need(layers % (pp * per_stage) == 0,
-             f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+             f"{counted} is not divisible by --pipeline-model-parallel-size {pp} x "
              f"--num-layers-per-virtual-pipeline-stage {per_stage}")
         derived = max(1, layers // (pp * per_stage))
         need(vpp is None or vpp == derived,
              f"--virtual-pipeline-model-parallel-size {vpp} contradicts "
              f"--num-layers-per-virtual-pipeline-stage {per_stage} ({derived} chunks)")
         vpp = derived
-    elif vpp is not None:
+    elif vpp is not None and not uneven:
         need(layers % (pp * vpp) == 0,
-             f"--num-layers {layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+             f"{counted} is not divisible by --pipeline-model-parallel-size {pp} x "
              f"--virtual-pipeline-model-parallel-size {vpp}")
     if vpp is not None and vpp <= 1:
         vpp = None
     args.virtual_pipeline_model_parallel_size = vpp
+
+
+def _validate_uneven_split(args, need, uneven: dict, vpp):
+    """--decoder-first/last-pipeline-num-layers: megatron-core's rules for an uneven split
+    (TransformerConfig.__post_init__, get_num_layers_to_build, get_transformer_layer_offset).
+    The stages without a given count share the remaining layers evenly, and with virtual
+    stages every stage's count divides into `vpp` equal chunks."""
+    pp, layers = args.pipeline_model_parallel_size, args.num_layers
+    given = " and ".join(f"{flag} {value}" for flag, value in uneven.items())
+    need(pp > 1, f"{given}: an uneven split needs --pipeline-model-parallel-size > 1")
+    for flag, on in (
+        ("--account-for-embedding-in-pipeline-split", args.account_for_embedding_in_pipeline_split),
+        ("--account-for-loss-in-pipeline-split", args.account_for_loss_in_pipeline_split),
+    ):
+        need(not on, f"{given} and {flag} are mutually exclusive")
+    for flag, value in uneven.items():
+        need(value >= 1, f"{flag} {value} must be >= 1")
+        need(vpp is None or value % vpp == 0,
+             f"{flag} {value} is not divisible by --virtual-pipeline-model-parallel-size {vpp}")
+    if pp <= 1 or min(uneven.values()) < 1:
+        return
+    rest_layers = layers - sum(uneven.values())
+    rest_stages = pp - len(uneven)
+    if rest_stages == 0:
+        need(rest_layers == 0, f"{given} must add up to --num-layers {layers}: "
+             f"--pipeline-model-parallel-size {pp} has no other stage")
+        # megatron-core 0.16.1's layer offset then divides by the zero middle stages
+        need(vpp is None, f"{given} with --virtual-pipeline-model-parallel-size {vpp} and "
+             f"--pipeline-model-parallel-size {pp}: megatron-core cannot place the layers "
+             "when both are given; give only one of the two")
+        return
+    minus = " minus ".join(f"{flag} {value}" for flag, value in uneven.items())
+    left = (f"--num-layers {layers} minus {minus} leaves {rest_layers} layers for the "
+            f"{rest_stages} remaining stages of --pipeline-model-parallel-size {pp}")
+    even = rest_layers > 0 and rest_layers % rest_stages == 0
+    need(even, f"{left}: they must divide evenly, at least one layer each")
+    if even and vpp is not None:
+        per_stage = rest_layers // rest_stages
+        need(per_stage % vpp == 0, f"{left}: {per_stage} per stage is not divisible by "
+             f"--virtual-pipeline-model-parallel-size {vpp}")
 
 
 def _validate_batch(args, need):
@@ -419,6 +507,9 @@ def _validate_trace(args, need):
         need(args.trace or value is None, f"{flag} needs --trace")
     bad = [n for n in args.trace_iters or [] if n < 1]
     need(not bad, f"--trace-iters {' '.join(map(str, bad))}: iterations count from 1")
+    need(1 <= args.profile_step_start < args.profile_step_end,
+         f"--profile-step-start {args.profile_step_start} and --profile-step-end "
+         f"{args.profile_step_end}: need 1 <= start < end (iterations count from 1)")
 
 
 def _is_number(text: str) -> bool:

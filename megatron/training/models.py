@@ -60,8 +60,10 @@ def transformer_config_from_args(args) -> TransformerConfig:
         gated_linear_unit=args.swiglu,
         activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
         # the fused bias ops go through torch.compile: seconds of compilation per process
-        # on CPU for no gain there, so only on GPU
-        bias_activation_fusion=args.swiglu and not args.no_bias_gelu_fusion and on_gpu,
+        # on CPU for no gain there, so only on GPU. As in Megatron-LM, the fused GeLU is
+        # the tanh approximation (differs from the exact GeLU by < 5e-4)
+        bias_activation_fusion=(not args.no_bias_gelu_fusion and on_gpu
+                                and (args.swiglu or not args.disable_bias_linear)),
         bias_dropout_fusion=not args.no_bias_dropout_fusion and on_gpu,
         masked_softmax_fusion=not args.no_masked_softmax_fusion and _fused_softmax_available(),
         apply_residual_connection_post_layernorm=args.apply_residual_connection_post_layernorm,
@@ -70,6 +72,10 @@ def transformer_config_from_args(args) -> TransformerConfig:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
         sequence_parallel=args.sequence_parallel,
         fp16=args.fp16,
         bf16=args.bf16,
@@ -80,6 +86,9 @@ def transformer_config_from_args(args) -> TransformerConfig:
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         batch_p2p_comm=not args.no_batch_p2p_comm,
+        batch_p2p_sync=args.batch_p2p_sync,
+        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+        cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
         deallocate_pipeline_outputs=True,
         variable_seq_lengths=args.seq_length_cv > 0,
         # megatron's own initialisation also tags tensor-parallel weights (partition dim,

@@ -24,7 +24,7 @@ from megatron.core.num_microbatches_calculator import (
 )
 
 from megatron.dpp import tracing
-from megatron.training import checkpointing, metrics
+from megatron.training import checkpointing, metrics, no_apex
 from megatron.training.arguments import ArgumentError, parse_args
 from megatron.training.data import MicroBatchIterator, microbatch_lengths
 from megatron.training.initialize import initialize_distributed, setup_logging
@@ -34,6 +34,7 @@ from megatron.training.models import (
     use_transformer_engine,
 )
 from megatron.training.optimizer import build_optimizer, build_scheduler, wrap_model_chunks
+from megatron.training.profiler import StepProfiler
 from megatron.training.tokenizer import build_tokenizer
 
 log = logging.getLogger("megatron.training")
@@ -96,12 +97,16 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     config = transformer_config_from_args(args)
     chunks = build_model_chunks(args, config, task.build_stage)
     model = wrap_model_chunks(chunks, args, config, device)
+    if not args.megatron_optimizer_fallbacks:
+        stack.enter_context(no_apex.foreach_multi_tensor_ops())
     optimizer = build_optimizer(model, args)
     scheduler = build_scheduler(optimizer, args)
     _install_schedule_hooks(config, model, optimizer, args)
     state = checkpointing.TrainingState()
     if args.load:
         state = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler, args)
+    if not args.megatron_optimizer_fallbacks:
+        no_apex.use_fused_adam(optimizer)
     datasets = task.build_datasets(args, tokenizer)
     log.info("%s: %d parameters on this rank, %d model chunk(s), schedule %s, layers %s",
              task.name, sum(p.numel() for c in model for p in c.parameters()), len(model),
@@ -256,11 +261,14 @@ def train(trainer: Trainer) -> None:
     for chunk in trainer.model:
         chunk.train()
     start_tracing(trainer)
+    profiler = StepProfiler(args, dist.get_rank())
     nan_iterations = 0
     interval_start, interval_tokens, interval_flops, interval_iters = time.perf_counter(), 0, 0.0, 0
     while state.iteration < args.train_iters:
         trainer.batch_calculator.update(state.consumed_samples, True)
+        profiler.step_begin(state.iteration + 1)
         result = train_step(trainer, iterator)
+        profiler.step_end(state.iteration + 1)
         stride = args.micro_batch_size * args.data_parallel_size
         for length in microbatch_lengths(args, state.consumed_samples, result["batch"]):
             interval_tokens += length * stride

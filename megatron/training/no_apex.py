@@ -1,0 +1,87 @@
+"""Faster stand-ins for what megatron-core falls back to when neither apex nor Transformer
+Engine is installed (our GPU machines have neither).
+
+megatron-core's fallbacks walk the parameters in Python: the grad-norm one takes each
+tensor's norm and reads it back to the host (one device sync per parameter), the
+scale/copy one launches two kernels per parameter, and the optimizer is torch's
+multi-kernel foreach Adam. Here the norm and scale use torch's foreach kernels and, on GPU,
+Adam runs as torch's single fused kernel. Results agree with the fallbacks up to
+floating-point summation order (the grad norm) and Adam's fused arithmetic (last bits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from megatron.core import utils as core_utils
+from megatron.core.optimizer import clip_grads
+from megatron.core.optimizer import optimizer as core_optimizer
+
+
+def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """amp_C.multi_tensor_l2norm's contract: ([1] float32 total norm, per-tensor norms)."""
+    tensors = tensor_lists[0]
+    norms = torch._foreach_norm(tensors)
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    return total.reshape(1), (torch.stack(norms) if per_tensor else None)
+
+
+def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """amp_C.multi_tensor_scale's contract: dst = src * scale (dst may be src, or of
+    another dtype: the main-to-model parameter copy)."""
+    sources, targets = tensor_lists[0], tensor_lists[1]
+    if scale != 1.0:
+        sources = torch._foreach_mul(sources, scale)
+    torch._foreach_copy_(targets, sources)
+
+
+@contextlib.contextmanager
+def foreach_multi_tensor_ops():
+    """Swap megatron-core's per-parameter fallbacks for the foreach versions while the
+    trainer runs; apex's or TE's kernels, when megatron-core found them, stay."""
+    replacements = [
+        (clip_grads, "l2_norm_impl", core_utils.local_multi_tensor_l2_norm, foreach_l2_norm),
+        (clip_grads, "multi_tensor_scale_impl", core_utils.local_multi_tensor_scale,
+         foreach_scale),
+        (core_optimizer, "multi_tensor_scale_impl", core_utils.local_multi_tensor_scale,
+         foreach_scale),
+    ]
+    originals = []
+    for module, name, fallback, replacement in replacements:
+        current = getattr(module, name, None)
+        if current is fallback:
+            originals.append((module, name, current))
+            setattr(module, name, replacement)
+    try:
+        yield
+    finally:
+        for module, name, current in originals:
+            setattr(module, name, current)
+
+
+def torch_optimizers(megatron_optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside megatron-core's (possibly chained) optimizer."""
+    inner = getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer])
+    return [o.optimizer for o in inner if getattr(o, "optimizer", None) is not None]
+
+
+def use_fused_adam(megatron_optimizer) -> bool:
+    """Switch torch Adam/AdamW param groups whose parameters all live on the GPU to the
+    fused kernel. Returns whether any group was switched."""
+    switched = False
+    for optimizer in torch_optimizers(megatron_optimizer):
+        if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in optimizer.param_groups:
+            if not all(p.is_cuda and p.dtype == torch.float32 for p in group["params"]):
+                continue
+            group["fused"], group["foreach"] = True, False
+            switched = True
+            # the fused kernel keeps the step count on the device (a resumed state has it
+            # on the host)
+            for param in group["params"]:
+                state = optimizer.state.get(param, {})
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].to(param.device, torch.float32)
+    return switched
