@@ -1,0 +1,198 @@
+"""Measured vs simulated bubble: replay a traced pipeline run's own forward and backward
+durations in the simulator (megatron/dpp/simulate.py) and compare, per iteration and
+stage, the bubble the run had with the bubble the simulator predicts.
+
+    python profiling/sim_compare.py runs/dpp-trace                # schedule from the header
+    python profiling/sim_compare.py runs/1f1b-trace/trace.json --json
+    python profiling/sim_compare.py /tmp/sim.json --schedule dpp --slack 2
+
+The trace is a --trace directory, profiling/aggregate.py's trace.json or a simulator trace.
+Bubble, makespan: profiling/report.py's definitions (1 - busy / makespan; makespan from the
+iteration's first forward/backward start to its last end on any stage). Durations: the
+measured span of every (virtual stage, microbatch), the mean over a stage's ranks (tensor /
+data parallel), so the simulated busy time is the one report.py averages. Latency: the
+median over messages of consumer start minus producer end, counting only consumers whose
+rank was idle when the producer ended (it was waiting for that very input); messages
+between each stage's lowest ranks, which are pipeline peers. Each iteration is simulated
+with its own estimate unless --latency is given. A positive difference: the run idled
+more than the simulator predicts (host overheads, send costs, clock error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the `profiling` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron.dpp.simulate import SCHEDULES, Durations, simulate  # noqa: E402
+from profiling.aggregate import Span, TraceError, load_spans, load_trace  # noqa: E402
+from profiling.plot_timeline import select  # noqa: E402
+from profiling.report import COMPUTE_KINDS, iteration_reports  # noqa: E402
+
+# megatron.dpp.schedule.DEFAULT_SLACK, the runtime's slack without --dpp-max-inflight;
+# copied because importing the schedule pulls in torch and megatron.core (seconds)
+DEFAULT_SLACK = 2
+
+
+def pipeline_shape(trace: dict, compute: list[Span]) -> tuple[int, int]:
+    """(pp_size, num_chunks): from the header of a real run, else from the spans."""
+    meta = trace.get("otherData", {})
+    pp = meta.get("pp_size") or 1 + max(s.stage for s in compute)
+    chunks = meta.get("num_chunks") or 1 + max(s.chunk or 0 for s in compute)
+    return pp, chunks
+
+
+def measured_durations(compute: list[Span], pp: int, chunks: int) -> Durations:
+    """Durations of one iteration: each (kind, virtual stage, microbatch) averaged over the
+    stage's ranks. Raises TraceError when a task is missing or unlabelled."""
+    samples: dict[tuple[str, int, int], list[float]] = defaultdict(list)
+    for span in compute:
+        if span.microbatch is None:
+            raise TraceError(f"iteration {span.iteration}: a {span.kind} on rank {span.rank} "
+                             "has no microbatch label")
+        samples[span.kind, (span.chunk or 0) * pp + span.stage, span.microbatch].append(
+            span.duration)
+    m = 1 + max(key[2] for key in samples)
+    table = {}
+    for kind in COMPUTE_KINDS:
+        table[kind] = [[0.0] * m for _ in range(pp * chunks)]
+        for v in range(pp * chunks):
+            for i in range(m):
+                values = samples.get((kind, v, i))
+                if not values:
+                    raise TraceError(f"iteration {compute[0].iteration}: no {kind} of "
+                                     f"microbatch {i} on virtual stage {v}")
+                table[kind][v][i] = sum(values) / len(values)
+    return Durations(table["forward"], table["backward"], [1.0] * m)
+
+
+def estimate_latency(compute: list[Span], pp: int, chunks: int) -> tuple[float, int]:
+    """(median latency, number of samples) of one iteration; (0.0, 0) with no sample."""
+    lead = select(compute, None)
+    last = pp * chunks - 1
+    ends = {(s.kind, (s.chunk or 0) * pp + s.stage, s.microbatch): s.end for s in lead}
+    gaps = []
+    for stage in {s.stage for s in lead}:
+        idle_since = float("-inf")  # before its first task a rank waits from the start
+        for span in sorted((s for s in lead if s.stage == stage), key=lambda s: s.start):
+            v = (span.chunk or 0) * pp + span.stage
+            # the input of F(v) comes from F(v - 1), that of B(v) from B(v + 1); F(0) and
+            # B(last) read local data
+            source = v - 1 if span.kind == "forward" else v + 1
+            produced = ends.get((span.kind, source, span.microbatch))
+            if 0 <= source <= last and produced is not None and produced > idle_since:
+                gaps.append(span.start - produced)
+            idle_since = span.end
+    if not gaps:
+        return 0.0, 0
+    # clock alignment error can make a gap negative; a latency cannot be
+    return max(0.0, statistics.median(gaps)), len(gaps)
+
+
+def compare(path: str, schedule: str | None = None, slack: int | None = None,
+            latency: float | None = None) -> dict:
+    """Per iteration: measured and simulated makespan and per-stage bubble, plus means."""
+    trace = load_trace(path)
+    spans, iterations = load_spans(trace)
+    header_schedule = trace.get("otherData", {}).get("schedule")
+    schedule = schedule or header_schedule
+    if schedule not in SCHEDULES:
+        said = f"names {header_schedule!r}" if header_schedule else "has none (simulator trace?)"
+        raise TraceError(f"{path}: which schedule? the trace header {said}; give --schedule "
+                         f"({', '.join(SCHEDULES)})")
+    # the header does not record --dpp-max-inflight; DEFAULT_SLACK is the runtime's default
+    slack = (DEFAULT_SLACK if slack is None else slack) if schedule == "dpp" else 0
+    rows = []
+    for report in iteration_reports(spans, iterations):
+        compute = [s for s in spans
+                   if s.iteration == report["iteration"] and s.kind in COMPUTE_KINDS]
+        pp, chunks = pipeline_shape(trace, compute)
+        durations = measured_durations(compute, pp, chunks)
+        estimated, samples = estimate_latency(compute, pp, chunks)
+        used = estimated if latency is None else latency
+        try:
+            result = simulate(schedule, pp, len(durations.microbatch_factor), durations,
+                              num_chunks=chunks, slack=slack, latency=used)
+        except ValueError as error:
+            raise TraceError(f"{path}: iteration {report['iteration']}: {error}") from None
+        stages = [{"stage": row["stage"], "measured_bubble": row["bubble"],
+                   "simulated_bubble": result.bubble[row["stage"]],
+                   "difference_pp": 100.0 * (row["bubble"] - result.bubble[row["stage"]])}
+                  for row in report["stages"]]
+        rows.append({"iteration": report["iteration"], "latency_ms": used,
+                     "latency_samples": samples, "measured_makespan_ms": report["makespan_ms"],
+                     "simulated_makespan_ms": result.makespan, "stages": stages})
+    if not rows:
+        raise TraceError(f"{path}: no forward/backward spans")
+    return {"schedule": schedule, "slack": slack, "iterations": rows, "mean": _mean(rows)}
+
+
+def _mean(rows: list[dict]) -> list[dict]:
+    """Per stage: each number averaged over the iterations."""
+    by_stage: dict[int, list[dict]] = defaultdict(list)
+    for row in rows:
+        for stage in row["stages"]:
+            by_stage[stage["stage"]].append(stage)
+    keys = ("measured_bubble", "simulated_bubble", "difference_pp")
+    return [{"stage": stage, **{k: statistics.fmean(r[k] for r in runs) for k in keys}}
+            for stage, runs in sorted(by_stage.items())]
+
+
+def format_comparison(result: dict) -> str:
+    slack = f" slack {result['slack']}" if result["schedule"] == "dpp" else ""
+    lines = [f"simulated schedule: {result['schedule']}{slack}"]
+    header = "  stage  measured  simulated  difference (points)"
+    for row in result["iterations"]:
+        lines.append(f"iteration {row['iteration']}: makespan measured "
+                     f"{row['measured_makespan_ms']:.2f} ms, simulated "
+                     f"{row['simulated_makespan_ms']:.2f} ms; latency {row['latency_ms']:.3f}"
+                     f" ms ({row['latency_samples']} samples)")
+        lines.append(header)
+        lines += [_stage_line(stage) for stage in row["stages"]]
+    if len(result["iterations"]) > 1:
+        lines.append(f"mean over {len(result['iterations'])} iterations:")
+        lines.append(header)
+        lines += [_stage_line(stage) for stage in result["mean"]]
+    return "\n".join(lines)
+
+
+def _stage_line(row: dict) -> str:
+    return (f"  {row['stage']:5d}  {row['measured_bubble']:8.3f}  "
+            f"{row['simulated_bubble']:9.3f}  {row['difference_pp']:+19.2f}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trace", help="a --trace directory or a Chrome trace JSON file")
+    parser.add_argument("--schedule", choices=SCHEDULES, default=None,
+                        help="schedule to simulate (default: the trace header's)")
+    parser.add_argument("--slack", type=int, default=None,
+                        help=f"dpp: the run's --dpp-max-inflight (default {DEFAULT_SLACK})")
+    parser.add_argument("--latency", type=float, default=None,
+                        help="message latency in ms (default: estimated per iteration)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+    if args.slack is not None and args.slack < 0:
+        parser.error(f"--slack must be >= 0, got {args.slack}")
+    if args.latency is not None and args.latency < 0:
+        parser.error(f"--latency must be >= 0, got {args.latency}")
+    try:
+        result = compare(args.trace, args.schedule, args.slack, args.latency)
+    except TraceError as error:
+        parser.exit(2, f"{parser.prog}: {error}\n")
+    if args.json:
+        json.dump(result, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(format_comparison(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
