@@ -125,7 +125,7 @@ def merge(directory: str) -> dict:
         raise TraceError(f"{directory}: world size {world} but no file for ranks "
                          f"{', '.join(map(str, missing))}")
     meta = {k: first[1][k] for k in ("run_id", "world_size", "pp_size", "num_chunks",
-                                     "schedule", "timing") if k in first[1]}
+                                     "schedule", "dpp_slack", "timing") if k in first[1]}
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": meta}
 
 

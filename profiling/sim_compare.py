@@ -35,8 +35,9 @@ from profiling.aggregate import Span, TraceError, load_spans, load_trace  # noqa
 from profiling.plot_timeline import select  # noqa: E402
 from profiling.report import COMPUTE_KINDS, iteration_reports  # noqa: E402
 
-# megatron.dpp.schedule.DEFAULT_SLACK, the runtime's slack without --dpp-max-inflight;
-# copied because importing the schedule pulls in torch and megatron.core (seconds)
+# megatron.dpp.schedule.DEFAULT_SLACK, the runtime's slack without --dpp-max-inflight, for
+# traces whose header has no "dpp_slack"; copied because importing the schedule pulls in
+# torch and megatron.core (seconds)
 DEFAULT_SLACK = 2
 
 
@@ -106,8 +107,13 @@ def compare(path: str, schedule: str | None = None, slack: int | None = None,
         said = f"names {header_schedule!r}" if header_schedule else "has none (simulator trace?)"
         raise TraceError(f"{path}: which schedule? the trace header {said}; give --schedule "
                          f"({', '.join(SCHEDULES)})")
-    # the header does not record --dpp-max-inflight; DEFAULT_SLACK is the runtime's default
-    slack = (DEFAULT_SLACK if slack is None else slack) if schedule == "dpp" else 0
+    # the run's slack from the header; traces written before it was recorded there ran
+    # with the runtime's default
+    if schedule != "dpp":
+        slack = 0
+    elif slack is None:
+        recorded = trace.get("otherData", {}).get("dpp_slack")
+        slack = DEFAULT_SLACK if recorded is None else recorded
     rows = []
     for report in iteration_reports(spans, iterations):
         compute = [s for s in spans

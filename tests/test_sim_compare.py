@@ -92,12 +92,14 @@ def test_real_pp2_runs(tmp_path):
     header, and the simulator's bubble is near the measured one. CPU stages idle on host
     work outside the spans (data, sends), so the bound is loose."""
     dirs = {name: str(tmp_path / name) for name in ("dpp", "1f1b")}
-    flags = [with_flags(RUN, trace_dir=dirs["dpp"], use_dpp=True, dpp_transport="torch"),
+    flags = [with_flags(RUN, trace_dir=dirs["dpp"], use_dpp=True, dpp_transport="torch",
+                        dpp_max_inflight=1),
              with_flags(RUN, trace_dir=dirs["1f1b"])]
     run_ranks(2, train_runs, flags, 2)
     for name, directory in dirs.items():
         result = sim_compare.compare(directory)
         assert result["schedule"] == name
+        assert result["slack"] == (1 if name == "dpp" else 0)  # the header's --dpp-max-inflight
         assert [row["iteration"] for row in result["iterations"]] == [2, 3]
         for iteration in result["iterations"]:
             assert iteration["latency_samples"] > 0

@@ -330,8 +330,12 @@ def open_tracer(args, device: torch.device, num_chunks: int) -> Tracer | NullTra
     dist.broadcast(anchor, 0)
     origin_rank0_ns, run_wall_ns = (int(v) for v in anchor.tolist())
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    slack = None
     if args.use_dpp:
+        from megatron.dpp.schedule import DEFAULT_SLACK
+
         schedule = "dpp"
+        slack = DEFAULT_SLACK if args.dpp_max_inflight is None else args.dpp_max_inflight
     else:
         schedule = "interleaved" if num_chunks > 1 else "1f1b" if pp_size > 1 else "none"
     meta = {
@@ -339,7 +343,8 @@ def open_tracer(args, device: torch.device, num_chunks: int) -> Tracer | NullTra
         "stage": parallel_state.get_pipeline_model_parallel_rank(), "pp_size": pp_size,
         "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
         "dp_rank": parallel_state.get_data_parallel_rank(), "num_chunks": num_chunks,
-        "schedule": schedule, "device": str(device), "host": socket.gethostname(),
+        "schedule": schedule, "dpp_slack": slack, "device": str(device),
+        "host": socket.gethostname(),
         "clock_offset_us": offset_ns / 1000.0, "clock_round_trip_us": round_trip_ns / 1000.0,
     }
     directory = args.trace_dir or DEFAULT_DIR
