@@ -208,6 +208,13 @@ def _io_args(g):
                    help="where --trace writes trace-rank<R>.jsonl (default: traces)")
     g.add_argument("--trace-iters", type=int, nargs="+", default=None, metavar="N",
                    help="iterations to trace, counted from 1 (default: all)")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="Python's garbage collector only at start, every "
+                        "--manual-gc-interval iterations and around evaluation")
+    g.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="iterations between collections with --manual-gc (0: none)")
+    g.add_argument("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false",
+                   help="with --manual-gc, no collection around evaluation")
     g.add_argument("--profile", action="store_true",
                    help="profile iterations [--profile-step-start, --profile-step-end)")
     g.add_argument("--use-pytorch-profiler", action="store_true",
@@ -507,6 +514,8 @@ def _validate_trace(args, need):
         need(args.trace or value is None, f"{flag} needs --trace")
     bad = [n for n in args.trace_iters or [] if n < 1]
     need(not bad, f"--trace-iters {' '.join(map(str, bad))}: iterations count from 1")
+    need(args.manual_gc_interval >= 0,
+         f"--manual-gc-interval {args.manual_gc_interval} must be >= 0")
     need(1 <= args.profile_step_start < args.profile_step_end,
          f"--profile-step-start {args.profile_step_start} and --profile-step-end "
          f"{args.profile_step_end}: need 1 <= start < end (iterations count from 1)")

@@ -28,6 +28,7 @@ from megatron.training import checkpointing, metrics, no_apex
 from megatron.training.arguments import ArgumentError, parse_args
 from megatron.training.data import MicroBatchIterator, microbatch_lengths
 from megatron.training.initialize import initialize_distributed, setup_logging
+from megatron.training.manual_gc import ManualGC
 from megatron.training.models import (
     build_model_chunks,
     transformer_config_from_args,
@@ -66,6 +67,7 @@ class Trainer:
     state: checkpointing.TrainingState
     schedule: Callable
     tracer: object = field(default_factory=tracing.NullTracer)  # --trace: see start_tracing
+    collector: ManualGC = field(default_factory=lambda: ManualGC(enabled=False))
 
     @property
     def reporting(self) -> bool:
@@ -115,8 +117,10 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     schedule = forward_backward_func(args)
     if hasattr(schedule, "close"):
         stack.callback(schedule.close)
+    collector = stack.enter_context(
+        ManualGC(args.manual_gc, args.manual_gc_interval, args.manual_gc_eval))
     return Trainer(args, task, device, model, optimizer, scheduler, config,
-                   _batch_calculator(args), datasets, state, schedule)
+                   _batch_calculator(args), datasets, state, schedule, collector=collector)
 
 
 def _padded_vocab_size(vocab_size: int, args) -> int:
@@ -274,6 +278,7 @@ def train(trainer: Trainer) -> None:
             interval_tokens += length * stride
             interval_flops += length * stride * metrics.flops_per_token(args, length)
         state.iteration += 1
+        trainer.collector.after_step(state.iteration)
         state.consumed_samples += result["batch"]
         interval_iters += 1
         losses = result["losses"]
@@ -310,7 +315,8 @@ def train(trainer: Trainer) -> None:
         ):
             consumed = (state.iteration // args.eval_interval - 1) * args.eval_iters * (
                 args.global_batch_size)
-            results = evaluate(trainer, valid_set, consumed)
+            with trainer.collector.evaluation():
+                results = evaluate(trainer, valid_set, consumed)
             if trainer.reporting and results:
                 log.info("validation at iteration %d | %s", state.iteration,
                          " | ".join(f"{k} value: {v:.6E} | {k} PPL: {math.exp(min(v, 20)):.6E}"
