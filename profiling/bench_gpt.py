@@ -56,9 +56,20 @@ CONFIGS = {
     "fast-m32-dpp-shm": [*FUSED, *M32, "--use-dpp", "--dpp-transport", "shm"],
     "fast-m32-dpp-torch": [*FUSED, *M32, "--use-dpp", "--dpp-transport", "torch"],
     "fast-m32-gc": [*FUSED, *M32, "--manual-gc"],
-    "fast-m32-gc-dpp-torch": [*FUSED, *M32, "--manual-gc", "--use-dpp", "--dpp-transport", "torch"],
+    "fast-m32-gc-dpp-torch": [*FUSED, *M32, "--manual-gc", "--use-dpp", "--dpp-transport",
+                              "torch"],
     "fast-m32-gc-dpp-shm": [*FUSED, *M32, "--manual-gc", "--use-dpp", "--dpp-transport", "shm"],
 }
+
+# (a, b): print a's tokens/s over b's when both ran
+RATIOS = (
+    ("sdpa", "local"), ("step5-split", "local"), ("fast-m32", "sdpa-only"),
+    ("fast-m32-dpp-shm", "fast-m32"), ("fast-m32-dpp-torch", "fast-m32"),
+    ("fast-m32-gc", "fast-m32"), ("fast-m32-gc-dpp-torch", "fast-m32-gc"),
+    ("fast-m32-gc-dpp-shm", "fast-m32-gc"), ("fast-m32-gc-dpp-shm", "fast-m32-gc-dpp-torch"),
+    ("dpp-torch", "sdpa"), ("dpp-shm", "sdpa"), ("dpp-shm", "dpp-torch"),
+    ("var-dpp-torch", "var-1f1b"), ("var-dpp-shm", "var-1f1b"),
+)
 
 LINE = re.compile(
     r"iteration\s+(\d+)/.*elapsed time per iteration \(ms\): ([\d.]+).*"
@@ -149,11 +160,7 @@ def main() -> None:
             continue
         lines.append(f"{r['name']:16s} {r['ms_per_iter']:9.1f} {r['tokens_per_s']:10.0f} "
                      f"{r['tflops_per_gpu']:12.1f} {r['mfu_percent'] or 0:6.1f}")
-    for a, b in (("sdpa", "local"), ("step5-split", "local"), ("fast-m32", "sdpa-only"),
-                 ("fast-m32-dpp-shm", "fast-m32"), ("fast-m32-dpp-torch", "fast-m32"), ("fast-m32-gc", "fast-m32"),
-                 ("fast-m32-gc-dpp-torch", "fast-m32-gc"), ("fast-m32-gc-dpp-shm", "fast-m32-gc"), ("dpp-torch", "sdpa"), ("dpp-shm", "sdpa"),
-                 ("dpp-shm", "dpp-torch"), ("var-dpp-torch", "var-1f1b"),
-                 ("var-dpp-shm", "var-1f1b")):
+    for a, b in RATIOS:
         if a in base and b in base:
             lines.append(f"{a} / {b}: {base[a]['tokens_per_s'] / base[b]['tokens_per_s']:.3f}x")
     table = "\n".join(lines)

@@ -12,6 +12,8 @@ from megatron.dpp.policy import (
     StageConfig,
     Task,
     in_flight_profile,
+    plan_extra_warmup,
+    plan_order,
     static_order,
 )
 
@@ -253,3 +255,30 @@ def test_duration_estimates():
     assert policy.estimated_duration(Task(FORWARD, 0, 1)) == 2.0
     model = GreedyPolicy(StageConfig(0, 1), cost_model=lambda t: 7.0)
     assert model.estimated_duration(f0) == 7.0
+
+
+def test_plan_extra_warmup_is_capped_by_stages_after():
+    # extra warmup forwards in the plan: min(slack, stages after this one)
+    assert [plan_extra_warmup(StageConfig(r, 4, slack=2)) for r in range(4)] == [2, 2, 1, 0]
+    assert [plan_extra_warmup(StageConfig(r, 4, slack=0)) for r in range(4)] == [0] * 4
+    assert plan_extra_warmup(StageConfig(0, 4, slack=2, forward_only=True)) == 0
+    for r in range(4):
+        stage = StageConfig(r, 4, num_microbatches=16, slack=2)
+        policy = GreedyPolicy(stage)
+        assert policy.plan == plan_order(stage, plan_extra_warmup(stage))
+        assert policy.cap == min(4 - r, 16) + 2  # the cap keeps the whole slack
+    last = StageConfig(3, 4, num_microbatches=16, slack=2)
+    assert GreedyPolicy(last).plan == static_order(last)
+
+
+@pytest.mark.parametrize("p,m", [(2, 5), (4, 9), (8, 16)])
+def test_last_stage_keeps_megatron_order_with_slack(p, m):
+    """With slack the last stage still alternates F, B like megatron under any arrival
+    order (its backward input is its own loss); running forwards ahead there delayed the
+    backward chain (docs/benchmarks/simulator.md). Fails if the last stage's plan gets
+    the slack's extra warmup forwards again."""
+    rng = random.Random(p + m)
+    for _ in range(3):
+        stages, _, orders = pipeline_run(p, 1, m, 2, rng)
+        assert orders[p - 1] == static_order(stages[p - 1])
+        assert max(in_flight_profile(orders[p - 1])) == 1
