@@ -141,7 +141,8 @@ def main() -> None:
                         help="torch.profiler over the measured iterations, every rank")
     parser.add_argument("--find-syncs", action="store_true",
                         help="count device syncs per call site (slows the run)")
-    parser.add_argument("--extra", default="", help="flags added to every configuration")
+    parser.add_argument("--extra", default="",
+                        help="flags added to every configuration (write --extra='--flag value')")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out = Path(args.out)

@@ -10,15 +10,17 @@ one layer as the difference over the layers added (embedding, output layer and l
 cancel).
 
     python profiling/layer_overhead.py                      # 2 and 6 layers, GPT of GPU.md
-    python profiling/layer_overhead.py --extra "--attention-backend local"
+    python profiling/layer_overhead.py --extra="--no-bias-dropout-fusion"
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -47,7 +49,7 @@ GPT_OF_GPU_MD = [
 SLEEP_CYCLES = 2_000_000_000  # ~1 s on an H200: longer than any host enqueue measured here
 
 
-def measure(layers: int, extra: list[str], repeats: int) -> dict:
+def measure(layers: int, extra: list[str], repeats: int, host_profile: Path | None = None) -> dict:
     args = parse_args([*GPT_OF_GPU_MD, "--num-layers", str(layers), *extra], world_size=1)
     args.padded_vocab_size = args.vocab_size
     config = transformer_config_from_args(args)
@@ -57,11 +59,14 @@ def measure(layers: int, extra: list[str], repeats: int) -> dict:
     tokens = torch.randint(0, args.vocab_size, shape, device="cuda")
     positions = torch.arange(args.seq_length, device="cuda").expand(shape)
     rows = []
+    profile = cProfile.Profile() if host_profile else None
     for attempt in range(repeats + 3):  # 3 warm-ups: torch.compile of the fused ops
         events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
         torch.cuda.synchronize()
         torch.cuda._sleep(SLEEP_CYCLES)
         events[0].record()
+        if profile and attempt >= 3:
+            profile.enable()
         started = time.perf_counter()
         loss = model(tokens, positions, None, labels=tokens).float().mean()
         events[1].record()
@@ -69,6 +74,8 @@ def measure(layers: int, extra: list[str], repeats: int) -> dict:
         loss.backward()
         events[2].record()
         done = time.perf_counter()
+        if profile:
+            profile.disable()
         ahead = not events[0].query()  # the GPU was still asleep: the host never waited
         torch.cuda.synchronize()
         model.zero_grad_buffer()
@@ -80,6 +87,10 @@ def measure(layers: int, extra: list[str], repeats: int) -> dict:
                 "gpu_backward_ms": events[1].elapsed_time(events[2]),
                 "host_ahead": ahead,
             })
+    if profile:
+        # the host's Python functions by their own time (the GPU is asleep meanwhile)
+        with open(host_profile, "w") as stream:
+            pstats.Stats(profile, stream=stream).sort_stats("tottime").print_stats(60)
     del model, chunks
     torch.cuda.empty_cache()
     return {key: (statistics.median(r[key] for r in rows) if key != "host_ahead"
@@ -90,8 +101,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, nargs=2, default=[2, 6])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--extra", default="", help="flags added to the model's")
+    parser.add_argument("--extra", default="",
+                        help="flags added to the model's (write --extra='--flag value')")
     parser.add_argument("--out", default=None, help="also write the result as JSON here")
+    parser.add_argument("--host-profile", default=None, metavar="FILE",
+                        help="cProfile of the deeper model's measured passes (host functions "
+                             "by own time; timings above are then inflated)")
     options = parser.parse_args()
     if not torch.cuda.is_available():
         parser.exit(2, f"{parser.prog}: needs a CUDA GPU\n")
@@ -101,7 +116,9 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         setup = parse_args([*GPT_OF_GPU_MD, "--num-layers", "2"], world_size=1)
         initialize_distributed(setup, stack)
-        low, high = (measure(n, options.extra.split(), options.repeats) for n in options.layers)
+        low = measure(options.layers[0], options.extra.split(), options.repeats)
+        high = measure(options.layers[1], options.extra.split(), options.repeats,
+                       Path(options.host_profile) if options.host_profile else None)
     added = options.layers[1] - options.layers[0]
     per_layer = {key: (high[key] - low[key]) / added for key in low if key != "host_ahead"}
     result = {"layers": options.layers, "extra": options.extra, "low": low, "high": high,
