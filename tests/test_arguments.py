@@ -140,6 +140,13 @@ def test_fp16_with_bf16():
     assert "--fp16 and --bf16" in _error(BASE + ["--fp16", "--bf16"])
 
 
+def test_fused_cross_entropy_needs_bf16():
+    for precision in ([], ["--fp16"]):
+        message = _error(BASE + precision + ["--cross-entropy-loss-fusion"])
+        assert "--cross-entropy-loss-fusion (native) needs --bf16" in message
+    assert parse_args(BASE + ["--bf16", "--cross-entropy-loss-fusion"], world_size=1)
+
+
 def test_node_ips_count_must_match_nodes(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     flags = with_flags(BASE, pipeline_model_parallel_size=2)

@@ -7,6 +7,7 @@ fills derived values and stops with one message naming every inconsistent flag.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 
 from megatron.training.launch import is_ip_address
@@ -428,6 +429,15 @@ def _validate_precision(args, need):
     args.params_dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
     if args.bf16:
         args.accumulate_allreduce_grads_in_fp32 = True
+    # megatron-core's native fused cross-entropy hands back the logits' gradient in bf16
+    need(not args.cross_entropy_loss_fusion or args.cross_entropy_fusion_impl != "native"
+         or args.bf16,
+         "--cross-entropy-loss-fusion (native) needs --bf16: megatron-core's fused "
+         "cross-entropy returns the logits' gradient in bf16, which would round an fp32 or "
+         "fp16 model's gradient silently")
+    need(not args.cross_entropy_loss_fusion or args.cross_entropy_fusion_impl != "te"
+         or importlib.util.find_spec("transformer_engine") is not None,
+         "--cross-entropy-fusion-impl te needs Transformer Engine, which is not importable")
 
 
 def _validate_schedule(args, need):
