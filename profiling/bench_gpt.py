@@ -22,12 +22,15 @@ from pathlib import Path
 
 log = logging.getLogger("bench_gpt")
 
+# the layer shape, precision and data of ../shared/GPU.md's GPT (also profiling/layer_overhead.py)
+GPT_LAYER_FLAGS = [
+    "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048",
+    "--max-position-embeddings", "2048", "--micro-batch-size", "2", "--bf16", "--mock-data",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "50304", "--lr", "1e-4",
+]
 GPT_OF_GPU_MD = [
-    "--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
-    "--seq-length", "2048", "--max-position-embeddings", "2048", "--micro-batch-size", "2",
-    "--bf16", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "50304",
-    "--lr", "1e-4", "--log-interval", "1", "--eval-iters", "0", "--log-throughput",
-    "--pipeline-model-parallel-size", "2",
+    "--num-layers", "24", *GPT_LAYER_FLAGS, "--log-interval", "1", "--eval-iters", "0",
+    "--log-throughput", "--pipeline-model-parallel-size", "2",
 ]
 
 # megatron-core as it runs without apex / TE, only the core attention swapped for SDPA:

@@ -39,18 +39,15 @@ from megatron.training.models import (  # noqa: E402
     transformer_config_from_args,
 )
 from megatron.training.optimizer import wrap_model_chunks  # noqa: E402
+from profiling.bench_gpt import GPT_LAYER_FLAGS  # noqa: E402
 
-GPT_OF_GPU_MD = [
-    "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048",
-    "--max-position-embeddings", "2048", "--micro-batch-size", "2", "--global-batch-size", "2",
-    "--bf16", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "50304",
-    "--lr", "1e-4", "--train-iters", "1",
-]
+# one micro-batch per step: the global batch is the micro-batch
+GPT_FLAGS = [*GPT_LAYER_FLAGS, "--global-batch-size", "2", "--train-iters", "1"]
 SLEEP_CYCLES = 2_000_000_000  # ~1 s on an H200: longer than any host enqueue measured here
 
 
 def measure(layers: int, extra: list[str], repeats: int, host_profile: Path | None = None) -> dict:
-    args = parse_args([*GPT_OF_GPU_MD, "--num-layers", str(layers), *extra], world_size=1)
+    args = parse_args([*GPT_FLAGS, "--num-layers", str(layers), *extra], world_size=1)
     args.padded_vocab_size = args.vocab_size
     config = transformer_config_from_args(args)
     chunks = build_model_chunks(args, config, build_gpt_stage)
@@ -114,7 +111,7 @@ def main() -> None:
                         ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29561")):
         os.environ.setdefault(name, value)
     with contextlib.ExitStack() as stack:
-        setup = parse_args([*GPT_OF_GPU_MD, "--num-layers", "2"], world_size=1)
+        setup = parse_args([*GPT_FLAGS, "--num-layers", "2"], world_size=1)
         initialize_distributed(setup, stack)
         low = measure(options.layers[0], options.extra.split(), options.repeats)
         high = measure(options.layers[1], options.extra.split(), options.repeats,

@@ -18,7 +18,7 @@ class ManualGC(contextlib.AbstractContextManager):
         self.enabled = enabled
         self.interval = interval
         self.around_eval = around_eval
-        self._was_enabled = gc.isenabled()
+        self._was_enabled = True
 
     def __enter__(self):
         if self.enabled:

@@ -31,6 +31,10 @@ def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
     """amp_C.multi_tensor_scale's contract: dst = src * scale (dst may be src, or of
     another dtype: the main-to-model parameter copy)."""
     sources, targets = tensor_lists[0], tensor_lists[1]
+    if all(s is t for s, t in zip(sources, targets, strict=True)):
+        # gradient clipping scales in place: no copy of every gradient
+        torch._foreach_mul_(targets, scale)
+        return
     if scale != 1.0:
         sources = torch._foreach_mul(sources, scale)
     torch._foreach_copy_(targets, sources)
