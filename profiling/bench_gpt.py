@@ -38,6 +38,8 @@ GPT_OF_GPU_MD = [
 MEGATRON_FALLBACKS = ["--batch-p2p-sync", "--megatron-optimizer-fallbacks", "--no-bias-gelu-fusion"]
 FUSED = ["--cross-entropy-loss-fusion", "--decoder-first-pipeline-num-layers", "13"]
 M32 = ["--global-batch-size", "64"]
+M64 = ["--global-batch-size", "128"]
+GRAPHS = ["--cuda-graph-impl", "block"]
 
 CONFIGS = {
     # name: extra flags (a later --global-batch-size overrides --microbatches)
@@ -62,6 +64,14 @@ CONFIGS = {
     "fast-m32-gc-dpp-torch": [*FUSED, *M32, "--manual-gc", "--use-dpp", "--dpp-transport",
                               "torch"],
     "fast-m32-gc-dpp-shm": [*FUSED, *M32, "--manual-gc", "--use-dpp", "--dpp-transport", "shm"],
+    # CUDA graphs of the transformer blocks (megatron/training/cuda_graphs.py)
+    "graphs": [*FUSED, *GRAPHS],
+    "graphs-m32": [*FUSED, *M32, *GRAPHS],
+    "graphs-m32-dpp-torch": [*FUSED, *M32, *GRAPHS, "--use-dpp", "--dpp-transport", "torch"],
+    "graphs-m32-dpp-shm": [*FUSED, *M32, *GRAPHS, "--use-dpp", "--dpp-transport", "shm"],
+    "graphs-m64": [*FUSED, *M64, *GRAPHS],
+    "graphs-m64-dpp-torch": [*FUSED, *M64, *GRAPHS, "--use-dpp", "--dpp-transport", "torch"],
+    "graphs-m64-dpp-shm": [*FUSED, *M64, *GRAPHS, "--use-dpp", "--dpp-transport", "shm"],
 }
 
 # (a, b): print a's tokens/s over b's when both ran
@@ -72,6 +82,11 @@ RATIOS = (
     ("fast-m32-gc-dpp-shm", "fast-m32-gc"), ("fast-m32-gc-dpp-shm", "fast-m32-gc-dpp-torch"),
     ("dpp-torch", "sdpa"), ("dpp-shm", "sdpa"), ("dpp-shm", "dpp-torch"),
     ("var-dpp-torch", "var-1f1b"), ("var-dpp-shm", "var-1f1b"),
+    ("graphs", "step5-split"), ("graphs-m32", "fast-m32"), ("graphs-m32", "sdpa-only"),
+    ("graphs-m32-dpp-torch", "graphs-m32"), ("graphs-m32-dpp-shm", "graphs-m32"),
+    ("graphs-m32-dpp-shm", "graphs-m32-dpp-torch"), ("graphs-m64", "sdpa-only"),
+    ("graphs-m64-dpp-torch", "graphs-m64"), ("graphs-m64-dpp-shm", "graphs-m64"),
+    ("graphs-m64-dpp-shm", "graphs-m64-dpp-torch"),
 )
 
 LINE = re.compile(

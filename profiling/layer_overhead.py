@@ -88,6 +88,7 @@ def measure(layers: int, extra: list[str], repeats: int, host_profile: Path | No
         # the host's Python functions by their own time (the GPU is asleep meanwhile)
         with open(host_profile, "w") as stream:
             pstats.Stats(profile, stream=stream).sort_stats("tottime").print_stats(60)
+        profile.dump_stats(f"{host_profile}.prof")  # for pstats' callers / callees views
     del model, chunks
     torch.cuda.empty_cache()
     return {key: (statistics.median(r[key] for r in rows) if key != "host_ahead"

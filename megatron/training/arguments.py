@@ -123,6 +123,11 @@ def _batch_and_schedule_args(g):
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
     g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
     g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--cuda-graph-impl", default="none",
+                   choices=["none", "block", "local", "transformer_engine"],
+                   help="block: CUDA graphs of each chunk's transformer block, one pair per "
+                        "microbatch in flight, replayed in any order (also with --use-dpp); "
+                        "megatron-core's local / transformer_engine graphs are not supported")
 
 
 def _precision_args(g):
@@ -314,6 +319,7 @@ def validate_args(args, world_size: int) -> None:
         args.distributed_backend = "nccl" if _cuda_available() else "gloo"
     need(args.save_interval is None or args.save is not None,
          f"--save-interval {args.save_interval} needs --save DIR")
+    _validate_cuda_graphs(args, need)
     if problems:
         raise ArgumentError("invalid arguments:\n  " + "\n  ".join(problems))
 
@@ -529,6 +535,28 @@ def _validate_trace(args, need):
     need(1 <= args.profile_step_start < args.profile_step_end,
          f"--profile-step-start {args.profile_step_start} and --profile-step-end "
          f"{args.profile_step_end}: need 1 <= start < end (iterations count from 1)")
+
+
+def _validate_cuda_graphs(args, need):
+    impl = args.cuda_graph_impl
+    need(impl in ("none", "block"),
+         f"--cuda-graph-impl {impl}: megatron-core's graphs replay one fixed microbatch order "
+         "(transformer_engine's also need Transformer Engine); use --cuda-graph-impl block")
+    if impl != "block":
+        return
+    need(_cuda_available(), "--cuda-graph-impl block needs a CUDA GPU; this machine has none")
+    for bad, what in (
+        (args.tensor_model_parallel_size > 1, "--tensor-model-parallel-size > 1 (the graphs "
+         "hold no tensor-parallel collectives)"),
+        (args.sequence_parallel, "--sequence-parallel"),
+        (args.recompute_granularity is not None, "activation recomputation (--recompute-*)"),
+        (args.overlap_grad_reduce, "--overlap-grad-reduce (its bucket hooks are the "
+         "per-parameter hooks the backward graph replaces)"),
+        (args.overlap_param_gather, "--overlap-param-gather (its forward pre-hooks do not "
+         "run inside a replay)"),
+        (args.seq_length_cv > 0, "--seq-length-cv (a graph replays one shape)"),
+    ):
+        need(not bad, f"--cuda-graph-impl block does not support {what}")
 
 
 def _is_number(text: str) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 
+import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
@@ -77,6 +78,14 @@ class SDPAttention(MegatronModule):
         return context.permute(2, 0, 1, 3).reshape(s, b, -1)
 
     def _dropout_rng(self):
-        if self.dropout_p > 0 and self.training and not self.config.sequence_parallel:
+        # megatron's model-parallel RNG swaps the CUDA generator's state, which a CUDA graph
+        # cannot record; graphs run with one tensor-parallel rank only, where the default
+        # generator serves as well (cuda_graphs.py)
+        if (self.dropout_p > 0 and self.training and not self.config.sequence_parallel
+                and not _capturing_cuda_graph()):
             return tensor_parallel.get_cuda_rng_tracker().fork()
         return contextlib.nullcontext()
+
+
+def _capturing_cuda_graph() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -26,6 +26,7 @@ from megatron.core.num_microbatches_calculator import (
 from megatron.dpp import tracing
 from megatron.training import checkpointing, metrics, no_apex
 from megatron.training.arguments import ArgumentError, parse_args
+from megatron.training.cuda_graphs import install_block_graphs
 from megatron.training.data import MicroBatchIterator, microbatch_lengths
 from megatron.training.initialize import initialize_distributed, setup_logging
 from megatron.training.manual_gc import ManualGC
@@ -99,6 +100,8 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     config = transformer_config_from_args(args)
     chunks = build_model_chunks(args, config, task.build_stage)
     model = wrap_model_chunks(chunks, args, config, device)
+    if args.cuda_graph_impl == "block":
+        install_block_graphs(model, args, device)
     if not args.megatron_optimizer_fallbacks:
         stack.enter_context(no_apex.foreach_multi_tensor_ops())
     optimizer = build_optimizer(model, args)

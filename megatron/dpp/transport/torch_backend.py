@@ -119,6 +119,12 @@ class TorchSendChannel(SendChannel):
 
     def _send_one(self, key, tensor, ready) -> None:
         dst = self.edge.dst
+        if ready is not None:
+            # announce only data that exists: the receiver posts its NCCL receive on the
+            # header, and a receive posted early spins on the peer GPU's SMs until the
+            # data comes, slowing its compute (a host running ahead, e.g. replaying CUDA
+            # graphs, would announce a whole iteration early)
+            ready.synchronize()
         dist.send(encode_header(key, tensor), dst, group=self.groups.header)
         if tensor.numel() == 0:
             return

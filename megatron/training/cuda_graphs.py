@@ -1,0 +1,206 @@
+"""CUDA graphs of each model chunk's transformer block, one graph pair per microbatch slot.
+
+The step of a GPT on our GPUs is launch-bound: the host needs longer to issue a layer's
+kernels through megatron-core's Python modules than the GPU needs to run them
+(docs/benchmarks/gpu_mfu_h200_2026-11-22.md). Replaying a recorded graph issues a whole
+block's kernels in one call.
+
+megatron-core's own CUDA graphs (`--cuda-graph-impl local`) record one graph per
+microbatch in the order of its static schedule; the DPP schedule runs microbatches in an
+order known only at run time. Here each block keeps slots instead: a forward takes a free
+slot (recording a new one when all are taken), the microbatch's backward replays that
+slot's backward graph and frees it. Any schedule that runs each microbatch's backward after
+its forward works, and the number of slots is the most microbatches it ever has in flight.
+
+Each slot records into its own memory pool, so its saved activations are never shared with
+another slot's. Its backward graph adds the weight gradients into megatron-core DDP's
+`main_grad` buffers itself (what DDP's per-parameter hooks do eagerly), so parameters are
+not inputs of the replay and no per-parameter hook runs for the block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+
+import torch
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.utils import WrappedTensor
+
+log = logging.getLogger(__name__)
+
+MAX_SLOTS = 64  # more microbatches in flight than any schedule here keeps: a leak
+
+
+class CudaGraphError(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass
+class _Slot:
+    """One microbatch's recorded forward and backward of a block, and their buffers."""
+
+    input: torch.Tensor
+    output: torch.Tensor
+    grad_output: torch.Tensor
+    grad_input: torch.Tensor
+    forward_graph: torch.cuda.CUDAGraph
+    backward_graph: torch.cuda.CUDAGraph
+
+
+class _ReplayBlock(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, graphs, slot, hidden_states):
+        slot.input.copy_(hidden_states)
+        slot.forward_graph.replay()
+        ctx.graphs, ctx.slot = graphs, slot
+        # a new tensor object: the schedules may replace its .data after sending it
+        return slot.output.detach()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        slot = ctx.slot
+        slot.grad_output.copy_(grad_output)
+        slot.backward_graph.replay()
+        ctx.graphs.release(slot)
+        # the slot's next forward may reuse this memory while the gradient is still in a send
+        return None, None, slot.grad_input.clone()
+
+
+class BlockGraphs:
+    """Replaces one TransformerBlock's forward by slot replays where the call allows it."""
+
+    def __init__(self, block: TransformerBlock, shape: tuple[int, ...], dtype: torch.dtype):
+        self.block = block
+        self.shape, self.dtype = torch.Size(shape), dtype
+        self.eager_forward = block.forward
+        # replays read the parameters' storage: updates must stay in place (megatron-core's
+        # optimizers and checkpoint loading copy into it)
+        self.named_params = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
+        missing = [n for n, p in self.named_params if getattr(p, "main_grad", None) is None]
+        if missing:
+            raise CudaGraphError("--cuda-graph-impl block needs megatron-core DDP's main_grad "
+                                 f"buffers; the block's {missing[0]} has none")
+        self.free: list[_Slot] = []
+        self.slots: list[_Slot] = []
+
+    def forward(self, hidden_states, attention_mask, *args, **kwargs):
+        block = self.block
+        x = hidden_states if block.pre_process else block.input_tensor
+        if not self._replayable(x, attention_mask, args, kwargs):
+            return self.eager_forward(hidden_states, attention_mask, *args, **kwargs)
+        slot = self.free.pop() if self.free else self._record(x)
+        return _ReplayBlock.apply(self, slot, x)
+
+    def release(self, slot: _Slot) -> None:
+        self.free.append(slot)
+
+    def _replayable(self, x, attention_mask, args, kwargs) -> bool:
+        # training passes of the configured shape, with nothing but the hidden states
+        return (
+            torch.is_grad_enabled()
+            and self.block.training
+            and isinstance(x, torch.Tensor)
+            and not isinstance(x, WrappedTensor)
+            and x.shape == self.shape
+            and x.dtype == self.dtype
+            and x.requires_grad
+            and attention_mask is None
+            and not args
+            and all(value is None for value in kwargs.values())
+        )
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        block = self.block
+        if block.pre_process:
+            return self.eager_forward(x, None)
+        saved = block.input_tensor
+        block.set_input_tensor(x)
+        try:
+            return self.eager_forward(None, None)
+        finally:
+            block.set_input_tensor(saved)
+
+    def _record(self, sample: torch.Tensor) -> _Slot:
+        if len(self.slots) >= MAX_SLOTS:
+            raise CudaGraphError(
+                f"{MAX_SLOTS} microbatches in flight through one block's CUDA graphs: a "
+                "forward whose backward never ran (each training forward needs its backward)")
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        forward_graph, backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            # the autograd engine syncs with the stream each leaf was first used on; DDP's
+            # parameters were first used on the default stream, which no capture may
+            # touch, so the block records with fresh leaves sharing their storage
+            static_input = sample.detach().clone().requires_grad_(True)
+            aliases = {name: torch.nn.Parameter(p.detach()) for name, p in self.named_params}
+            inputs = (static_input, *aliases.values())
+            with _parameters_replaced(self.block, aliases):
+                # lazy initialisation (cuBLAS workspaces, torch.compile'd fusions) stays
+                # out of the graphs; the gradients of this pass are dropped
+                warm = self._run(static_input)
+                torch.autograd.grad(warm, inputs, torch.zeros_like(warm), allow_unused=True)
+                del warm
+                with _capture(forward_graph, pool):
+                    output = self._run(static_input)
+                grad_output = torch.empty_like(output)
+                with _capture(backward_graph, pool):
+                    grads = torch.autograd.grad(output, inputs, grad_output, allow_unused=True)
+                    for (_, param), grad in zip(self.named_params, grads[1:], strict=True):
+                        if grad is not None:
+                            param.main_grad.add_(grad)
+        torch.cuda.current_stream().wait_stream(side)
+        slot = _Slot(static_input, output.detach(), grad_output, grads[0],
+                     forward_graph, backward_graph)
+        del grads, output
+        self.slots.append(slot)
+        log.info("CUDA graphs: recorded slot %d of a %d-layer block for shape %s",
+                 len(self.slots), len(self.block.layers), tuple(self.shape))
+        return slot
+
+
+@contextlib.contextmanager
+def _parameters_replaced(module: torch.nn.Module, replacements: dict[str, torch.nn.Parameter]):
+    saved = []
+    for name, replacement in replacements.items():
+        owner_name, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        saved.append((owner, leaf, owner._parameters[leaf]))
+        owner._parameters[leaf] = replacement
+    try:
+        yield
+    finally:
+        for owner, leaf, original in saved:
+            owner._parameters[leaf] = original
+
+
+@contextlib.contextmanager
+def _capture(graph: torch.cuda.CUDAGraph, pool):
+    """Record the current (side) stream's work into `graph`. Unlike torch.cuda.graph, no
+    device-wide synchronize first: a stage may have receives pending that only its peer,
+    itself possibly recording, can complete."""
+    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+    try:
+        yield
+    finally:
+        graph.capture_end()
+
+
+def install_block_graphs(model_chunks, args, device: torch.device) -> list[BlockGraphs]:
+    """Give every chunk's transformer block slot-recorded CUDA graphs."""
+    if device.type != "cuda":
+        raise CudaGraphError("--cuda-graph-impl block needs a CUDA device; this run is on "
+                             f"{device.type}")
+    shape = (args.seq_length, args.micro_batch_size, args.hidden_size)
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    installed = []
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            if isinstance(module, TransformerBlock) and len(module.layers) > 0:
+                graphs = BlockGraphs(module, shape, dtype)
+                module.forward = graphs.forward
+                installed.append(graphs)
+    return installed

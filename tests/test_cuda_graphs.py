@@ -1,0 +1,109 @@
+"""`--cuda-graph-impl block`: the flags it refuses, and (on a GPU) that replaying the
+recorded graphs gives the eager model's losses and gradients whatever order the
+microbatches' backwards run in."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from megatron.training.arguments import ArgumentError, parse_args
+from megatron.training.cuda_graphs import CudaGraphError, install_block_graphs
+from tests.distributed import run_ranks
+
+TINY_GPT = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+    "--global-batch-size", "2", "--vocab-size", "128", "--mock-data", "--tokenizer-type",
+    "NullTokenizer", "--lr", "1e-4", "--train-iters", "1", "--hidden-dropout", "0",
+    "--attention-dropout", "0",
+]
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--cuda-graph-impl", "local"], "replay one fixed microbatch order"),
+    (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size > 1"),
+    (["--recompute-activations"], "activation recomputation"),
+    (["--overlap-grad-reduce"], "--overlap-grad-reduce"),
+    (["--seq-length-cv", "0.5"], "--seq-length-cv (a graph replays one shape)"),
+])
+def test_refused_flags_are_named(flags, message):
+    impl = [] if "--cuda-graph-impl" in flags else ["--cuda-graph-impl", "block"]
+    with pytest.raises(ArgumentError, match="cuda-graph-impl") as raised:
+        parse_args([*TINY_GPT, *impl, *flags], world_size=2)
+    assert message in str(raised.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+def test_machine_without_gpu_is_refused():
+    with pytest.raises(ArgumentError, match="--cuda-graph-impl block needs a CUDA GPU"):
+        parse_args([*TINY_GPT, "--cuda-graph-impl", "block"], world_size=1)
+
+
+def test_cpu_device_is_refused_with_the_device_named():
+    args = parse_args(TINY_GPT, world_size=1)
+    with pytest.raises(CudaGraphError, match="needs a CUDA device; this run is on cpu"):
+        install_block_graphs([], args, torch.device("cpu"))
+
+
+def _eager_vs_graphs(rank, dtype_flags, order):
+    from megatron.training.initialize import initialize_distributed
+    from megatron.training.models import (
+        build_gpt_stage,
+        build_model_chunks,
+        transformer_config_from_args,
+    )
+    from megatron.training.optimizer import wrap_model_chunks
+
+    flags = [*TINY_GPT, *dtype_flags, "--distributed-backend", "nccl"]
+    results = {}
+    with contextlib.ExitStack() as stack:
+        device = initialize_distributed(parse_args(flags, world_size=1), stack)
+        generator = torch.Generator().manual_seed(3)
+        batches = [torch.randint(0, 128, (2, 32), generator=generator).to(device)
+                   for _ in order]
+        positions = torch.arange(32, device=device).expand(2, 32)
+        for graphs in (False, True):
+            args = parse_args(flags, world_size=1)
+            args.padded_vocab_size = args.vocab_size
+            config = transformer_config_from_args(args)
+            (model,) = wrap_model_chunks(build_model_chunks(args, config, build_gpt_stage),
+                                         args, config, device)
+            installed = install_block_graphs([model], args, device) if graphs else []
+            steps = []
+            for _ in range(2):  # the second step replays the slots with updated weights
+                losses = [model(tokens, positions, None, labels=tokens).float().mean()
+                          for tokens in batches]
+                for index in order:
+                    losses[index].backward()
+                main_grads = [p.main_grad.clone() for p in model.parameters()]
+                steps.append(([loss.item() for loss in losses], main_grads))
+                with torch.no_grad():
+                    for param, grad in zip(model.parameters(), main_grads, strict=True):
+                        param.add_(grad.to(param.dtype), alpha=-0.5)
+                model.zero_grad_buffer()
+            with torch.no_grad():
+                evaluation = model(batches[0], positions, None, labels=batches[0]).float()
+            results[graphs] = {
+                "steps": [(losses, [g.cpu() for g in grads]) for losses, grads in steps],
+                "evaluation": evaluation.cpu(),
+                "slots": [len(g.slots) for g in installed],
+            }
+    return results
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+@pytest.mark.parametrize("dtype_flags", [[], ["--bf16"]], ids=["fp32", "bf16"])
+def test_graph_replays_equal_eager_in_any_backward_order(dtype_flags):
+    order = [2, 0, 1]  # three microbatches in flight, backwards not in forward order
+    (results,) = run_ranks(1, _eager_vs_graphs, dtype_flags, order)
+    eager, graphs = results[False], results[True]
+    assert graphs["slots"] == [len(order)]  # one slot per microbatch in flight, reused
+    for (eager_losses, eager_grads), (graph_losses, graph_grads) in zip(
+            eager["steps"], graphs["steps"], strict=True):
+        assert graph_losses == eager_losses
+        for eager_grad, graph_grad in zip(eager_grads, graph_grads, strict=True):
+            torch.testing.assert_close(graph_grad, eager_grad, rtol=0, atol=0)
+    torch.testing.assert_close(graphs["evaluation"], eager["evaluation"], rtol=0, atol=0)
