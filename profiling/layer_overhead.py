@@ -31,6 +31,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: the repository root holds `megatron/`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron.training import no_apex  # noqa: E402
 from megatron.training.arguments import parse_args  # noqa: E402
 from megatron.training.initialize import initialize_distributed  # noqa: E402
 from megatron.training.models import (  # noqa: E402
@@ -114,6 +115,7 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         setup = parse_args([*GPT_FLAGS, "--num-layers", "2"], world_size=1)
         initialize_distributed(setup, stack)
+        stack.enter_context(no_apex.weight_grad_accumulation_fusion())
         low = measure(options.layers[0], options.extra.split(), options.repeats)
         high = measure(options.layers[1], options.extra.split(), options.repeats,
                        Path(options.host_profile) if options.host_profile else None)

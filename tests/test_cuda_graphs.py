@@ -49,6 +49,7 @@ def test_cpu_device_is_refused_with_the_device_named():
 
 
 def _eager_vs_graphs(rank, dtype_flags, order):
+    from megatron.training import no_apex
     from megatron.training.initialize import initialize_distributed
     from megatron.training.models import (
         build_gpt_stage,
@@ -61,6 +62,7 @@ def _eager_vs_graphs(rank, dtype_flags, order):
     results = {}
     with contextlib.ExitStack() as stack:
         device = initialize_distributed(parse_args(flags, world_size=1), stack)
+        stack.enter_context(no_apex.weight_grad_accumulation_fusion())
         generator = torch.Generator().manual_seed(3)
         batches = [torch.randint(0, 128, (2, 32), generator=generator).to(device)
                    for _ in order]

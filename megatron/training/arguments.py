@@ -123,6 +123,10 @@ def _batch_and_schedule_args(g):
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
     g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
     g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
+                   action="store_false",
+                   help="add each weight gradient to main_grad in a second kernel instead of "
+                        "in the GEMM (the fusion runs on GPU only)")
     g.add_argument("--cuda-graph-impl", default="none",
                    choices=["none", "block", "local", "transformer_engine"],
                    help="block: CUDA graphs of each chunk's transformer block, one pair per "

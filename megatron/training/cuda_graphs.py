@@ -14,8 +14,9 @@ its forward works, and the number of slots is the most microbatches it ever has 
 
 Each slot records into its own memory pool, so its saved activations are never shared with
 another slot's. Its backward graph adds the weight gradients into megatron-core DDP's
-`main_grad` buffers itself (what DDP's per-parameter hooks do eagerly), so parameters are
-not inputs of the replay and no per-parameter hook runs for the block.
+`main_grad` buffers itself (what DDP's per-parameter hooks do eagerly; with the
+gradient-accumulation fusion the linear layers' GEMMs do it), so parameters are not inputs
+of the replay and no per-parameter hook runs for the block.
 """
 
 from __future__ import annotations
@@ -136,20 +137,25 @@ class BlockGraphs:
             # parameters were first used on the default stream, which no capture may
             # touch, so the block records with fresh leaves sharing their storage
             static_input = sample.detach().clone().requires_grad_(True)
-            aliases = {name: torch.nn.Parameter(p.detach()) for name, p in self.named_params}
-            inputs = (static_input, *aliases.values())
+            aliases = {name: _alias(p) for name, p in self.named_params}
             with _parameters_replaced(self.block, aliases):
                 # lazy initialisation (cuBLAS workspaces, torch.compile'd fusions) stays
-                # out of the graphs; the gradients of this pass are dropped
+                # out of the graphs; this pass's gradients are zero
                 warm = self._run(static_input)
-                torch.autograd.grad(warm, inputs, torch.zeros_like(warm), allow_unused=True)
+                torch.autograd.grad(warm, (static_input, *aliases.values()),
+                                    torch.zeros_like(warm), allow_unused=True)
                 del warm
+                # weights whose linear layer adds its gradient to main_grad itself
+                # (gradient-accumulation fusion) marked themselves; the rest are added here
+                added_here = [(aliases[name], param) for name, param in self.named_params
+                              if not aliases[name].grad_added_to_main_grad]
+                inputs = (static_input, *(alias for alias, _ in added_here))
                 with _capture(forward_graph, pool):
                     output = self._run(static_input)
                 grad_output = torch.empty_like(output)
                 with _capture(backward_graph, pool):
                     grads = torch.autograd.grad(output, inputs, grad_output, allow_unused=True)
-                    for (_, param), grad in zip(self.named_params, grads[1:], strict=True):
+                    for (_, param), grad in zip(added_here, grads[1:], strict=True):
                         if grad is not None:
                             param.main_grad.add_(grad)
         torch.cuda.current_stream().wait_stream(side)
@@ -160,6 +166,15 @@ class BlockGraphs:
         log.info("CUDA graphs: recorded slot %d of a %d-layer block for shape %s",
                  len(self.slots), len(self.block.layers), tuple(self.shape))
         return slot
+
+
+def _alias(param: torch.nn.Parameter) -> torch.nn.Parameter:
+    """A new leaf on the parameter's storage, with the attributes megatron-core's linear
+    layers read in backward."""
+    alias = torch.nn.Parameter(param.detach())
+    alias.main_grad = param.main_grad
+    alias.grad_added_to_main_grad = False
+    return alias
 
 
 @contextlib.contextmanager

@@ -96,7 +96,9 @@ def transformer_config_from_args(args) -> TransformerConfig:
         perform_initialization=True,
         use_cpu_initialization=not torch.cuda.is_available(),
         attention_backend=AttnBackend.auto if te else AttnBackend.local,
-        gradient_accumulation_fusion=False,
+        # the weight-gradient GEMM adds into the fp32 main_grad (no_apex.WeightGradAccumulation;
+        # torch's mixed-dtype GEMM exists on CUDA only)
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion and on_gpu,
     )
     if args.seq_length_cv > 0:
         # megatron-core's validation asks for this whenever variable_seq_lengths is on

@@ -7,6 +7,10 @@ scale/copy one launches two kernels per parameter, and the optimizer is torch's
 multi-kernel foreach Adam. Here the norm and scale use torch's foreach kernels and, on GPU,
 Adam runs as torch's single fused kernel. Results agree with the fallbacks up to
 floating-point summation order (the grad norm) and Adam's fused arithmetic (last bits).
+
+Megatron's gradient-accumulation fusion (the weight-gradient GEMM adds into the fp32
+main_grad itself) needs apex's fused_weight_gradient_mlp_cuda; `WeightGradAccumulation`
+provides its two functions with torch's GEMMs on GPU.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 from megatron.core import utils as core_utils
 from megatron.core.optimizer import clip_grads
 from megatron.core.optimizer import optimizer as core_optimizer
+from megatron.core.tensor_parallel import layers as core_layers
 
 
 def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
@@ -62,6 +67,40 @@ def foreach_multi_tensor_ops():
     finally:
         for module, name, current in originals:
             setattr(module, name, current)
+
+
+class WeightGradAccumulation:
+    """apex's fused_weight_gradient_mlp_cuda contract: main_grad += grad_output^T @ input
+    (2-D), the GEMM accumulating in place (cuBLAS beta = 1): no bf16 weight gradient is
+    written, re-read and added by a second kernel, and it is not rounded to bf16 first."""
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad):
+        if total_input.dtype == torch.float32:
+            main_grad.addmm_(grad_output.t(), total_input)
+        else:
+            torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=torch.float32,
+                        out=main_grad)
+
+    @staticmethod
+    def wgrad_gemm_accum_fp16(total_input, grad_output, main_grad):
+        main_grad.addmm_(grad_output.t(), total_input)
+
+
+@contextlib.contextmanager
+def weight_grad_accumulation_fusion():
+    """Let megatron-core's linear layers take their gradient_accumulation_fusion path with
+    `WeightGradAccumulation` where apex is absent (apex's module, when found, stays)."""
+    if core_layers._grad_accum_fusion_available:
+        yield
+        return
+    core_layers._grad_accum_fusion_available = True
+    core_layers.fused_weight_gradient_mlp_cuda = WeightGradAccumulation
+    try:
+        yield
+    finally:
+        core_layers._grad_accum_fusion_available = False
+        del core_layers.fused_weight_gradient_mlp_cuda
 
 
 def torch_optimizers(megatron_optimizer) -> list[torch.optim.Optimizer]:

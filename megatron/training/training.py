@@ -98,6 +98,8 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     )
     args.padded_vocab_size = _padded_vocab_size(tokenizer.vocab_size, args)
     config = transformer_config_from_args(args)
+    if config.gradient_accumulation_fusion:
+        stack.enter_context(no_apex.weight_grad_accumulation_fusion())
     chunks = build_model_chunks(args, config, task.build_stage)
     model = wrap_model_chunks(chunks, args, config, device)
     if args.cuda_graph_impl == "block":
