@@ -65,6 +65,7 @@ def compare_schedules(rank, flags, world_size, task_name="gpt"):
 
     from megatron.dpp.schedule import DppOptions, DppSchedule
     from megatron.training.arguments import parse_args
+    from megatron.training.data import microbatch_lengths
     from megatron.training.training import setup
 
     args = parse_args(flags, world_size=world_size)
@@ -85,6 +86,9 @@ def compare_schedules(rank, flags, world_size, task_name="gpt"):
             dpp = DppSchedule(DppOptions(slack=slack, transport=args.dpp_transport,
                                          timeout=args.dpp_timeout))
             stack.callback(dpp.close)
+            if args.seq_length_cv > 0:
+                # as the trainer does: DPP orders the microbatches by their token counts
+                dpp.set_microbatch_costs(microbatch_lengths(args, 0, args.global_batch_size))
             result["dpp"] = one_step(trainer, dpp, m)
             result["dpp_eval"] = one_step(trainer, dpp, m, forward_only=True)[0]
         return result

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron.dpp.policy import cost_order
 from megatron.dpp.transport import native
+from megatron.training.data import variable_length
 from tests.distributed import run_ranks
 from tests.pipeline_runs import TINY_GPT, compare_schedules
 
@@ -101,6 +103,18 @@ def test_dpp_equals_core_and_no_pipelining(case):
         assert held == STAGE_LAYERS[case]
     _check_dpp_matches_core(results)
     _check_against_reference(results, _reference(layers, batch), "dpp")
+
+
+def test_dpp_orders_variable_length_microbatches_and_matches_core():
+    """--seq-length-cv: the trainer hands DPP the token counts, the plan runs the short
+    microbatches first and last; losses (in microbatch order) and gradients stay megatron's."""
+    lengths = [variable_length(64, 0.5, 1234, 2 * k) for k in range(8)]
+    assert cost_order(lengths) != list(range(8))  # the case really reorders
+    flags = _flags(4, 16, "--pipeline-model-parallel-size", "2", "--seq-length", "64",
+                   "--max-position-embeddings", "64", "--seq-length-cv", "0.5",
+                   "--dpp-transport", "torch")
+    results = run_ranks(2, compare_schedules, flags, 2)
+    _check_dpp_matches_core(results)
 
 
 def test_dpp_with_random_delivery_delays():

@@ -11,6 +11,7 @@ from megatron.dpp.policy import (
     GreedyPolicy,
     StageConfig,
     Task,
+    cost_order,
     in_flight_profile,
     plan_extra_warmup,
     plan_order,
@@ -282,3 +283,42 @@ def test_last_stage_keeps_megatron_order_with_slack(p, m):
         stages, _, orders = pipeline_run(p, 1, m, 2, rng)
         assert orders[p - 1] == static_order(stages[p - 1])
         assert max(in_flight_profile(orders[p - 1])) == 1
+
+
+def test_cost_order_puts_cheap_microbatches_at_both_ends():
+    costs = [5.0, 1.0, 9.0, 3.0, 7.0, 2.0]
+    order = cost_order(costs)
+    assert sorted(order) == list(range(6))
+    assert {order[0], order[-1]} == {1, 5}  # the two cheapest
+    assert costs[order[2]] == 9.0 or costs[order[3]] == 9.0  # the dearest in the middle
+    assert cost_order([4.0] * 5) == list(range(5))  # equal costs: megatron's order
+
+
+@pytest.mark.parametrize("slack", [0, 2])
+def test_known_costs_keep_every_invariant_under_random_arrivals(slack):
+    """The plan follows the cost order; each rank runs every task once, forwards and
+    backwards of a chunk in that order, never above the cap."""
+    p, m = 3, 7
+    costs = [3.0, 1.0, 4.0, 1.5, 5.0, 9.0, 2.0]
+    order = cost_order(costs)
+    stages = [StageConfig(r, p, 1, m, slack=slack) for r in range(p)]
+    policies = [GreedyPolicy(s, microbatch_costs=costs) for s in stages]
+    arrived = [set() for _ in range(p)]
+    done = [[] for _ in range(p)]
+    rng = random.Random(slack)
+    while not all(policy.finished for policy in policies):
+        r = rng.randrange(p)
+        task = policies[r].next_task(arrived[r].__contains__)
+        if task is None:
+            continue
+        policies[r].complete(task)
+        assert policies[r].in_flight <= policies[r].cap
+        done[r].append(task)
+        if task.kind == FORWARD and r < p - 1:
+            arrived[r + 1].add(Task(FORWARD, 0, task.microbatch))
+        if task.kind == BACKWARD and r > 0:
+            arrived[r - 1].add(Task(BACKWARD, 0, task.microbatch))
+    for r in range(p):
+        assert policies[r].microbatch_order == order
+        for kind in (FORWARD, BACKWARD):
+            assert [t.microbatch for t in done[r] if t.kind == kind] == order

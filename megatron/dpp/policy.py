@@ -132,13 +132,22 @@ def plan_extra_warmup(stage: StageConfig) -> int:
     return min(stage.slack, stage.pp_size - 1 - stage.rank)
 
 
-def plan_order(stage: StageConfig, extra_warmup: int | None = None) -> list[Task]:
+def plan_order(
+    stage: StageConfig,
+    extra_warmup: int | None = None,
+    microbatch_order: list[int] | None = None,
+) -> list[Task]:
     """The static order with `extra_warmup` (default: `plan_extra_warmup(stage)`) more
-    warmup forwards; the DPP policy's plan."""
+    warmup forwards; the DPP policy's plan. `microbatch_order`, a permutation of
+    range(num_microbatches) (default: the natural order), is the order in which the
+    microbatches go through the schedule; every rank must use the same one."""
     p, r, chunks, m = stage.pp_size, stage.rank, stage.num_chunks, stage.num_microbatches
     if extra_warmup is None:
         extra_warmup = plan_extra_warmup(stage)
     table = [(i, 0) for i in range(m)] if chunks == 1 else _interleaved_table(stage)
+    if microbatch_order is not None:
+        _check_permutation(microbatch_order, m)
+        table = [(microbatch_order[i], c) for i, c in table]
     forwards = [Task(FORWARD, c, i) for i, c in table]
     if stage.forward_only:
         return forwards
@@ -155,6 +164,26 @@ def plan_order(stage: StageConfig, extra_warmup: int | None = None) -> list[Task
         order.append(backwards[k])
     order.extend(backwards[total - warmup :])
     return order
+
+
+def _check_permutation(order: list[int], m: int) -> None:
+    if sorted(order) != list(range(m)):
+        raise ValueError(f"microbatch order {order} is not a permutation of range({m})")
+
+
+def cost_order(costs: list[float]) -> list[int]:
+    """Microbatch order from per-microbatch costs known before the iteration (e.g. token
+    counts): small at both ends, large in the middle ("organ pipe": by ascending cost,
+    alternately appended to the front half and prepended to the back half). The first
+    and last microbatch set the pipeline's fill and drain, and a slowly varying cost
+    keeps a stage's forward and backward of one 1F1B step alike. Equal costs keep the
+    natural order."""
+    m = len(costs)
+    if m == 0 or max(costs) == min(costs):
+        return list(range(m))
+    ranked = sorted(range(m), key=lambda i: (costs[i], i))
+    front, back = ranked[0::2], ranked[1::2]
+    return front + back[::-1]
 
 
 def in_flight_profile(order: list[Task]) -> list[int]:
@@ -192,6 +221,8 @@ class GreedyPolicy:
         stage: StageConfig,
         cost_model: Callable[[Task], float] | None = None,
         extra_warmup: int | None = None,
+        microbatch_costs: list[float] | None = None,
+        microbatch_order: list[int] | None = None,
     ):
         self.stage = stage
         self._cost_model = cost_model
@@ -200,7 +231,14 @@ class GreedyPolicy:
             extra_warmup = plan_extra_warmup(stage)
         if not 0 <= extra_warmup <= stage.slack:
             raise ValueError(f"extra_warmup {extra_warmup} not in [0, slack={stage.slack}]")
-        self._plan = plan_order(stage, extra_warmup)
+        if microbatch_order is None and microbatch_costs is not None:
+            if len(microbatch_costs) != m:
+                raise ValueError(f"{len(microbatch_costs)} microbatch costs for {m} microbatches")
+            if chunks == 1 and not stage.forward_only:
+                microbatch_order = cost_order(microbatch_costs)
+        order = list(range(m)) if microbatch_order is None else list(microbatch_order)
+        self._plan = plan_order(stage, extra_warmup, order)
+        self._order = order
         self._plan_pos = {task: k for k, task in enumerate(self._plan)}
         profile = in_flight_profile(self._plan)
         # suffix maxima: the most the plan will hold in flight from position k on
@@ -219,8 +257,9 @@ class GreedyPolicy:
         self._next_backward = [0] * chunks
         self._in_flight = 0
         self._running: Task | None = None
-        self._forwards = [[Task(FORWARD, c, i) for i in range(m)] for c in range(chunks)]
-        self._backwards = [[Task(BACKWARD, c, i) for i in range(m)] for c in range(chunks)]
+        # k-th forward / backward of a chunk in the plan's microbatch order
+        self._forwards = [[Task(FORWARD, c, i) for i in order] for c in range(chunks)]
+        self._backwards = [[Task(BACKWARD, c, i) for i in order] for c in range(chunks)]
         last_rank = stage.pp_size - 1
         # -1 never matches a chunk: this rank has no local input of that kind
         self._local_forward_chunk = 0 if stage.rank == 0 else -1
@@ -239,6 +278,10 @@ class GreedyPolicy:
     @property
     def finished(self) -> bool:
         return self._next_pos == len(self._plan)
+
+    @property
+    def microbatch_order(self) -> list[int]:
+        return list(self._order)
 
     @property
     def plan(self) -> list[Task]:

@@ -83,6 +83,13 @@ class DppSchedule:
         self._transport: PipelineTransport | None = None
         self._coordinator: _TaskCoordinator | None = None
         self.tracer = NullTracer()  # the trainer installs a Tracer under --trace
+        self._microbatch_costs: list[float] | None = None
+
+    def set_microbatch_costs(self, costs: list[float] | None) -> None:
+        """What each microbatch of the next call will cost (its token count), the same list
+        on every rank: the policy then runs cheap microbatches first and last
+        (policy.cost_order). Used by the next call only."""
+        self._microbatch_costs = None if costs is None else list(costs)
 
     def close(self) -> None:
         if self._transport is not None:
@@ -129,8 +136,12 @@ class DppSchedule:
         device = next(model[0].parameters()).device
         self._open(device, len(model))
         self._transport.barrier()
+        costs, self._microbatch_costs = self._microbatch_costs, None
+        if costs is not None and len(costs) != num_microbatches:
+            raise ValueError(f"forward_backward_dpp: {len(costs)} microbatch costs for "
+                             f"{num_microbatches} microbatches")
         run = _Iteration(self, model, iterators, forward_step_func, num_microbatches,
-                         config, forward_only, collect_non_loss_data)
+                         config, forward_only, collect_non_loss_data, costs)
         return run.execute(pg_collection, force_all_reduce)
 
 
@@ -138,7 +149,7 @@ class _Iteration:
     """One call of the schedule: the task loop and the state it needs."""
 
     def __init__(self, schedule: DppSchedule, model, iterators, forward_step_func,
-                 num_microbatches, config, forward_only, collect_non_loss_data):
+                 num_microbatches, config, forward_only, collect_non_loss_data, costs):
         self.model, self.iterators = model, iterators
         self.forward_step_func = forward_step_func
         self.config, self.forward_only = config, forward_only
@@ -156,9 +167,17 @@ class _Iteration:
             num_microbatches=num_microbatches, slack=schedule.options.slack,
             forward_only=forward_only,
         )
-        self.policy = GreedyPolicy(self.stage)
+        self.policy = GreedyPolicy(self.stage, microbatch_costs=costs)
+        order = self.policy.microbatch_order
+        if order != sorted(order):
+            # the plan runs microbatch i out of turn: each forward reads batch i
+            self.iterators = [None if it is None else _Batches(it, num_microbatches)
+                              for it in iterators]
+        self.forwards_run = [0] * self.num_chunks
+        self.backwards_run = [0] * self.num_chunks
         self.saved: dict[tuple[int, int], tuple] = {}
         self.forward_data_store: list = []
+        self.stored_microbatch: list[int] = []  # forward_data_store's entries, by microbatch
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=_device(model))
         self.no_sync = _NoSyncPerChunk(config, self.num_chunks, forward_only)
 
@@ -187,7 +206,9 @@ class _Iteration:
                     self.total_num_tokens if self.config.calculate_per_token_loss else None,
                     **kwargs,
                 )
-        return self.forward_data_store
+        # megatron's schedules return the entries in microbatch order
+        order = sorted(range(len(self.stored_microbatch)), key=self.stored_microbatch.__getitem__)
+        return [self.forward_data_store[k] for k in order]
 
     def _next(self) -> Task:
         """The next task; blocks on the inbox while nothing is ready."""
@@ -221,9 +242,13 @@ class _Iteration:
             input_tensor = self.transport.take(_input_key(task))
             if not self.forward_only:
                 input_tensor.requires_grad_(True)
+        data = self.iterators[chunk]
+        if isinstance(data, _Batches):
+            data = data.of(microbatch)
+        stored = len(self.forward_data_store)
         output, num_tokens = forward_step(
             self.forward_step_func,
-            self.iterators[chunk],
+            data,
             self.model[chunk],
             self.num_microbatches,
             input_tensor,
@@ -231,12 +256,14 @@ class _Iteration:
             self.config,
             cp_group_size=1,
             collect_non_loss_data=self.collect_non_loss_data,
-            is_first_microbatch=microbatch == 0,
+            is_first_microbatch=self.forwards_run[chunk] == 0,
             current_microbatch=microbatch,
             vp_stage=chunk if self.num_chunks > 1 else None,
             is_last_stage=last,
         )
         self.tracer.stop(span)
+        self.forwards_run[chunk] += 1
+        self.stored_microbatch += [microbatch] * (len(self.forward_data_store) - stored)
         self.total_num_tokens += num_tokens
         if not last:
             next_rank = self.pipeline[(self.rank + 1) % self.pp_size]
@@ -257,7 +284,8 @@ class _Iteration:
         input_tensor, output = self.saved.pop((chunk, microbatch))
         span = self.tracer.start("backward", microbatch, chunk)
         output_grad = None if last else self.transport.take(_input_key(task))
-        if microbatch == self.num_microbatches - 1:
+        self.backwards_run[chunk] += 1
+        if self.backwards_run[chunk] == self.num_microbatches:
             # the chunk's last backward: let DDP start reducing its gradients
             self.no_sync.enable(chunk)
         input_grad = backward_step(
@@ -272,6 +300,20 @@ class _Iteration:
                     prev_rank, MessageKey(MessageKind.GRADIENT, prev_chunk, microbatch),
                     input_grad,
                 )
+
+
+class _Batches:
+    """A stage's data for one call, read ahead on first use so that each forward gets its
+    own microbatch's batch whatever order the plan runs the microbatches in."""
+
+    def __init__(self, iterator, count: int):
+        self._iterator, self._count = iterator, count
+        self._batches: list | None = None
+
+    def of(self, microbatch: int):
+        if self._batches is None:
+            self._batches = [next(self._iterator) for _ in range(self._count)]
+        return iter((self._batches[microbatch],))
 
 
 def _input_key(task: Task) -> MessageKey:

@@ -152,9 +152,9 @@ class SimResult:
         return sum(self.bubble) / len(self.bubble)
 
 
-def _runner(schedule: str, stage: StageConfig, cost_model=None):
+def _runner(schedule: str, stage: StageConfig, microbatch_costs=None):
     if schedule == "dpp":
-        return GreedyPolicy(stage, cost_model=cost_model)
+        return GreedyPolicy(stage, microbatch_costs=microbatch_costs)
     if schedule == "gpipe":
         return StaticReplay(stage, gpipe_order(stage))
     if schedule in ("1f1b", "interleaved"):
@@ -172,8 +172,13 @@ def simulate(
     slack: int = 0,
     latency: float = 0.0,
     record: bool = False,
+    microbatch_costs: list[float] | None = None,
 ) -> SimResult:
-    """Run one schedule to completion. `record` keeps each rank's task order and a trace."""
+    """Run one schedule to completion. `record` keeps each rank's task order and a trace.
+    `microbatch_costs`: what is known of each microbatch's cost before the iteration (its
+    token count; in the cost models the per-microbatch factor, not the per-task jitter).
+    Only DPP uses it, to order the microbatches (policy.cost_order); the static schedules
+    keep megatron's order 0..m-1."""
     p, m, chunks = pp_size, num_microbatches, num_chunks
     if schedule == "1f1b" and chunks != 1:
         raise ValueError("schedule 1f1b has one chunk per rank; use interleaved or dpp")
@@ -182,7 +187,7 @@ def simulate(
     if len(durations.forward) != p * chunks or len(durations.forward[0]) != m:
         raise ValueError("durations do not match pp_size * num_chunks x num_microbatches")
     stages = [StageConfig(r, p, chunks, m, slack=slack) for r in range(p)]
-    runners = [_runner(schedule, s) for s in stages]
+    runners = [_runner(schedule, s, microbatch_costs) for s in stages]
     arrived_sets = [set() for _ in range(p)]
     arrived_fns = [s.__contains__ for s in arrived_sets]
     busy = [0.0] * p
@@ -289,6 +294,7 @@ def compare(
     seed: int = 0,
     schedules: tuple[str, ...] = SCHEDULES,
     record: bool = False,
+    known_costs: bool = True,
 ) -> dict[str, SimResult]:
     """Simulate several schedules on the same sampled durations. Single-chunk schedules
     (1f1b, gpipe) run the rank's work as one chunk; interleaved and dpp use num_chunks."""
@@ -309,6 +315,7 @@ def compare(
             slack=slack if schedule == "dpp" else 0,
             latency=cost.latency,
             record=record,
+            microbatch_costs=samples[chunks].microbatch_factor if known_costs else None,
         )
     return results
 
@@ -327,14 +334,16 @@ def grid_cost_models(pp_size: int) -> dict[str, CostModel]:
 
 
 def _grid_unit(args):
-    pp_size, model_name, seed, slacks = args
+    pp_size, model_name, seed, slacks, known_costs = args
     cost = grid_cost_models(pp_size)[model_name]
     m = 4 * pp_size
     durations = sample_durations(cost, pp_size, 1, m, seed)
     static = simulate("1f1b", pp_size, m, durations)
     out = {"pp": pp_size, "model": model_name, "seed": seed, "1f1b": _summary(static)}
     for slack in slacks:
-        out[f"dpp+{slack}"] = _summary(simulate("dpp", pp_size, m, durations, slack=slack))
+        costs = durations.microbatch_factor if known_costs else None
+        out[f"dpp+{slack}"] = _summary(
+            simulate("dpp", pp_size, m, durations, slack=slack, microbatch_costs=costs))
     return out
 
 
@@ -346,10 +355,11 @@ def _summary(result: SimResult) -> dict:
     }
 
 
-def run_grid(pps, slacks, seeds: int, jobs: int) -> list[dict]:
-    """Every (p, cost model, seed) of the acceptance grid; one row per (p, model, slack)."""
+def run_grid(pps, slacks, seeds: int, jobs: int, known_costs: bool = True) -> list[dict]:
+    """Every (p, cost model, seed) of the acceptance grid; one row per (p, model, slack).
+    known_costs: DPP knows each microbatch's cost factor in advance (not the jitter)."""
     units = [
-        (p, name, seed, tuple(slacks))
+        (p, name, seed, tuple(slacks), known_costs)
         for p in sorted(pps, reverse=True)  # biggest first: better load balance
         for name, cost in grid_cost_models(p).items()
         for seed in range(seeds if cost.is_random else 1)
@@ -439,6 +449,7 @@ def _single_report(args, cost: CostModel) -> dict:
         seed=args.seed,
         schedules=tuple(args.schedules),
         record=bool(args.trace),
+        known_costs=not args.costs_unknown,
     )
     report = {"config": {**vars(args), "cost": asdict(cost)}, "schedules": {}}
     for name, result in results.items():
@@ -506,6 +517,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--grid-slacks", type=int, nargs="+", default=list(GRID_SLACKS))
     parser.add_argument("--seeds", type=int, default=10, help="grid: seeds per random cell")
     parser.add_argument("--jobs", type=int, default=2, help="grid: worker processes")
+    parser.add_argument("--costs-unknown", action="store_true",
+                        help="DPP does not know the microbatches' costs before the iteration "
+                             "(they run in the natural order)")
     return parser
 
 
@@ -527,7 +541,8 @@ def main(argv=None) -> int:
     _check_args(parser, args)
     if args.grid:
         started = time.perf_counter()
-        rows = run_grid(args.grid_pp, args.grid_slacks, args.seeds, args.jobs)
+        rows = run_grid(args.grid_pp, args.grid_slacks, args.seeds, args.jobs,
+                        not args.costs_unknown)
         elapsed = time.perf_counter() - started
         if args.json:
             json.dump({"rows": rows, "seconds": elapsed}, sys.stdout, indent=1)

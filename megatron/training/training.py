@@ -199,6 +199,11 @@ def train_step(trainer: Trainer, iterator) -> dict:
     for chunk in trainer.model:
         chunk.zero_grad_buffer()
     trainer.optimizer.zero_grad()
+    if args.use_dpp and args.seq_length_cv > 0:
+        # the microbatches' token counts are known before the step: DPP orders by them
+        trainer.schedule.set_microbatch_costs(microbatch_lengths(
+            args, trainer.state.consumed_samples,
+            trainer.batch_calculator.get_current_global_batch_size()))
     losses = trainer.schedule(
         forward_step_func=trainer.task.make_forward_step(args, trainer.device),
         data_iterator=iterator,
