@@ -73,6 +73,14 @@ def measured_durations(compute: list[Span], pp: int, chunks: int) -> Durations:
     return Durations(table["forward"], table["backward"], [1.0] * m)
 
 
+def run_order(compute: list[Span]) -> list[int]:
+    """The microbatch order the run used: its first stage's forwards by start time (DPP
+    runs variable-length microbatches in cost order)."""
+    forwards = [s for s in compute if s.kind == "forward" and s.stage == 0 and not s.chunk]
+    rank = min(s.rank for s in forwards)  # one of the stage's tensor-parallel ranks
+    return [s.microbatch for s in sorted(forwards, key=lambda s: s.start) if s.rank == rank]
+
+
 def estimate_latency(compute: list[Span], pp: int, chunks: int) -> tuple[float, int]:
     """(median latency, number of samples) of one iteration; (0.0, 0) with no sample."""
     lead = select(compute, None)
@@ -124,7 +132,8 @@ def compare(path: str, schedule: str | None = None, slack: int | None = None,
         used = estimated if latency is None else latency
         try:
             result = simulate(schedule, pp, len(durations.microbatch_factor), durations,
-                              num_chunks=chunks, slack=slack, latency=used)
+                              num_chunks=chunks, slack=slack, latency=used,
+                              microbatch_order=run_order(compute) if schedule == "dpp" else None)
         except ValueError as error:
             raise TraceError(f"{path}: iteration {report['iteration']}: {error}") from None
         stages = [{"stage": row["stage"], "measured_bubble": row["bubble"],

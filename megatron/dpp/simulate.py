@@ -152,9 +152,10 @@ class SimResult:
         return sum(self.bubble) / len(self.bubble)
 
 
-def _runner(schedule: str, stage: StageConfig, microbatch_costs=None):
+def _runner(schedule: str, stage: StageConfig, microbatch_costs=None, microbatch_order=None):
     if schedule == "dpp":
-        return GreedyPolicy(stage, microbatch_costs=microbatch_costs)
+        return GreedyPolicy(stage, microbatch_costs=microbatch_costs,
+                            microbatch_order=microbatch_order)
     if schedule == "gpipe":
         return StaticReplay(stage, gpipe_order(stage))
     if schedule in ("1f1b", "interleaved"):
@@ -173,12 +174,14 @@ def simulate(
     latency: float = 0.0,
     record: bool = False,
     microbatch_costs: list[float] | None = None,
+    microbatch_order: list[int] | None = None,
 ) -> SimResult:
     """Run one schedule to completion. `record` keeps each rank's task order and a trace.
     `microbatch_costs`: what is known of each microbatch's cost before the iteration (its
     token count; in the cost models the per-microbatch factor, not the per-task jitter).
     Only DPP uses it, to order the microbatches (policy.cost_order); the static schedules
-    keep megatron's order 0..m-1."""
+    keep megatron's order 0..m-1. `microbatch_order` gives DPP's order directly (replaying
+    a recorded run)."""
     p, m, chunks = pp_size, num_microbatches, num_chunks
     if schedule == "1f1b" and chunks != 1:
         raise ValueError("schedule 1f1b has one chunk per rank; use interleaved or dpp")
@@ -187,7 +190,7 @@ def simulate(
     if len(durations.forward) != p * chunks or len(durations.forward[0]) != m:
         raise ValueError("durations do not match pp_size * num_chunks x num_microbatches")
     stages = [StageConfig(r, p, chunks, m, slack=slack) for r in range(p)]
-    runners = [_runner(schedule, s, microbatch_costs) for s in stages]
+    runners = [_runner(schedule, s, microbatch_costs, microbatch_order) for s in stages]
     arrived_sets = [set() for _ in range(p)]
     arrived_fns = [s.__contains__ for s in arrived_sets]
     busy = [0.0] * p
