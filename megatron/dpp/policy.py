@@ -21,6 +21,9 @@ it runs the earliest later task of the plan whose input is here, under two condi
   forward, and with no slack the downstream stages hold no spare forwards to cover the
   delay: in the simulator that made DPP 2-4 % slower than static 1F1B under variance
   (docs/benchmarks/simulator.md), while with slack it is where most of the gain comes from.
+
+Given each microbatch's cost before the iteration (its token count), the plan runs the
+microbatches in `cost_order` instead of 0..m-1 (one model chunk per rank only).
 """
 
 from __future__ import annotations
