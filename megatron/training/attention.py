@@ -68,7 +68,7 @@ class SDPAttention(MegatronModule):
         # megatron masks mark positions to drop with True; SDPA's boolean mask marks positions kept
         sdpa_mask = None if attention_mask is None else ~attention_mask.bool()
         dropout_p = self.dropout_p if self.training else 0.0
-        with self._dropout_rng():
+        with self._dropout_rng(q):
             context = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=sdpa_mask, dropout_p=dropout_p, is_causal=causal,
                 scale=self.softmax_scale,
@@ -77,15 +77,11 @@ class SDPAttention(MegatronModule):
         s, b = context.shape[2], context.shape[0]
         return context.permute(2, 0, 1, 3).reshape(s, b, -1)
 
-    def _dropout_rng(self):
+    def _dropout_rng(self, query):
         # megatron's model-parallel RNG swaps the CUDA generator's state, which a CUDA graph
         # cannot record; graphs run with one tensor-parallel rank only, where the default
         # generator serves as well (cuda_graphs.py)
         if (self.dropout_p > 0 and self.training and not self.config.sequence_parallel
-                and not _capturing_cuda_graph()):
+                and not (query.is_cuda and torch.cuda.is_current_stream_capturing())):
             return tensor_parallel.get_cuda_rng_tracker().fork()
         return contextlib.nullcontext()
-
-
-def _capturing_cuda_graph() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -27,7 +27,6 @@ import logging
 
 import torch
 from megatron.core.transformer.transformer_block import TransformerBlock
-from megatron.core.utils import WrappedTensor
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +101,7 @@ class BlockGraphs:
         return (
             torch.is_grad_enabled()
             and self.block.training
-            and isinstance(x, torch.Tensor)
-            and not isinstance(x, WrappedTensor)
+            and isinstance(x, torch.Tensor)  # not an inference WrappedTensor
             and x.shape == self.shape
             and x.dtype == self.dtype
             and x.requires_grad

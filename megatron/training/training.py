@@ -199,11 +199,11 @@ def train_step(trainer: Trainer, iterator) -> dict:
     for chunk in trainer.model:
         chunk.zero_grad_buffer()
     trainer.optimizer.zero_grad()
+    batch = trainer.batch_calculator.get_current_global_batch_size()
+    lengths = microbatch_lengths(args, trainer.state.consumed_samples, batch)
     if args.use_dpp and args.seq_length_cv > 0:
         # the microbatches' token counts are known before the step: DPP orders by them
-        trainer.schedule.set_microbatch_costs(microbatch_lengths(
-            args, trainer.state.consumed_samples,
-            trainer.batch_calculator.get_current_global_batch_size()))
+        trainer.schedule.set_microbatch_costs(lengths)
     losses = trainer.schedule(
         forward_step_func=trainer.task.make_forward_step(args, trainer.device),
         data_iterator=iterator,
@@ -217,7 +217,6 @@ def train_step(trainer: Trainer, iterator) -> dict:
     with trainer.tracer.span("optimizer"):
         updated, grad_norm, _ = trainer.optimizer.step()
     trainer.tracer.end_iteration()
-    batch = trainer.batch_calculator.get_current_global_batch_size()
     if updated:
         trainer.scheduler.step(increment=batch)
     else:
@@ -227,6 +226,7 @@ def train_step(trainer: Trainer, iterator) -> dict:
         "grad_norm": grad_norm,
         "updated": updated,
         "batch": batch,
+        "lengths": lengths,
     }
 
 
@@ -284,7 +284,7 @@ def train(trainer: Trainer) -> None:
         result = train_step(trainer, iterator)
         profiler.step_end(state.iteration + 1)
         stride = args.micro_batch_size * args.data_parallel_size
-        for length in microbatch_lengths(args, state.consumed_samples, result["batch"]):
+        for length in result["lengths"]:
             interval_tokens += length * stride
             interval_flops += length * stride * metrics.flops_per_token(args, length)
         state.iteration += 1
