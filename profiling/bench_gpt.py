@@ -40,6 +40,7 @@ FUSED = ["--cross-entropy-loss-fusion", "--decoder-first-pipeline-num-layers", "
 M32 = ["--global-batch-size", "64"]
 M64 = ["--global-batch-size", "128"]
 GRAPHS = ["--cuda-graph-impl", "block"]
+XENT = ["--cross-entropy-fusion-impl", "triton"]
 
 CONFIGS = {
     # name: extra flags (a later --global-batch-size overrides --microbatches)
@@ -84,6 +85,13 @@ CONFIGS |= {
     "wgrad-graphs-m64-dpp-torch": [*FUSED, *M64, *GRAPHS, "--use-dpp", "--dpp-transport",
                                    "torch"],
     "wgrad-graphs-m64-dpp-shm": [*FUSED, *M64, *GRAPHS, "--use-dpp", "--dpp-transport", "shm"],
+    # + the single-pass cross-entropy (megatron/training/cross_entropy.py)
+    "xent-graphs-m32": [*FUSED, *XENT, *M32, *GRAPHS],
+    "xent-graphs-m64": [*FUSED, *XENT, *M64, *GRAPHS],
+    "xent-graphs-m64-dpp-torch": [*FUSED, *XENT, *M64, *GRAPHS, "--use-dpp", "--dpp-transport",
+                                  "torch"],
+    "xent-graphs-m64-dpp-shm": [*FUSED, *XENT, *M64, *GRAPHS, "--use-dpp", "--dpp-transport",
+                                "shm"],
 }
 
 # (a, b): print a's tokens/s over b's when both ran
@@ -102,6 +110,9 @@ RATIOS = (
     ("wgrad-graphs-m64", "graphs-m64"), ("wgrad-graphs-m64", "sdpa-only"),
     ("wgrad-graphs-m64-dpp-torch", "wgrad-graphs-m64"),
     ("wgrad-graphs-m64-dpp-shm", "wgrad-graphs-m64"), ("wgrad-m32", "fast-m32"),
+    ("xent-graphs-m64", "wgrad-graphs-m64"), ("xent-graphs-m64", "sdpa-only"),
+    ("xent-graphs-m64-dpp-torch", "xent-graphs-m64"), ("xent-graphs-m64-dpp-shm", "xent-graphs-m64"),
+    ("xent-graphs-m64-dpp-shm", "xent-graphs-m64-dpp-torch"),
 )
 
 LINE = re.compile(

@@ -74,7 +74,7 @@ def test_fused_cross_entropy_matches_unfused_in_bf16_only():
     torch.testing.assert_close(fused_grad, grad.to(torch.bfloat16).float(), rtol=0, atol=1e-2)
 
 
-def _main_grads(rank, fused: bool):
+def _main_grads(rank, fused: bool, extra_flags=()):
     import contextlib
 
     from megatron.training import no_apex
@@ -92,7 +92,7 @@ def _main_grads(rank, fused: bool):
              "2", "--global-batch-size", "2", "--vocab-size", "96", "--mock-data",
              "--tokenizer-type", "NullTokenizer", "--lr", "1e-4", "--train-iters", "1",
              "--hidden-dropout", "0", "--attention-dropout", "0", "--distributed-backend",
-             "nccl"]
+             "nccl" if torch.cuda.is_available() else "gloo", *extra_flags]
     with contextlib.ExitStack() as stack:
         args = parse_args(flags, world_size=1)
         args.padded_vocab_size = args.vocab_size
@@ -105,20 +105,30 @@ def _main_grads(rank, fused: bool):
                                      args, config, device)
         tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(5))
         tokens, positions = tokens.to(device), torch.arange(16, device=device).expand(2, 16)
+        losses = []
         for _ in range(2):  # two microbatches accumulate
-            model(tokens, positions, None, labels=tokens).float().mean().backward()
-        qkv = model.module.decoder.layers[0].self_attention.linear_qkv.weight
-        return ({name: p.main_grad.cpu() for name, p in model.named_parameters()},
-                bool(getattr(qkv, "grad_added_to_main_grad", False)))
+            loss = model(tokens, positions, None, labels=tokens).float()
+            loss.mean().backward()
+            losses.append(loss.detach().cpu())
+        marked = [bool(getattr(p, "grad_added_to_main_grad", False)) for p in (
+            model.module.decoder.layers[0].self_attention.linear_qkv.weight,
+            model.module.embedding.word_embeddings.weight)]
+        return ({name: p.main_grad.cpu() for name, p in model.named_parameters()}, marked,
+                losses)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="megatron-core's fused path makes its "
                     "placeholder weight gradient on a CUDA device")
-def test_weight_grad_accumulation_fusion_gives_the_unfused_gradients():
-    (unfused, unfused_marked), = run_ranks(1, _main_grads, False)
-    (fused, fused_marked), = run_ranks(1, _main_grads, True)
-    # the fused path really ran: megatron-core's linear layer marks the weight it accumulated
-    assert fused_marked and not unfused_marked
+@pytest.mark.parametrize("tying", [[], ["--untie-embeddings-and-output-weights"]],
+                         ids=["tied", "untied"])
+def test_weight_grad_accumulation_fusion_gives_the_unfused_gradients(tying):
+    # tied on one stage: megatron-core's zero_out_wgrad contract, the embedding keeps its
+    # ordinary gradient; untied: the embedding accumulates into main_grad (fused_layers.py)
+    (unfused, unfused_marked, _), = run_ranks(1, _main_grads, False, tying)
+    (fused, fused_marked, _), = run_ranks(1, _main_grads, True, tying)
+    # the fused paths really ran: megatron-core's linear layer and the project's word
+    # embedding (fused_layers.py) mark the weights they accumulated
+    assert fused_marked == [True, True] and unfused_marked == [False, False]
     assert fused.keys() == unfused.keys()
     for name, grad in unfused.items():
         assert grad.abs().sum() > 0, name
@@ -152,3 +162,160 @@ def test_weight_grad_accumulation_in_fp32_from_bf16():
     expected = main_grad + grad_output.float().t() @ total_input.float()
     no_apex.WeightGradAccumulation.wgrad_gemm_accum_fp32(total_input, grad_output, main_grad)
     torch.testing.assert_close(main_grad, expected, rtol=1e-5, atol=1e-4)
+
+
+def _single_pass_cross_entropies(rank):
+    """Each of two tensor-parallel ranks holds half of a 160-entry vocabulary."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron.training.cross_entropy import vocab_parallel_cross_entropy
+
+    torch.distributed.init_process_group("gloo")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    generator = torch.Generator().manual_seed(8)
+    logits = (torch.randn(32, 2, 160, generator=generator) * 4)[..., 80 * rank:80 * (rank + 1)]
+    labels = torch.randint(0, 160, (32, 2), generator=generator)
+    upstream = torch.randn(32, 2, generator=generator)
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, function in (
+            ("single pass", lambda t: vocab_parallel_cross_entropy(
+                t, labels, parallel_state.get_tensor_model_parallel_group())),
+            ("unfused", lambda t: tensor_parallel.vocab_parallel_cross_entropy(t, labels)),
+        ):
+            leaf = logits.to(dtype).clone().requires_grad_()
+            loss = function(leaf)
+            loss.backward(upstream)
+            results[name, dtype] = (loss.detach(), leaf.grad)
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+    return results
+
+
+def test_single_pass_cross_entropy_matches_unfused_across_tensor_parallel_ranks():
+    for results in run_ranks(2, _single_pass_cross_entropies):
+        loss, grad = results["single pass", torch.float32]
+        reference_loss, reference_grad = results["unfused", torch.float32]
+        assert loss.dtype == torch.float32 and grad.dtype == torch.float32
+        torch.testing.assert_close(loss, reference_loss, rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(grad, reference_grad, rtol=1e-5, atol=1e-6)
+        # bf16 logits: the loss stays fp32; the gradient comes back in bf16, one rounding
+        # of the fp32 value away from megatron-core's
+        loss, grad = results["single pass", torch.bfloat16]
+        reference_loss, reference_grad = results["unfused", torch.bfloat16]
+        assert loss.dtype == torch.float32 and grad.dtype == torch.bfloat16
+        torch.testing.assert_close(loss, reference_loss.float(), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(grad.float(), reference_grad.float(), rtol=8e-3, atol=1e-5)
+
+
+def test_single_pass_cross_entropy_in_a_gpt_equals_the_unfused_loss():
+    """--cross-entropy-fusion-impl triton through the model (fp32, CPU: the torch passes)."""
+    (reference, _, reference_losses), = run_ranks(1, _main_grads, False)
+    (fused, _, losses), = run_ranks(1, _main_grads, False, (
+        "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "triton"))
+    for loss, reference_loss in zip(losses, reference_losses, strict=True):
+        torch.testing.assert_close(loss, reference_loss, rtol=1e-6, atol=1e-6)
+    for name, grad in reference.items():
+        assert grad.abs().sum() > 0, name
+        torch.testing.assert_close(fused[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_bias_in_the_gemm_epilogue_gives_linear_and_its_gradients():
+    from megatron.training.fused_layers import _BiasInEpilogueLinear
+
+    generator = torch.Generator().manual_seed(9)
+    x, weight, bias = (torch.randn(shape, generator=generator).requires_grad_()
+                       for shape in ((8, 2, 16), (24, 16), (24,)))
+    upstream = torch.randn(8, 2, 24, generator=generator)
+    output = _BiasInEpilogueLinear.apply(x, weight, bias, False)
+    output.backward(upstream)
+    copies = [t.detach().clone().requires_grad_() for t in (x, weight, bias)]
+    reference = F.linear(*copies)
+    reference.backward(upstream)
+    torch.testing.assert_close(output, reference, rtol=1e-6, atol=1e-6)
+    for mine, theirs in zip((x, weight, bias), copies, strict=True):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_bias_in_the_gemm_epilogue_accumulates_into_main_grad():
+    from megatron.training.fused_layers import _BiasInEpilogueLinear
+
+    generator = torch.Generator().manual_seed(10)
+    weight = torch.nn.Parameter(torch.randn(24, 16, generator=generator))
+    bias = torch.nn.Parameter(torch.randn(24, generator=generator))
+    weight.main_grad, weight.grad_added_to_main_grad = torch.ones(24, 16), False
+    inputs = [torch.randn(8, 2, 16, generator=generator) for _ in range(2)]
+    for x in inputs:  # two microbatches
+        _BiasInEpilogueLinear.apply(x, weight, bias, True).sum().backward()
+    expected = 1 + sum(torch.ones(16, 24).t() @ x.reshape(16, 16) for x in inputs)
+    torch.testing.assert_close(weight.main_grad, expected, rtol=1e-6, atol=1e-5)
+    assert weight.grad_added_to_main_grad  # DDP's hook will not add the placeholder
+
+
+def test_word_embedding_accumulates_rows_into_main_grad():
+    from megatron.training.fused_layers import _EmbeddingIntoMainGrad
+
+    generator = torch.Generator().manual_seed(11)
+    weight = torch.nn.Parameter(torch.randn(50, 16, generator=generator))
+    weight.main_grad, weight.grad_added_to_main_grad = torch.randn(50, 16), False
+    expected = weight.main_grad.clone()
+    for _ in range(2):
+        ids = torch.randint(0, 50, (4, 8), generator=generator)  # repeated ids included
+        upstream = torch.randn(4, 8, 16, generator=generator)
+        output = _EmbeddingIntoMainGrad.apply(ids, weight)
+        torch.testing.assert_close(output, F.embedding(ids, weight.detach()))
+        output.backward(upstream)
+        reference = weight.detach().clone().requires_grad_()
+        F.embedding(ids, reference).backward(upstream)
+        expected += reference.grad
+    torch.testing.assert_close(weight.main_grad, expected, rtol=1e-6, atol=1e-6)
+    assert weight.grad_added_to_main_grad
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels need a CUDA GPU")
+@pytest.mark.parametrize("vocab", [50304, 1000])
+def test_triton_cross_entropy_matches_the_torch_passes(vocab):
+    from megatron.training.cross_entropy import (
+        VocabParallelCrossEntropy,
+        _TorchPasses,
+        _TritonPasses,
+        triton_available,
+    )
+
+    assert triton_available()
+    generator = torch.Generator().manual_seed(12)
+    logits = (torch.randn(128, 2, vocab, generator=generator) * 4).to("cuda", torch.bfloat16)
+    labels = torch.randint(0, vocab, (128, 2), generator=generator).cuda()
+    upstream = torch.randn(128, 2, generator=generator).cuda()
+    results = []
+    for passes in (_TritonPasses(), _TorchPasses()):
+        leaf = logits.clone().requires_grad_()
+        loss = VocabParallelCrossEntropy.apply(leaf, labels, None, passes)
+        loss.backward(upstream)
+        results.append((loss, leaf.grad))
+    (loss, grad), (reference_loss, reference_grad) = results
+    torch.testing.assert_close(loss, reference_loss, rtol=1e-6, atol=1e-5)
+    assert grad.dtype == torch.bfloat16
+    torch.testing.assert_close(grad.float(), reference_grad.float(), rtol=8e-3, atol=1e-6)
+    exact = F.cross_entropy(logits.float().view(-1, vocab), labels.view(-1), reduction="none")
+    torch.testing.assert_close(loss.view(-1), exact, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="checks CUDA's index_put_ kernel")
+def test_word_embedding_accumulation_is_deterministic_on_gpu():
+    from megatron.training.fused_layers import _EmbeddingIntoMainGrad
+
+    generator = torch.Generator().manual_seed(13)
+    ids = torch.randint(0, 512, (2, 2048), generator=generator).cuda()  # many repeats
+    upstream = torch.randn(2, 2048, 256, generator=generator).to("cuda", torch.bfloat16)
+    main_grads = []
+    for _ in range(3):
+        weight = torch.nn.Parameter(torch.zeros(512, 256, device="cuda", dtype=torch.bfloat16))
+        weight.main_grad, weight.grad_added_to_main_grad = torch.zeros(512, 256,
+                                                                       device="cuda"), False
+        _EmbeddingIntoMainGrad.apply(ids, weight).backward(upstream)
+        main_grads.append(weight.main_grad)
+    assert torch.equal(main_grads[0], main_grads[1]) and torch.equal(main_grads[0], main_grads[2])
+    reference = torch.zeros(512, 256, device="cuda").index_add_(
+        0, ids.view(-1), upstream.view(-1, 256).float())
+    torch.testing.assert_close(main_grads[0], reference, rtol=1e-5, atol=1e-4)

@@ -66,8 +66,12 @@ def _model_args(g):
     g.add_argument("--no-bias-gelu-fusion", action="store_true")
     g.add_argument("--no-bias-dropout-fusion", action="store_true")
     g.add_argument("--cross-entropy-loss-fusion", action="store_true",
-                   help="megatron-core's fused cross-entropy (GPU; torch.compile'd kernels)")
-    g.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native", "te"])
+                   help="fused cross-entropy; which one: --cross-entropy-fusion-impl")
+    g.add_argument("--cross-entropy-fusion-impl", default="native",
+                   choices=["native", "te", "triton"],
+                   help="native: megatron-core's torch.compile'd version (--bf16 only); te: "
+                        "Transformer Engine's; triton: the project's one pass forward, one "
+                        "pass backward (Triton kernels on GPU, torch ops elsewhere; any dtype)")
     g.add_argument("--use-flash-attn", action="store_true")
     g.add_argument(
         "--attention-backend", default="auto",

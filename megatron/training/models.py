@@ -20,6 +20,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron.training.attention import SDPAttention
+from megatron.training.cross_entropy import vocab_parallel_cross_entropy
+from megatron.training.fused_layers import install_fused_layers
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +90,9 @@ def transformer_config_from_args(args) -> TransformerConfig:
         batch_p2p_comm=not args.no_batch_p2p_comm,
         batch_p2p_sync=args.batch_p2p_sync,
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
-        cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
+        # megatron-core knows native and te; the project's triton passes replace its loss
+        # function instead (LanguageModelLoss below)
+        cross_entropy_fusion_impl="te" if args.cross_entropy_fusion_impl == "te" else "native",
         deallocate_pipeline_outputs=True,
         variable_seq_lengths=args.seq_length_cv > 0,
         # megatron's own initialisation also tags tensor-parallel weights (partition dim,
@@ -153,15 +157,44 @@ def _stock_attention(args) -> bool:
     return True
 
 
-class SDPABertModel(BertModel):
+class LanguageModelLoss:
+    """compute_language_model_loss with `--cross-entropy-fusion-impl triton`
+    (cross_entropy.py); megatron-core's own choices otherwise."""
+
+    single_pass_cross_entropy = False
+
+    def compute_language_model_loss(self, labels, logits):
+        if not self.single_pass_cross_entropy:
+            return super().compute_language_model_loss(labels, logits)
+        # labels [b, s], logits [s, b, vocab] -> loss [b, s]
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.pg_collection.tp)
+        return loss.transpose(0, 1).contiguous()
+
+
+class ProjectGPTModel(LanguageModelLoss, GPTModel):
+    pass
+
+
+class ProjectBertModel(LanguageModelLoss, BertModel):
+    pass
+
+
+class SDPABertModel(ProjectBertModel):
     """BertModel whose mask check accepts the SDPA core (mask layout [b, 1, s, s])."""
 
     def _sanity_check_attention_and_get_attn_mask_dimension(self) -> str:
         return "b1ss"
 
 
+def _finish_stage(model, args, config):
+    model.single_pass_cross_entropy = (args.cross_entropy_loss_fusion
+                                       and args.cross_entropy_fusion_impl == "triton")
+    install_fused_layers(model, config)
+    return model
+
+
 def build_gpt_stage(args, config, pre_process, post_process, vp_stage=None):
-    return GPTModel(
+    model = ProjectGPTModel(
         config=config,
         transformer_layer_spec=gpt_layer_spec(args),
         vocab_size=args.padded_vocab_size,
@@ -174,12 +207,13 @@ def build_gpt_stage(args, config, pre_process, post_process, vp_stage=None):
         rotary_base=args.rotary_base,
         vp_stage=vp_stage,
     )
+    return _finish_stage(model, args, config)
 
 
 def build_bert_stage(args, config, pre_process, post_process, vp_stage=None):
     stock = use_transformer_engine(args) or _stock_attention(args)
-    model_class = BertModel if stock else SDPABertModel
-    return model_class(
+    model_class = ProjectBertModel if stock else SDPABertModel
+    model = model_class(
         config=config,
         num_tokentypes=args.num_tokentypes if not args.bert_no_binary_head else 0,
         transformer_layer_spec=bert_layer_spec(args),
@@ -192,6 +226,7 @@ def build_bert_stage(args, config, pre_process, post_process, vp_stage=None):
         add_binary_head=not args.bert_no_binary_head,
         vp_stage=vp_stage,
     )
+    return _finish_stage(model, args, config)
 
 
 def build_model_chunks(args, config, build_stage) -> list[torch.nn.Module]:

@@ -1,0 +1,119 @@
+"""Two of megatron-core's layers, rewritten where the profile showed avoidable memory traffic
+(docs/benchmarks/gpu_fusions_h200_2026-11-22.md). Both apply with one tensor-parallel rank
+and no sequence parallelism; every other layout keeps megatron-core's own path.
+
+* A column-parallel linear that adds its own bias (the fused qkv projection of the local
+  GPT/BERT specs) runs `matmul` and then `output + bias`, a broadcast add that torch cannot
+  vectorise (68 us per call on H200 for the [4096, 6144] qkv output). `torch.addmm` puts the
+  bias into the GEMM's epilogue instead.
+* The word embedding's backward writes a dense [vocab, hidden] bf16 gradient every
+  microbatch (memset, sort, scatter), which DDP's hook then adds into the fp32 main_grad:
+  about 1 GB of traffic for 4096 tokens. With the gradient-accumulation fusion on, the
+  tokens' rows are accumulated into main_grad directly (index_put_ with accumulate, which
+  is deterministic), in fp32, without rounding the microbatch's gradient to bf16 first.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
+
+from megatron.training.no_apex import WeightGradAccumulation
+
+
+def _dummy_weight_grad(weight: torch.nn.Parameter, dtype: torch.dtype) -> torch.Tensor | None:
+    """megatron-core's contract once a layer has added its weight gradient to main_grad: the
+    parameter is flagged and autograd gets a placeholder that DDP's hook does not add, or
+    zeros where the hook adds it anyway (`zero_out_wgrad`: a weight shared by two layers of
+    one stage, whose other use hands DDP a real gradient)."""
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    if getattr(weight, "zero_out_wgrad", False):
+        return torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+    return torch.empty(weight.shape, dtype=dtype, device=weight.device)
+
+
+class _BiasInEpilogueLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, weight, bias, accumulate_into_main_grad):
+        ctx.save_for_backward(input, weight)
+        ctx.accumulate = accumulate_into_main_grad and hasattr(weight, "main_grad")
+        output = torch.addmm(bias, input.reshape(-1, input.shape[-1]), weight.t())
+        return output.view(*input.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight = ctx.saved_tensors
+        grad_flat = grad_output.reshape(-1, grad_output.shape[-1])
+        input_flat = input.reshape(-1, input.shape[-1])
+        grad_input = grad_output.matmul(weight)
+        grad_bias = grad_flat.sum(dim=0)
+        if ctx.accumulate:
+            main_grad = weight.main_grad
+            if main_grad.dtype == torch.float32:
+                WeightGradAccumulation.wgrad_gemm_accum_fp32(input_flat, grad_flat, main_grad)
+            else:
+                WeightGradAccumulation.wgrad_gemm_accum_fp16(input_flat, grad_flat, main_grad)
+            grad_weight = _dummy_weight_grad(weight, input.dtype)
+        else:
+            grad_weight = grad_flat.t().matmul(input_flat)
+        return grad_input, grad_weight, grad_bias, None
+
+
+def _bias_in_epilogue(megatron_impl, input, weight, bias, gradient_accumulation_fusion,
+                      allreduce_dgrad, sequence_parallel, grad_output_buffer=None, **kwargs):
+    """ColumnParallelLinear._forward_impl with the bias in the GEMM where the layout allows."""
+    if (bias is None or allreduce_dgrad or sequence_parallel or grad_output_buffer is not None
+            or not weight.requires_grad):
+        return megatron_impl(input=input, weight=weight, bias=bias,
+                             gradient_accumulation_fusion=gradient_accumulation_fusion,
+                             allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,
+                             grad_output_buffer=grad_output_buffer, **kwargs)
+    return _BiasInEpilogueLinear.apply(input, weight, bias, gradient_accumulation_fusion)
+
+
+class _EmbeddingIntoMainGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, token_ids, weight):
+        ctx.save_for_backward(token_ids)
+        ctx.weight = weight
+        return F.embedding(token_ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (token_ids,) = ctx.saved_tensors
+        weight = ctx.weight
+        rows = grad_output.reshape(-1, grad_output.shape[-1]).to(weight.main_grad.dtype)
+        weight.main_grad.index_put_((token_ids.reshape(-1),), rows, accumulate=True)
+        return None, _dummy_weight_grad(weight, grad_output.dtype)
+
+
+class WordEmbeddingIntoMainGrad(VocabParallelEmbedding):
+    """VocabParallelEmbedding whose backward accumulates into the weight's main_grad. Not
+    for an embedding tied to the output layer of the same stage: megatron-core has the output
+    layer hand DDP zeros there and counts on the embedding's ordinary gradient."""
+
+    def forward(self, input_):
+        if (self.tp_group.size() > 1 or self.reduce_scatter_embeddings
+                or not hasattr(self.weight, "main_grad")
+                or getattr(self.weight, "zero_out_wgrad", False)):
+            return super().forward(input_)
+        return _EmbeddingIntoMainGrad.apply(input_, self.weight)
+
+
+def install_fused_layers(model: torch.nn.Module, config) -> None:
+    """Switch a freshly built model chunk's layers to the paths above (tensor-parallel size
+    1, no sequence parallelism; the layers themselves fall back per call otherwise)."""
+    if config.tensor_model_parallel_size > 1 or config.sequence_parallel:
+        return
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear) and module.bias is not None:
+            module._forward_impl = functools.partial(_bias_in_epilogue, module._forward_impl)
+        if (config.gradient_accumulation_fusion and type(module) is VocabParallelEmbedding):
+            # same state and parameters, another backward: swapping the class keeps the
+            # parameter names, tying and initialisation megatron-core set up
+            module.__class__ = WordEmbeddingIntoMainGrad
