@@ -22,7 +22,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron.training.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
-from megatron.training.fused_layers import _BiasInEpilogueLinear  # noqa: E402
+from megatron.training.fused_layers import biased_linear  # noqa: E402
 
 log = logging.getLogger("bench_kernels")
 SEQ, BATCH, HIDDEN, HEADS, VOCAB = 2048, 2, 2048, 16, 50304
@@ -92,7 +92,7 @@ def linear_cases() -> dict:
         "qkv linear, matmul then + bias": milliseconds(
             lambda: (torch.matmul(x, w.t()) + b).backward(grad)),
         "qkv linear, bias in addmm epilogue": milliseconds(
-            lambda: _BiasInEpilogueLinear.apply(x, w, b, False).backward(grad)),
+            lambda: biased_linear(x, w, b, False).backward(grad)),
     }
 
 

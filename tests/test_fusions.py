@@ -221,13 +221,13 @@ def test_single_pass_cross_entropy_in_a_gpt_equals_the_unfused_loss():
 
 
 def test_bias_in_the_gemm_epilogue_gives_linear_and_its_gradients():
-    from megatron.training.fused_layers import _BiasInEpilogueLinear
+    from megatron.training.fused_layers import biased_linear
 
     generator = torch.Generator().manual_seed(9)
     x, weight, bias = (torch.randn(shape, generator=generator).requires_grad_()
                        for shape in ((8, 2, 16), (24, 16), (24,)))
     upstream = torch.randn(8, 2, 24, generator=generator)
-    output = _BiasInEpilogueLinear.apply(x, weight, bias, False)
+    output = biased_linear(x, weight, bias, False)
     output.backward(upstream)
     copies = [t.detach().clone().requires_grad_() for t in (x, weight, bias)]
     reference = F.linear(*copies)
@@ -238,7 +238,7 @@ def test_bias_in_the_gemm_epilogue_gives_linear_and_its_gradients():
 
 
 def test_bias_in_the_gemm_epilogue_accumulates_into_main_grad():
-    from megatron.training.fused_layers import _BiasInEpilogueLinear
+    from megatron.training.fused_layers import biased_linear
 
     generator = torch.Generator().manual_seed(10)
     weight = torch.nn.Parameter(torch.randn(24, 16, generator=generator))
@@ -246,7 +246,7 @@ def test_bias_in_the_gemm_epilogue_accumulates_into_main_grad():
     weight.main_grad, weight.grad_added_to_main_grad = torch.ones(24, 16), False
     inputs = [torch.randn(8, 2, 16, generator=generator) for _ in range(2)]
     for x in inputs:  # two microbatches
-        _BiasInEpilogueLinear.apply(x, weight, bias, True).sum().backward()
+        biased_linear(x, weight, bias, True).sum().backward()
     expected = 1 + sum(torch.ones(16, 24).t() @ x.reshape(16, 16) for x in inputs)
     torch.testing.assert_close(weight.main_grad, expected, rtol=1e-6, atol=1e-5)
     assert weight.grad_added_to_main_grad  # DDP's hook will not add the placeholder
@@ -319,3 +319,32 @@ def test_word_embedding_accumulation_is_deterministic_on_gpu():
     reference = torch.zeros(512, 256, device="cuda").index_add_(
         0, ids.view(-1), upstream.view(-1, 256).float())
     torch.testing.assert_close(main_grads[0], reference, rtol=1e-5, atol=1e-4)
+
+
+def _cross_entropy_on_biased_logits(rank):
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron.training.fused_layers import biased_linear
+
+    torch.distributed.init_process_group("gloo")
+    parallel_state.initialize_model_parallel()
+    generator = torch.Generator().manual_seed(14)
+    x, weight, bias = (torch.randn(shape, generator=generator).requires_grad_()
+                       for shape in ((8, 2, 16), (40, 16), (40,)))
+    labels = torch.randint(0, 40, (8, 2), generator=generator)
+    # megatron-core's unfused cross-entropy edits the logits in place
+    tensor_parallel.vocab_parallel_cross_entropy(biased_linear(x, weight, bias, False),
+                                                 labels).sum().backward()
+    copies = [t.detach().clone().requires_grad_() for t in (x, weight, bias)]
+    F.cross_entropy(F.linear(*copies).view(-1, 40), labels.view(-1), reduction="sum").backward()
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+    return [(mine.grad, theirs.grad) for mine, theirs in zip((x, weight, bias), copies,
+                                                              strict=True)]
+
+
+def test_biased_linear_output_may_be_modified_in_place():
+    """BERT's output layer has a bias, so its logits come from biased_linear."""
+    (pairs,) = run_ranks(1, _cross_entropy_on_biased_logits)
+    for mine, theirs in pairs:
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)

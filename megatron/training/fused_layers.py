@@ -38,30 +38,38 @@ def _dummy_weight_grad(weight: torch.nn.Parameter, dtype: torch.dtype) -> torch.
 
 
 class _BiasInEpilogueLinear(torch.autograd.Function):
+    """output = input @ weight^T + bias on 2-D input, the bias added by the GEMM."""
+
     @staticmethod
     def forward(ctx, input, weight, bias, accumulate_into_main_grad):
         ctx.save_for_backward(input, weight)
         ctx.accumulate = accumulate_into_main_grad and hasattr(weight, "main_grad")
-        output = torch.addmm(bias, input.reshape(-1, input.shape[-1]), weight.t())
-        return output.view(*input.shape[:-1], weight.shape[0])
+        return torch.addmm(bias, input, weight.t())
 
     @staticmethod
     def backward(ctx, grad_output):
         input, weight = ctx.saved_tensors
-        grad_flat = grad_output.reshape(-1, grad_output.shape[-1])
-        input_flat = input.reshape(-1, input.shape[-1])
         grad_input = grad_output.matmul(weight)
-        grad_bias = grad_flat.sum(dim=0)
+        grad_bias = grad_output.sum(dim=0)
         if ctx.accumulate:
             main_grad = weight.main_grad
             if main_grad.dtype == torch.float32:
-                WeightGradAccumulation.wgrad_gemm_accum_fp32(input_flat, grad_flat, main_grad)
+                WeightGradAccumulation.wgrad_gemm_accum_fp32(input, grad_output, main_grad)
             else:
-                WeightGradAccumulation.wgrad_gemm_accum_fp16(input_flat, grad_flat, main_grad)
+                WeightGradAccumulation.wgrad_gemm_accum_fp16(input, grad_output, main_grad)
             grad_weight = _dummy_weight_grad(weight, input.dtype)
         else:
-            grad_weight = grad_flat.t().matmul(input_flat)
+            grad_weight = grad_output.t().matmul(input)
         return grad_input, grad_weight, grad_bias, None
+
+
+def biased_linear(input, weight, bias, accumulate_into_main_grad: bool) -> torch.Tensor:
+    """[..., in] -> [..., out]; the reshapes stay outside the autograd.Function so the result
+    is an ordinary view that callers may modify in place (megatron-core's cross-entropy
+    does, on BERT's biased output layer)."""
+    output = _BiasInEpilogueLinear.apply(input.reshape(-1, input.shape[-1]), weight, bias,
+                                         accumulate_into_main_grad)
+    return output.view(*input.shape[:-1], weight.shape[0])
 
 
 def _bias_in_epilogue(megatron_impl, input, weight, bias, gradient_accumulation_fusion,
@@ -73,7 +81,7 @@ def _bias_in_epilogue(megatron_impl, input, weight, bias, gradient_accumulation_
                              gradient_accumulation_fusion=gradient_accumulation_fusion,
                              allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,
                              grad_output_buffer=grad_output_buffer, **kwargs)
-    return _BiasInEpilogueLinear.apply(input, weight, bias, gradient_accumulation_fusion)
+    return biased_linear(input, weight, bias, gradient_accumulation_fusion)
 
 
 class _EmbeddingIntoMainGrad(torch.autograd.Function):
