@@ -147,6 +147,15 @@ def test_fused_cross_entropy_needs_bf16():
     assert parse_args(BASE + ["--bf16", "--cross-entropy-loss-fusion"], world_size=1)
 
 
+def test_single_pass_cross_entropy_takes_any_precision():
+    # its gradient keeps the logits' dtype (megatron/training/cross_entropy.py)
+    for precision in ([], ["--fp16"], ["--bf16"]):
+        args = parse_args(BASE + precision + ["--cross-entropy-loss-fusion",
+                                              "--cross-entropy-fusion-impl", "triton"],
+                          world_size=1)
+        assert args.cross_entropy_fusion_impl == "triton"
+
+
 def test_node_ips_count_must_match_nodes(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     flags = with_flags(BASE, pipeline_model_parallel_size=2)
