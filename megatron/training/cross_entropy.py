@@ -147,7 +147,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
             row_max = global_max
         logsumexp = row_max + torch.log(row_sum)
         ctx.save_for_backward(logits, labels, logsumexp)
-        ctx.passes, ctx.vocab_start, ctx.logits_shape = passes, vocab_start, logits.shape
+        ctx.passes, ctx.vocab_start = passes, vocab_start
         return (logsumexp - label_logit).view(shape)
 
     @staticmethod
