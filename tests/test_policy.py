@@ -5,18 +5,23 @@ import random
 
 import pytest
 
+from megatron.dpp import policy as policy_module
 from megatron.dpp.policy import (
     BACKWARD,
     FORWARD,
+    ORDER_CANDIDATES,
     GreedyPolicy,
     StageConfig,
     Task,
+    choose_cost_order,
     cost_order,
     in_flight_profile,
     plan_extra_warmup,
     plan_order,
+    predicted_makespan,
     static_order,
 )
+from megatron.dpp.simulate import CostModel, sample_durations, simulate
 
 # (pp_size, num_chunks, num_microbatches): m not a multiple of p only where megatron allows
 CONFIGS = [
@@ -292,6 +297,82 @@ def test_cost_order_puts_cheap_microbatches_at_both_ends():
     assert {order[0], order[-1]} == {1, 5}  # the two cheapest
     assert costs[order[2]] == 9.0 or costs[order[3]] == 9.0  # the dearest in the middle
     assert cost_order([4.0] * 5) == list(range(5))  # equal costs: megatron's order
+    assert cost_order([]) == [] and cost_order([3.0]) == [0]
+
+
+@pytest.mark.parametrize("peak,descent", [(0.3, 1.0), (0.3, 0.5), (0.5, 1.0), (0.7, 2.0)])
+def test_cost_order_rises_to_the_peak_then_falls(peak, descent):
+    rng = random.Random(7)
+    for m in (2, 5, 16, 32, 33):
+        costs = [rng.lognormvariate(0.0, 0.5) for _ in range(m)]
+        order = cost_order(costs, peak, descent)
+        assert sorted(order) == list(range(m))
+        seq = [costs[i] for i in order]
+        top = seq.index(max(seq))
+        assert seq[: top + 1] == sorted(seq[: top + 1])  # non-decreasing up to the dearest
+        assert seq[top:] == sorted(seq[top:], reverse=True)  # then non-increasing
+        assert abs(top - peak * (m - 1)) <= 1.0  # the dearest at the peak
+        assert seq[0] == min(seq)  # the cheapest first
+
+
+def test_slower_descent_keeps_the_costs_high_after_the_peak():
+    costs = [float(k) for k in range(1, 33)]
+    linear, slow = cost_order(costs, 0.3, 1.0), cost_order(costs, 0.3, 0.5)
+    assert linear != slow
+    tail = slice(16, 32)
+    assert sum(costs[i] for i in slow[tail]) > sum(costs[i] for i in linear[tail])
+    with pytest.raises(ValueError, match="peak"):
+        cost_order(costs, 1.0)
+    with pytest.raises(ValueError, match="descent"):
+        cost_order(costs, 0.3, 0.0)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("slack", [0, 1, 2, 5])
+def test_predicted_makespan_is_the_simulated_dpp_makespan(p, slack):
+    """The closed-form replay of GreedyPolicy gives exactly the simulator's makespan of a
+    DPP run (every rank's real GreedyPolicy) on the known costs, for any order."""
+    rng = random.Random(p * 10 + slack)
+    for m in sorted({1, 2, p, 2 * p + 1, 4 * p}):
+        durations = sample_durations(CostModel(cv=0.5), p, 1, m, seed=rng.randrange(1000))
+        costs = durations.microbatch_factor
+        shuffled = list(range(m))
+        rng.shuffle(shuffled)
+        for order in (list(range(m)), cost_order(costs), cost_order(costs, 0.3, 0.5), shuffled):
+            expected = simulate("dpp", p, m, durations, slack=slack, microbatch_order=order)
+            assert predicted_makespan(costs, p, slack, order) == pytest.approx(
+                expected.makespan, rel=1e-12)
+    with pytest.raises(ValueError, match="permutation"):
+        predicted_makespan([1.0, 2.0], 2, 0, [0, 0])
+
+
+def test_choose_cost_order_takes_the_shortest_predicted_candidate():
+    rng = random.Random(3)
+    chosen_kinds = set()
+    for _ in range(20):
+        p, slack = rng.choice([2, 4, 8]), rng.choice([0, 2])
+        costs = [rng.lognormvariate(0.0, 0.5) for _ in range(4 * p)]
+        candidates = [cost_order(costs, peak, descent) for peak, descent in ORDER_CANDIDATES]
+        times = [predicted_makespan(costs, p, slack, order) for order in candidates]
+        chosen = choose_cost_order(costs, p, slack)
+        assert chosen in candidates
+        assert predicted_makespan(costs, p, slack, chosen) == min(times)
+        assert chosen == choose_cost_order(list(costs), p, slack)  # same on every rank
+        chosen_kinds.add(candidates.index(chosen))
+    assert chosen_kinds == set(range(len(ORDER_CANDIDATES)))  # each candidate wins somewhere
+    assert choose_cost_order([2.0] * 8, 2, 2) == list(range(8))
+
+
+def test_choose_cost_order_skips_the_simulation_above_the_task_limit(monkeypatch):
+    costs = [float((7 * k) % 11 + 1) for k in range(64)]
+
+    def fail(*args, **kwargs):
+        raise AssertionError("predicted_makespan called above the limit")
+
+    monkeypatch.setattr(policy_module, "predicted_makespan", fail)
+    monkeypatch.setattr(policy_module, "ORDER_CHOICE_MAX_TASKS", 2 * 16 * 64 - 1)
+    peak, descent = ORDER_CANDIDATES[0]
+    assert choose_cost_order(costs, 16, 2) == cost_order(costs, peak, descent)
 
 
 @pytest.mark.parametrize("slack", [0, 2])
@@ -300,7 +381,8 @@ def test_known_costs_keep_every_invariant_under_random_arrivals(slack):
     backwards of a chunk in that order, never above the cap."""
     p, m = 3, 7
     costs = [3.0, 1.0, 4.0, 1.5, 5.0, 9.0, 2.0]
-    order = cost_order(costs)
+    order = choose_cost_order(costs, p, slack)
+    assert order != list(range(m))
     stages = [StageConfig(r, p, 1, m, slack=slack) for r in range(p)]
     policies = [GreedyPolicy(s, microbatch_costs=costs) for s in stages]
     arrived = [set() for _ in range(p)]

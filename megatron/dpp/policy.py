@@ -23,7 +23,10 @@ it runs the earliest later task of the plan whose input is here, under two condi
   (docs/benchmarks/simulator.md), while with slack it is where most of the gain comes from.
 
 Given each microbatch's cost before the iteration (its token count), the plan runs the
-microbatches in `cost_order` instead of 0..m-1 (one model chunk per rank only).
+microbatches in a cost order instead of 0..m-1 (one model chunk per rank only): cheap
+first, dearest about 0.3 of the way, cheap last (`cost_order`). `choose_cost_order` picks
+one of two such orders (`ORDER_CANDIDATES`) by simulating this very rule on the known
+costs (`predicted_makespan`); every rank computes the same choice from the same costs.
 """
 
 from __future__ import annotations
@@ -174,19 +177,154 @@ def _check_permutation(order: list[int], m: int) -> None:
         raise ValueError(f"microbatch order {order} is not a permutation of range({m})")
 
 
-def cost_order(costs: list[float]) -> list[int]:
+# (peak, descent) of the cost orders `choose_cost_order` compares: a linear fall after
+# the peak, and one that stays high longer (better at p <= 8 on average, worse at p >= 16,
+# docs/benchmarks/simulator.md). The first is the order where the comparison is skipped.
+ORDER_CANDIDATES = ((0.3, 1.0), (0.3, 0.5))
+# backward / forward time assumed when predicting a cost order's makespan
+BACKWARD_COST_RATIO = 2.0
+# most tasks (2 * pp_size * microbatches) `choose_cost_order` simulates per candidate; a
+# prediction takes ~0.45 ms of host time at p = 8, m = 32 (512 tasks), ~2.3 ms at p = 16,
+# m = 64 (2048), linear in the task count
+ORDER_CHOICE_MAX_TASKS = 2048
+
+
+def cost_order(costs: list[float], peak: float = 0.3, descent: float = 1.0) -> list[int]:
     """Microbatch order from per-microbatch costs known before the iteration (e.g. token
-    counts): small at both ends, large in the middle ("organ pipe": by ascending cost,
-    alternately appended to the front half and prepended to the back half). The first
-    and last microbatch set the pipeline's fill and drain, and a slowly varying cost
-    keeps a stage's forward and backward of one 1F1B step alike. Equal costs keep the
-    natural order."""
+    counts): the cheapest first, costs rising to the dearest at fraction `peak` of the way,
+    then falling to a cheap last microbatch. Each position x in [0, 1] gets a height, x /
+    peak before the peak and ((1 - x) / (1 - peak)) ** descent after it; the cheapest
+    microbatch takes the lowest position, and so on (ties: the earlier position first).
+    descent < 1 keeps the costs high for longer after the peak.
+
+    Cheap ends shorten the pipeline's fill and drain. The rise is steep and early because
+    while the costs rise, the first stage waits at its in-flight cap for the gradients of
+    the cheaper, older microbatches; with the peak near the end of its warmup (~0.3 of
+    the way at m = 4p) it runs most of the rise before it needs a gradient. Equal costs
+    keep the natural order."""
     m = len(costs)
+    if not 0.0 < peak < 1.0 or descent <= 0.0:
+        raise ValueError(f"cost_order: need 0 < peak < 1 and descent > 0, got {peak}, {descent}")
     if m == 0 or max(costs) == min(costs):
         return list(range(m))
+    last = max(m - 1, 1)
+
+    def height(position: int) -> float:
+        x = position / last
+        if x <= peak:
+            return x / peak
+        return ((1.0 - x) / (1.0 - peak)) ** descent
+
+    positions = sorted(range(m), key=lambda k: (height(k), k))
     ranked = sorted(range(m), key=lambda i: (costs[i], i))
-    front, back = ranked[0::2], ranked[1::2]
-    return front + back[::-1]
+    order = [0] * m
+    for position, microbatch in zip(positions, ranked, strict=True):
+        order[position] = microbatch
+    return order
+
+
+def choose_cost_order(costs: list[float], pp_size: int, slack: int = 0) -> list[int]:
+    """The cost order of `ORDER_CANDIDATES` with the shortest `predicted_makespan` for a
+    pipeline of `pp_size` stages with this slack (one model chunk); the first candidate
+    wins ties, and is taken without a comparison above `ORDER_CHOICE_MAX_TASKS`. A pure
+    function of its arguments, so every rank gets the same order."""
+    candidates = []
+    for peak, descent in ORDER_CANDIDATES:
+        order = cost_order(costs, peak, descent)
+        if order not in candidates:
+            candidates.append(order)
+    if len(candidates) == 1 or 2 * pp_size * len(costs) > ORDER_CHOICE_MAX_TASKS:
+        return candidates[0]
+    makespans = [predicted_makespan(costs, pp_size, slack, order) for order in candidates]
+    return candidates[makespans.index(min(makespans))]
+
+
+def predicted_makespan(
+    costs: list[float],
+    pp_size: int,
+    slack: int,
+    order: list[int],
+    backward_ratio: float = BACKWARD_COST_RATIO,
+) -> float:
+    """Makespan of the pipeline when every rank runs `GreedyPolicy` (one model chunk, the
+    plan of `plan_order` with `order`, the policy's cap) and microbatch i takes costs[i]
+    forward and backward_ratio * costs[i] backward on every stage, with no communication
+    latency: the same result as megatron.dpp.simulate's DPP run on those durations
+    (tests/test_policy.py checks it), several times faster.
+
+    A rank's state is the number f of forwards and b of backwards it has run (both run in
+    order), so everything GreedyPolicy tracks has a closed form: in the plan (w warmup
+    forwards) forward j sits at position j (j < w) or 2j - w, backward j at w + 2j + 1
+    (j < m - w) or m + j; the planned task is the one at the lower position; the forwards
+    run ahead of a planned backward b are f minus the min(w + b + 1, m) that the plan puts
+    before it; and the plan's peak in flight from position k on is w + 1 (w if w = m) up
+    to k = 2m - w, then 2m - k."""
+    p, m = pp_size, len(costs)
+    _check_permutation(order, m)
+    forward = [costs[i] for i in order]  # by position in the order
+    backward = [backward_ratio * c for c in forward]
+    # plan_order's warmup (plan_extra_warmup's extra) and GreedyPolicy's cap, per rank
+    warmups = [min(p - 1 - r + min(slack, p - 1 - r), m) for r in range(p)]
+    caps = [min(min(p - r, m) + slack, m) for r in range(p)]
+    done_f, done_b = [0] * p, [0] * p
+    # forwards / backwards whose input has arrived at rank r (local inputs: all of them)
+    in_f = [m] + [0] * (p - 1)
+    in_b = [0] * (p - 1) + [m]
+    idle = float("inf")
+    ends = [idle] * p  # end of the task running on each rank; idle: none runs
+    running_forward = [False] * p
+    now = 0.0
+    deciding = list(range(p))  # ranks to offer a task (duplicates are harmless)
+    while True:
+        for r in deciding:
+            if ends[r] != idle:
+                continue
+            f, b, w = done_f[r], done_b[r], warmups[r]
+            if b == m:
+                continue  # finished
+            forward_ready = f < in_f[r] and f - b < caps[r]
+            backward_ready = b < f and b < in_b[r]
+            backward_pos = w + 2 * b + 1 if b < m - w else m + b
+            if f < m and (f if f < w else 2 * f - w) < backward_pos:  # planned: forward f
+                if forward_ready:
+                    run_forward = True
+                elif slack and backward_ready:  # a backward runs ahead only with slack
+                    run_forward = False
+                else:
+                    continue
+            elif backward_ready:  # planned: backward b
+                run_forward = False
+            elif forward_ready:  # a forward runs ahead while the plan stays under the cap
+                peak = (w + 1 if m > w else w) if backward_pos < 2 * m - w else 2 * m - backward_pos
+                if caps[r] - peak <= f - min(w + b + 1, m):
+                    continue
+                run_forward = True
+            else:
+                continue
+            running_forward[r] = run_forward
+            ends[r] = now + (forward[f] if run_forward else backward[b])
+        soonest = min(ends)
+        if soonest == idle:
+            break
+        now = soonest
+        deciding = []
+        while now in ends:  # every task ending now, before any rank decides
+            r = ends.index(now)
+            ends[r] = idle
+            deciding.append(r)
+            if running_forward[r]:
+                done_f[r] += 1
+                if r + 1 < p:
+                    in_f[r + 1] = done_f[r]
+                    deciding.append(r + 1)
+            else:
+                done_b[r] += 1
+                if r > 0:
+                    in_b[r - 1] = done_b[r]
+                    deciding.append(r - 1)
+    if done_b != [m] * p:
+        raise RuntimeError("predicted_makespan: the plans deadlocked")
+    return now
 
 
 def in_flight_profile(order: list[Task]) -> list[int]:
@@ -238,7 +376,8 @@ class GreedyPolicy:
             if len(microbatch_costs) != m:
                 raise ValueError(f"{len(microbatch_costs)} microbatch costs for {m} microbatches")
             if chunks == 1 and not stage.forward_only:
-                microbatch_order = cost_order(microbatch_costs)
+                microbatch_order = choose_cost_order(
+                    microbatch_costs, stage.pp_size, stage.slack)
         order = list(range(m)) if microbatch_order is None else list(microbatch_order)
         self._plan = plan_order(stage, extra_warmup, order)
         self._order = order

@@ -179,9 +179,9 @@ def simulate(
     """Run one schedule to completion. `record` keeps each rank's task order and a trace.
     `microbatch_costs`: what is known of each microbatch's cost before the iteration (its
     token count; in the cost models the per-microbatch factor, not the per-task jitter).
-    Only DPP uses it, to order the microbatches (policy.cost_order); the static schedules
-    keep megatron's order 0..m-1. `microbatch_order` gives DPP's order directly (replaying
-    a recorded run)."""
+    Only DPP uses it, to order the microbatches (policy.choose_cost_order); the static
+    schedules keep megatron's order 0..m-1. `microbatch_order` gives DPP's order directly
+    (replaying a recorded run)."""
     p, m, chunks = pp_size, num_microbatches, num_chunks
     if schedule == "1f1b" and chunks != 1:
         raise ValueError("schedule 1f1b has one chunk per rank; use interleaved or dpp")
@@ -327,18 +327,29 @@ GRID_PP = (2, 4, 8, 16, 32, 64)
 GRID_SLACKS = (0, 2)
 
 
-def grid_cost_models(pp_size: int) -> dict[str, CostModel]:
-    return {
+# the acceptance grid's cost models; GRID_EXTRA_MODELS run only when named (--grid-models)
+GRID_MODELS = ("uniform", "cv 0.5", "jitter 0.3", "slow stage 1.3x")
+GRID_EXTRA_MODELS = ("cv 0.5 + jitter 0.3",)
+
+
+def grid_cost_models(pp_size: int, names: tuple[str, ...] = GRID_MODELS) -> dict[str, CostModel]:
+    models = {
         "uniform": CostModel(),
         "cv 0.5": CostModel(cv=0.5),
         "jitter 0.3": CostModel(jitter=0.3),
         "slow stage 1.3x": CostModel(slow_stage=pp_size // 2, slow_factor=1.3),
+        # DPP knows the per-microbatch factor, not the jitter on top of it
+        "cv 0.5 + jitter 0.3": CostModel(cv=0.5, jitter=0.3),
     }
+    unknown = [name for name in names if name not in models]
+    if unknown:
+        raise ValueError(f"unknown grid cost models {unknown}; choose from {list(models)}")
+    return {name: models[name] for name in names}
 
 
 def _grid_unit(args):
     pp_size, model_name, seed, slacks, known_costs = args
-    cost = grid_cost_models(pp_size)[model_name]
+    cost = grid_cost_models(pp_size, (model_name,))[model_name]
     m = 4 * pp_size
     durations = sample_durations(cost, pp_size, 1, m, seed)
     static = simulate("1f1b", pp_size, m, durations)
@@ -358,13 +369,24 @@ def _summary(result: SimResult) -> dict:
     }
 
 
-def run_grid(pps, slacks, seeds: int, jobs: int, known_costs: bool = True) -> list[dict]:
+def run_grid(
+    pps,
+    slacks,
+    seeds: int,
+    jobs: int,
+    known_costs: bool = True,
+    seed_offset: int = 0,
+    models: tuple[str, ...] = GRID_MODELS,
+) -> list[dict]:
     """Every (p, cost model, seed) of the acceptance grid; one row per (p, model, slack).
-    known_costs: DPP knows each microbatch's cost factor in advance (not the jitter)."""
+    known_costs: DPP knows each microbatch's cost factor in advance (not the jitter).
+    Random models run seeds seed_offset .. seed_offset + seeds - 1 (held-out seeds: an
+    offset past the grid's 10); a deterministic model runs once."""
+    models = tuple(models)
     units = [
-        (p, name, seed, tuple(slacks), known_costs)
+        (p, name, seed_offset + seed, tuple(slacks), known_costs)
         for p in sorted(pps, reverse=True)  # biggest first: better load balance
-        for name, cost in grid_cost_models(p).items()
+        for name, cost in grid_cost_models(p, models).items()
         for seed in range(seeds if cost.is_random else 1)
     ]
     if jobs > 1:
@@ -376,7 +398,7 @@ def run_grid(pps, slacks, seeds: int, jobs: int, known_costs: bool = True) -> li
         outputs = [_grid_unit(u) for u in units]
     rows = []
     for p in sorted(pps):
-        for name in grid_cost_models(p):
+        for name in grid_cost_models(p, models):
             cell = [o for o in outputs if o["pp"] == p and o["model"] == name]
             for slack in slacks:
                 ratios = [o["1f1b"]["makespan"] / o[f"dpp+{slack}"]["makespan"] for o in cell]
@@ -419,7 +441,10 @@ def format_grid(rows: list[dict]) -> str:
     # "variance cells": every non-uniform cost model (cv, jitter, slow stage); the random
     # ones alone (cv, jitter) are reported too
     variance = [r for r in rows if r["model"] != "uniform" and r["pp"] <= 8]
-    random_models = {name for name, cost in grid_cost_models(2).items() if cost.is_random}
+    every_model = GRID_MODELS + GRID_EXTRA_MODELS
+    random_models = {
+        name for name, cost in grid_cost_models(2, every_model).items() if cost.is_random
+    }
     for slack in sorted({r["slack"] for r in rows}):
         cells = [r["ratio_mean"] for r in variance if r["slack"] == slack]
         if cells:
@@ -519,6 +544,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--grid-pp", type=int, nargs="+", default=list(GRID_PP))
     parser.add_argument("--grid-slacks", type=int, nargs="+", default=list(GRID_SLACKS))
     parser.add_argument("--seeds", type=int, default=10, help="grid: seeds per random cell")
+    parser.add_argument("--seed-offset", type=int, default=0,
+                        help="grid: first seed (e.g. 100 for seeds the grid never ran)")
+    parser.add_argument("--grid-models", nargs="+", default=list(GRID_MODELS),
+                        choices=list(GRID_MODELS + GRID_EXTRA_MODELS), metavar="MODEL",
+                        help="grid: cost models, by name (quote names with spaces)")
     parser.add_argument("--jobs", type=int, default=2, help="grid: worker processes")
     parser.add_argument("--costs-unknown", action="store_true",
                         help="DPP does not know the microbatches' costs before the iteration "
@@ -533,6 +563,8 @@ def _check_args(parser, args):
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.slack < 0 or any(s < 0 for s in args.grid_slacks):
         parser.error("slack must be >= 0")
+    if args.seed_offset < 0:
+        parser.error(f"--seed-offset must be >= 0, got {args.seed_offset}")
     if any(p < 1 for p in args.grid_pp):
         parser.error(f"--grid-pp values must be >= 1, got {args.grid_pp}")
 
@@ -545,7 +577,7 @@ def main(argv=None) -> int:
     if args.grid:
         started = time.perf_counter()
         rows = run_grid(args.grid_pp, args.grid_slacks, args.seeds, args.jobs,
-                        not args.costs_unknown)
+                        not args.costs_unknown, args.seed_offset, tuple(args.grid_models))
         elapsed = time.perf_counter() - started
         if args.json:
             json.dump({"rows": rows, "seconds": elapsed}, sys.stdout, indent=1)
