@@ -55,9 +55,6 @@ BAD_VALUES = {
     "dpp_with_param_gather_overlap": (
         dict(use_dpp=True, pipeline_model_parallel_size=2, overlap_param_gather=True), 2,
         ["--overlap-param-gather", "--use-dpp"]),
-    "dpp_over_rdma_not_wired": (
-        dict(use_dpp=True, pipeline_model_parallel_size=2, dpp_transport="rdma"), 2,
-        ["--dpp-transport rdma", "not wired"]),
     # uneven pipeline split (megatron-core's rules for num_layers_in_first/last_pipeline_stage)
     "uneven_rest_not_divisible": (
         dict(num_layers=5, pipeline_model_parallel_size=3, decoder_first_pipeline_num_layers=2),
@@ -163,6 +160,14 @@ def test_node_ips_count_must_match_nodes(monkeypatch):
     assert "--node-ips lists 2 addresses" in message and "1 nodes" in message
     args = parse_args(with_flags(flags, node_ips=["10.0.0.1"]), world_size=2)
     assert args.node_ips == ["10.0.0.1"]
+
+
+def test_dpp_over_rdma_across_nodes_accepted(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    args = parse_args(with_flags(BASE, use_dpp=True, pipeline_model_parallel_size=2,
+                                 dpp_transport="rdma", multi_node=True,
+                                 node_ips=["10.0.0.1", "10.0.0.2"]), world_size=2)
+    assert args.dpp_transport == "rdma" and args.node_ips == ["10.0.0.1", "10.0.0.2"]
 
 
 def test_all_problems_in_one_message():

@@ -517,9 +517,6 @@ def _validate_dpp(args, need):
         need(not args.overlap_param_gather,
              "--overlap-param-gather is not supported with --use-dpp (the dynamic order has no "
              "fixed first forward per chunk to gather parameters before)")
-        need(args.dpp_transport != "rdma",
-             "--dpp-transport rdma: the RDMA channel is compiled but not wired into the "
-             "schedule yet; use --dpp-transport auto or torch")
     if args.multi_node:
         need(bool(args.node_ips), "--multi-node needs --node-ips ADDR [ADDR ...]")
     if args.node_ips:

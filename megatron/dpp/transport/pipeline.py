@@ -142,30 +142,84 @@ def _hosts() -> list[str]:
 
 def _assign_backends(edges, transport, device, timeout):
     """[(backend, its edges)] in an order every rank agrees on."""
+    from megatron.dpp.transport.rdma import RdmaBackend
     from megatron.dpp.transport.torch_backend import TorchBackend
 
     if transport == "torch":
         return [(TorchBackend(device), edges)]
-    if transport == "rdma":
-        raise TransportError("--dpp-transport rdma: the RDMA backend is not available in this "
-                             "build; use --dpp-transport torch or auto")
     native = _native_backend(timeout, required=transport == "shm")
     hosts = _hosts()
-    local = [e for e in edges if hosts[e.src] == hosts[e.dst]]
-    remote = [e for e in edges if hosts[e.src] != hosts[e.dst]]
-    if native is None:
-        return [(TorchBackend(device), edges)]
-    if transport == "shm" and remote:
-        raise TransportError(
-            f"--dpp-transport shm: {len(remote)} pipeline edges cross hosts "
-            f"(e.g. rank {remote[0].src} on {hosts[remote[0].src]} -> rank {remote[0].dst} on "
-            f"{hosts[remote[0].dst]}); use --dpp-transport auto")
-    plan = []
-    if local:
-        plan.append((native, local))
-    if remote:
-        plan.append((TorchBackend(device), remote))
-    return plan
+    crosses_hosts = any(hosts[e.src] != hosts[e.dst] for e in edges)
+    # gathered, not local: every rank must reach the same plan (opening is collective)
+    rdma_problems = _rdma_problems() if crosses_hosts and transport in ("rdma", "auto") else None
+    plan = plan_backends(edges, transport, hosts, shm_usable=native is not None,
+                         rdma_problems=rdma_problems)
+    fallback = [e for name, group in plan if name == "torch" for e in group
+                if hosts[e.src] != hosts[e.dst]]
+    if transport == "auto" and fallback:
+        rank = next(r for r in (fallback[0].src, fallback[0].dst) if rdma_problems[r])
+        log.info("DPP transport auto: torch for %d edges across hosts (e.g. rank %d on %s "
+                 "cannot use RDMA: %s)", len(fallback), rank, hosts[rank], rdma_problems[rank])
+    make = {"shm": lambda: native, "torch": lambda: TorchBackend(device),
+            "rdma": lambda: RdmaBackend(device, timeout=timeout)}
+    return [(make[name](), group) for name, group in plan]
+
+
+BACKEND_ORDER = ("shm", "rdma", "torch")
+
+
+def plan_backends(edges: list[Edge], transport: str, hosts: list[str], shm_usable: bool,
+                  rdma_problems: list[str | None] | None) -> list[tuple[str, list[Edge]]]:
+    """Which backend carries each edge: [(backend name, its edges)], in BACKEND_ORDER, each
+    group in the order of `edges`. `hosts[r]` is rank r's host; `rdma_problems[r]` says why
+    rank r cannot open RDMA channels (None: it can); needed only when an edge crosses hosts
+    under --dpp-transport rdma or auto.
+
+    Edges within a host use shm where usable, else torch. Edges across hosts: rdma uses RDMA
+    and stops when an end cannot; auto uses RDMA where both ends can, torch otherwise.
+    """
+    choice: dict[Edge, str] = {}
+    for edge in edges:
+        if transport == "torch":
+            choice[edge] = "torch"
+        elif hosts[edge.src] == hosts[edge.dst]:
+            choice[edge] = "shm" if shm_usable else "torch"
+        elif transport == "shm":
+            remote = [e for e in edges if hosts[e.src] != hosts[e.dst]]
+            raise TransportError(
+                f"--dpp-transport shm: {len(remote)} pipeline edges cross hosts "
+                f"(e.g. rank {edge.src} on {hosts[edge.src]} -> rank {edge.dst} on "
+                f"{hosts[edge.dst]}); use --dpp-transport auto")
+        else:
+            choice[edge] = _cross_host_backend(edge, transport, hosts, rdma_problems)
+    return [(name, [e for e in edges if choice[e] == name]) for name in BACKEND_ORDER
+            if name in choice.values()]
+
+
+def _cross_host_backend(edge: Edge, transport: str, hosts: list[str],
+                        rdma_problems: list[str | None] | None) -> str:
+    if rdma_problems is None:
+        raise ValueError(f"--dpp-transport {transport} with edges across hosts needs "
+                         "rdma_problems")
+    for rank in (edge.src, edge.dst):
+        problem = rdma_problems[rank]
+        if problem is None:
+            continue
+        if transport == "rdma":
+            raise TransportError(
+                f"--dpp-transport rdma: pipeline edge {edge.src}->{edge.dst} crosses hosts, but "
+                f"rank {rank} on {hosts[rank]} cannot use RDMA: {problem}; use --dpp-transport "
+                "auto or torch")
+        return "torch"
+    return "rdma"
+
+
+def _rdma_problems() -> list[str | None]:
+    from megatron.dpp.transport.rdma import unavailable_reason
+
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, unavailable_reason())
+    return gathered
 
 
 def _native_backend(timeout: float, required: bool):
