@@ -1,6 +1,5 @@
 // Python bindings of the native transport: megatron.dpp._native.
-#include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
+#include <torch/extension.h>
 
 #include <cstdint>
 #include <optional>
@@ -8,7 +7,9 @@
 #include <vector>
 
 #include "errors.h"
+#include "mailbox.h"
 #include "shm_channel.h"
+#include "shm_drain.h"
 namespace py = pybind11;
 
 #ifdef DPP_WITH_RDMA
@@ -17,19 +18,22 @@ void bind_rdma(py::module_& m);  // bindings_rdma.cpp
 }
 #endif
 using dpp::ChannelSettings;
+using dpp::Mailbox;
+using dpp::MailboxKey;
 using dpp::MessageMeta;
 using dpp::ShmReceiver;
+using dpp::ShmDrain;
 using dpp::ShmSender;
 
 namespace {
 
-ChannelSettings settings(int self_rank, int peer_rank, double timeout_s, int spins) {
+ChannelSettings settings(int self_rank, int peer_rank, double timeout_s, double spin_us) {
   if (timeout_s <= 0) throw dpp::TransportFailure("channel timeout must be > 0 s");
   ChannelSettings result;
   result.self_rank = self_rank;
   result.peer_rank = peer_rank;
   result.timeout_s = timeout_s;
-  result.spins = spins < 0 ? 0 : spins;
+  result.spin_us = spin_us < 0 ? 0 : spin_us;
   return result;
 }
 
@@ -79,14 +83,45 @@ PYBIND11_MODULE(_native, m) {
 
   m.def("build_info", &build_info, "What this build contains: {'shm', 'cuda', 'rdma'} -> bool");
 
+  py::class_<Mailbox>(m, "Mailbox")
+      .def(py::init<double>(), py::arg("spin_us"))
+      .def(
+          "put",
+          [](Mailbox& self, int kind, int chunk, int microbatch, at::Tensor tensor) {
+            self.put(MailboxKey{kind, chunk, microbatch}, std::move(tensor));
+          },
+          py::arg("kind"), py::arg("chunk"), py::arg("microbatch"), py::arg("tensor"))
+      .def("fail", &Mailbox::fail, py::arg("message"))
+      .def(
+          "take",
+          [](Mailbox& self, int kind, int chunk, int microbatch) {
+            return self.take(MailboxKey{kind, chunk, microbatch});
+          },
+          "The message's tensor, removed from the mailbox, or None when it has not arrived",
+          py::arg("kind"), py::arg("chunk"), py::arg("microbatch"))
+      .def(
+          "has",
+          [](const Mailbox& self, int kind, int chunk, int microbatch) {
+            return self.has(MailboxKey{kind, chunk, microbatch});
+          },
+          py::arg("kind"), py::arg("chunk"), py::arg("microbatch"))
+      .def("keys", &Mailbox::keys)
+      .def("__len__", &Mailbox::size)
+      .def("error", &Mailbox::error, "The first recorded failure, or None")
+      .def_property_readonly("version", &Mailbox::version)
+      .def("wait", &Mailbox::wait, py::arg("seen"), py::arg("timeout"),
+           "Blocks until the version differs from `seen` or a failure is recorded (True), or "
+           "`timeout` seconds pass (False)",
+           py::call_guard<py::gil_scoped_release>());
+
   py::class_<ShmReceiver>(m, "ShmReceiver")
       .def(py::init([](const std::string& name, uint32_t slots, uint64_t slot_bytes,
-                       int self_rank, int peer_rank, double timeout_s, int spins) {
+                       int self_rank, int peer_rank, double timeout_s, double spin_us) {
              return new ShmReceiver(name, slots, slot_bytes,
-                                    settings(self_rank, peer_rank, timeout_s, spins));
+                                    settings(self_rank, peer_rank, timeout_s, spin_us));
            }),
            py::arg("name"), py::arg("slots"), py::arg("slot_bytes"), py::arg("self_rank"),
-           py::arg("peer_rank"), py::arg("timeout"), py::arg("spins") = 2000)
+           py::arg("peer_rank"), py::arg("timeout"), py::arg("spin_us") = 200.0)
       .def("next", &next_message,
            "(kind, chunk, microbatch, dtype_code, shape, nbytes, on_cuda) of the next message, "
            "or None once the sender closed or interrupt() was called")
@@ -110,13 +145,21 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("sender_pid", &ShmReceiver::sender_pid)
       .def_property_readonly("name", &ShmReceiver::name);
 
+  py::class_<ShmDrain>(m, "ShmDrain")
+      .def(py::init<ShmReceiver&, Mailbox&, std::string, int, uintptr_t, uintptr_t>(),
+           py::arg("receiver"), py::arg("mailbox"), py::arg("label"), py::arg("device"),
+           py::arg("copy_stream"), py::arg("consumer_stream"),
+           // the thread uses both for as long as the drain lives
+           py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
+      .def("join", &ShmDrain::join, py::call_guard<py::gil_scoped_release>());
+
   py::class_<ShmSender>(m, "ShmSender")
       .def(py::init([](const std::string& name, int self_rank, int peer_rank, double timeout_s,
-                       int spins) {
-             return new ShmSender(name, settings(self_rank, peer_rank, timeout_s, spins));
+                       double spin_us) {
+             return new ShmSender(name, settings(self_rank, peer_rank, timeout_s, spin_us));
            }),
            py::arg("name"), py::arg("self_rank"), py::arg("peer_rank"), py::arg("timeout"),
-           py::arg("spins") = 2000)
+           py::arg("spin_us") = 200.0)
       .def(
           "send",
           [](ShmSender& self, int kind, int chunk, int microbatch, int dtype,

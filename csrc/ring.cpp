@@ -21,14 +21,6 @@ constexpr size_t kDataAlignment = 4096;
 
 inline uint32_t load(const uint32_t* word) { return __atomic_load_n(word, __ATOMIC_ACQUIRE); }
 
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
 size_t data_offset(uint32_t slot_count) {
   const size_t raw = sizeof(RingHeader) + slot_count * sizeof(SlotDescriptor);
   return (raw + kDataAlignment - 1) / kDataAlignment * kDataAlignment;
@@ -98,13 +90,17 @@ SlotRing SlotRing::validate(void* base, size_t size, const std::string& name) {
 }
 
 WaitResult SlotRing::wait(uint64_t sequence, bool full, const WaitContext& context,
-                          int spins) const {
+                          double spin_us) const {
   uint32_t* word = &slot(sequence)->state;
   const uint32_t want = full ? kSlotFull : 0;
-  for (int i = 0; i < spins; ++i) {
-    if ((load(word) & kSlotFull) == want) return WaitResult::kReady;
-    cpu_relax();
-  }
+  const auto spin_end = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double, std::micro>(spin_us));
+  do {
+    for (int i = 0; i < 16; ++i) {
+      if ((load(word) & kSlotFull) == want) return WaitResult::kReady;
+      cpu_relax();
+    }
+  } while (Clock::now() < spin_end);
   while (true) {
     uint32_t value = load(word);
     if ((value & kSlotFull) == want) return WaitResult::kReady;

@@ -103,9 +103,9 @@ class SlotRing {
   unsigned char* data() const { return data_; }
   size_t data_bytes() const { return static_cast<size_t>(slot_count()) * slot_bytes(); }
 
-  // Blocks until the slot's FULL bit equals `full`: spins briefly, then sleeps on the futex
+  // Blocks until the slot's FULL bit equals `full`: spins `spin_us`, then sleeps on the futex
   // in ticks, checking the context between ticks. Throws PeerDied / WaitTimeout.
-  WaitResult wait(uint64_t sequence, bool full, const WaitContext& context, int spins) const;
+  WaitResult wait(uint64_t sequence, bool full, const WaitContext& context, double spin_us) const;
   // Flips the slot to FULL (`full`) or FREE and wakes a sleeper if one announced itself.
   void publish(uint64_t sequence, bool full) const;
   // Wakes every sleeper (used when stopping), whatever it waits for.
@@ -119,6 +119,15 @@ class SlotRing {
   SlotDescriptor* slots_ = nullptr;
   unsigned char* data_ = nullptr;
 };
+
+// One pause of a spin loop: lets the sibling hyperthread run and saves power.
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
 
 // Sleeps while *word == expected, for at most `timeout`; returns on a wake-up or timeout.
 void futex_wait(const uint32_t* word, uint32_t expected, std::chrono::microseconds timeout);

@@ -78,7 +78,7 @@ std::optional<MessageMeta> ShmReceiver::next() {
   if (segment_.data() == nullptr) throw TransportFailure("receive channel is closed");
   if (!wait_attached()) return std::nullopt;
   const auto wait_context = context(false, "waiting for the next message");
-  if (ring_.wait(sequence_, true, wait_context, settings_.spins) != WaitResult::kReady) {
+  if (ring_.wait(sequence_, true, wait_context, settings_.spin_us) != WaitResult::kReady) {
     return std::nullopt;
   }
   const SlotDescriptor* slot = ring_.slot(sequence_);
@@ -101,7 +101,7 @@ std::optional<MessageMeta> ShmReceiver::next() {
 const SlotDescriptor* ShmReceiver::fragment(uint64_t sequence, uint64_t offset) {
   if (sequence != sequence_) {
     const auto wait_context = context(true, "waiting for the rest of a message");
-    if (ring_.wait(sequence, true, wait_context, settings_.spins) != WaitResult::kReady) {
+    if (ring_.wait(sequence, true, wait_context, settings_.spin_us) != WaitResult::kReady) {
       return nullptr;
     }
   }
@@ -213,7 +213,7 @@ SlotDescriptor* ShmSender::acquire(uint64_t sequence, const MessageMeta& meta, u
   context.deadline = deadline_after(settings_.timeout_s);
   context.timeout_s = settings_.timeout_s;
   context.what = "waiting for a free slot (the receiver is not draining)";
-  if (ring_.wait(sequence, false, context, settings_.spins) != WaitResult::kReady) {
+  if (ring_.wait(sequence, false, context, settings_.spin_us) != WaitResult::kReady) {
     throw TransportFailure("pipeline peer rank " + std::to_string(settings_.peer_rank) +
                            " closed its receive channel");
   }

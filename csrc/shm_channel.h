@@ -35,7 +35,7 @@ struct ChannelSettings {
   int self_rank = 0;
   int peer_rank = 0;
   double timeout_s = 60.0;  // bound of every wait except the receiver's idle wait
-  int spins = 2000;         // busy polls before a wait sleeps on the futex
+  double spin_us = 200;     // a wait polls this long before it sleeps on the futex
 };
 
 class ShmReceiver {

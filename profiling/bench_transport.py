@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.dpp.transport import native
-from megatron.dpp.transport.channel import Edge, Inbox, MessageKey, MessageKind
+from megatron.dpp.transport.channel import Edge, MessageKey, MessageKind
+from megatron.dpp.transport.native import NativeInbox
 from megatron.dpp.transport.shm import ShmBackend
 
 logger = logging.getLogger("bench_transport")
@@ -39,8 +40,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--stream-bytes", type=int, default=2 << 30,
                         help="bytes streamed per size for bandwidth (at least 8 messages)")
     parser.add_argument("--pingpongs", type=int, default=50, help="round trips per size")
-    parser.add_argument("--slots", type=int, default=16)
-    parser.add_argument("--slot-bytes", type=int, default=4 << 20)
+    defaults = ShmBackend()
+    parser.add_argument("--slots", type=int, default=defaults.slots)
+    parser.add_argument("--slot-bytes", type=int, default=defaults.slot_bytes)
+    parser.add_argument("--device-slot-bytes", type=int, default=defaults.device_slot_bytes)
+    parser.add_argument("--spin-us", type=float, default=defaults.spin_us,
+                        help="microseconds a wait on a ring slot polls before it sleeps")
+    parser.add_argument("--inbox-spin-us", type=float, default=NativeInbox.DEFAULT_SPIN_US,
+                        help="microseconds a wait on the inbox spins before it sleeps")
+    parser.add_argument("--transports", default=None,
+                        help="comma-separated subset of shm-host, shm-staged, ipc, nccl, "
+                             "nccl-host, gloo (default: shm-staged, ipc, nccl, nccl-host on "
+                             "GPUs; shm-host, gloo on CPU)")
     return parser.parse_args()
 
 
@@ -60,9 +71,9 @@ def synchronize(device: torch.device) -> None:
 class ChannelPair:
     """One ShmBackend's channels in both directions, driven as mailbox messages."""
 
-    def __init__(self, backend: ShmBackend, rank: int):
+    def __init__(self, backend: ShmBackend, rank: int, spin_us: float):
         self.rank = rank
-        self.inbox = Inbox()
+        self.inbox = NativeInbox(spin_us)
         self.senders, self.receivers = backend.open([FORWARD, BACKWARD], rank, self.inbox)
         self.counter = 0
 
@@ -86,10 +97,14 @@ class ChannelPair:
 
 
 class TorchPair:
-    """torch.distributed send/recv with the same interface."""
+    """torch.distributed send/recv with the same interface. With `host_visible` the
+    receiver synchronizes after each receive, as a mailbox must before it can tell the
+    schedule that a message is here; without, NCCL's receives stay ordered on the GPU and
+    the host never waits for one (the stream-ordered figure)."""
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, host_visible: bool = False):
         self.peer = 1 - rank
+        self.host_visible = host_visible
         self.buffer: torch.Tensor | None = None
 
     def send(self, tensor: torch.Tensor) -> None:
@@ -97,6 +112,8 @@ class TorchPair:
 
     def recv(self) -> torch.Tensor:
         dist.recv(self.buffer, self.peer)
+        if self.host_visible:
+            synchronize(self.buffer.device)
         return self.buffer
 
     def step(self) -> None:
@@ -162,19 +179,33 @@ def main() -> None:
     if dist.get_world_size() != 2:
         raise SystemExit("bench_transport.py needs exactly 2 ranks (--nproc_per_node=2)")
     torch.set_num_threads(1)
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    shm = dict(timeout=120.0, slots=args.slots, slot_bytes=args.slot_bytes)
-    transports = {}
-    if on_gpu and native.build_info()["cuda"]:
-        transports["shm-staged"] = lambda: ChannelPair(ShmBackend(path="staged", **shm), rank)
-        transports["ipc"] = lambda: ChannelPair(ShmBackend(path="ipc", **shm), rank)
-    elif not on_gpu:
-        transports["shm-host"] = lambda: ChannelPair(ShmBackend(**shm), rank)
-    transports["nccl" if on_gpu else "gloo"] = lambda: TorchPair(rank)
+    gpu = torch.device("cuda", torch.cuda.current_device()) if on_gpu else None
+    shm = dict(timeout=120.0, slots=args.slots, slot_bytes=args.slot_bytes,
+               device_slot_bytes=args.device_slot_bytes, spin_us=args.spin_us)
+
+    def channels(path: str) -> ChannelPair:
+        return ChannelPair(ShmBackend(path=path, **shm), rank, args.inbox_spin_us)
+
+    # name: (make the pair, device of its tensors)
+    available = {"shm-host": (lambda: channels("auto"), torch.device("cpu"))}
+    if on_gpu:
+        available["nccl"] = (lambda: TorchPair(rank), gpu)
+        available["nccl-host"] = (lambda: TorchPair(rank, host_visible=True), gpu)
+        if native.build_info()["cuda"]:
+            available["shm-staged"] = (lambda: channels("staged"), gpu)
+            available["ipc"] = (lambda: channels("ipc"), gpu)
+    else:
+        available["gloo"] = (lambda: TorchPair(rank), torch.device("cpu"))
+    default = "shm-staged,ipc,nccl,nccl-host" if on_gpu else "shm-host,gloo"
+    names = (args.transports or default).split(",")
+    unknown = [name for name in names if name not in available]
+    if unknown:
+        raise SystemExit(f"--transports: {unknown} not available here (have {list(available)})")
 
     results = []
-    ack = torch.zeros(1, device=device)
-    for name, make in transports.items():
+    for name in names:
+        make, device = available[name]
+        ack = torch.zeros(1, device=device)
         pair = make()
         for size in sizes(args.min_bytes, args.max_bytes):
             tensor = torch.randn(size // 4, device=device)
@@ -187,7 +218,7 @@ def main() -> None:
         pair.close()
     dist.barrier()
     if rank == 0:
-        write_report(args.out, results, device)
+        write_report(args.out, results, gpu or torch.device("cpu"))
     dist.destroy_process_group()
 
 

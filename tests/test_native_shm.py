@@ -76,16 +76,23 @@ def _edges():
     return [Edge(0, 1, MessageKind.ACTIVATION), Edge(1, 0, MessageKind.GRADIENT)]
 
 
-def exchange_worker(rank: int, port: int, messages: int, results) -> None:
+def exchange_worker(rank: int, port: int, messages: int, gpu_path: str | None,
+                    results) -> None:
     """Both directions at once: a thread sends while the main thread takes the peer's
-    messages in shuffled blocks (out of order) and checks each against its checksum."""
+    messages in shuffled blocks (out of order) and checks each against its checksum.
+    With `gpu_path` the tensors live on the GPUs (rank % GPU count) and travel that way."""
     try:
         _init(rank, port)
-        from megatron.dpp.transport.channel import Inbox
+        from megatron.dpp.transport.native import NativeInbox
         from megatron.dpp.transport.shm import ShmBackend
 
-        inbox = Inbox()
-        backend = ShmBackend(timeout=10.0, slots=SLOTS, slot_bytes=SLOT_BYTES)
+        device = torch.device("cpu")
+        if gpu_path is not None:
+            device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+        inbox = NativeInbox()
+        backend = ShmBackend(timeout=10.0, slots=SLOTS, slot_bytes=SLOT_BYTES,
+                             device_slot_bytes=SLOT_BYTES, path=gpu_path or "auto")
         senders, receivers = backend.open(_edges(), rank, inbox)
         (out_edge,), (in_edge,) = senders, receivers
         send_failure = []
@@ -94,7 +101,7 @@ def exchange_worker(rank: int, port: int, messages: int, results) -> None:
             try:
                 for index in range(messages):
                     senders[out_edge].send(key_of(out_edge.kind, index),
-                                           message_tensor(rank, index))
+                                           message_tensor(rank, index).to(device))
             except Exception as error:
                 send_failure.append(error)
 
@@ -107,6 +114,9 @@ def exchange_worker(rank: int, port: int, messages: int, results) -> None:
             order.shuffle(block)
             for index in block:
                 got = inbox.take(key_of(in_edge.kind, index), timeout=30)
+                if got.device != device:
+                    mismatches += 1
+                got = got.cpu()
                 expected = message_tensor(in_edge.src, index)
                 if (got.dtype != expected.dtype or got.shape != expected.shape
                         or checksum(got) != checksum(expected) or not torch.equal(got, expected)):
@@ -124,10 +134,11 @@ def kill_worker(rank: int, port: int, victim: int, timeout: float, results) -> N
     TransportError naming the dead peer within the timeout."""
     try:
         _init(rank, port)
-        from megatron.dpp.transport.channel import Inbox, TransportError
+        from megatron.dpp.transport.channel import TransportError
+        from megatron.dpp.transport.native import NativeInbox
         from megatron.dpp.transport.shm import ShmBackend
 
-        inbox = Inbox()
+        inbox = NativeInbox()
         senders, _ = ShmBackend(timeout=timeout, slots=SLOTS, slot_bytes=SLOT_BYTES).open(
             _edges()[:1], rank, inbox)
         if rank == victim:
@@ -197,7 +208,7 @@ def collect(processes, results, expected: int, deadline: float = 60.0):
 
 def test_exchange_random_messages_both_directions_out_of_order():
     before = shm_entries()
-    processes, results = run_job(exchange_worker, 2, MESSAGES)
+    processes, results = run_job(exchange_worker, 2, MESSAGES, None)
     found = collect(processes, results, 2)
     for rank, status, mismatches, send_failure, leftover in found:
         assert status == "ok"
@@ -210,11 +221,26 @@ def test_exchange_random_messages_both_directions_out_of_order():
 
 def test_two_jobs_with_the_same_ranks_side_by_side():
     before = shm_entries()
-    first = run_job(exchange_worker, 2, 1000)
-    second = run_job(exchange_worker, 2, 1000)
+    first = run_job(exchange_worker, 2, 1000, None)
+    second = run_job(exchange_worker, 2, 1000, None)
     for processes, results in (first, second):
         for _, status, mismatches, send_failure, _ in collect(processes, results, 2):
             assert status == "ok" and mismatches == 0 and not send_failure
+    assert shm_entries() - before == set()
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and native.build_info()["cuda"]),
+                    reason="needs a CUDA GPU and the extension built with CUDA")
+@pytest.mark.parametrize("path", ["ipc", "staged"])
+def test_gpu_tensors_arrive_intact_over_each_gpu_path(path):
+    """Two processes (on two GPUs where there are two): GPU tensors of every dtype, many
+    larger than a slot, both directions, taken out of order."""
+    before = shm_entries()
+    processes, results = run_job(exchange_worker, 2, 2000, path)
+    for rank, status, mismatches, send_failure, leftover in collect(processes, results, 2, 120):
+        assert status == "ok" and not send_failure, (rank, send_failure)
+        assert mismatches == 0, f"rank {rank}: {mismatches} messages differ"
+        assert leftover == 0
     assert shm_entries() - before == set()
 
 
@@ -234,12 +260,13 @@ def test_kill_minus_9_makes_the_peer_raise_a_named_error(victim):
 
 
 def test_receiver_removes_its_segment_when_the_sender_never_attaches():
-    from megatron.dpp.transport.channel import Edge, Inbox, MessageKind, TransportError
+    from megatron.dpp.transport.channel import Edge, MessageKind, TransportError
+    from megatron.dpp.transport.native import NativeInbox
     from megatron.dpp.transport.shm import ShmBackend, segment_name
 
     token = "lonely" + os.urandom(4).hex()
     edge = Edge(1, 0, MessageKind.GRADIENT)
-    inbox = Inbox()
+    inbox = NativeInbox()
     _, receivers = ShmBackend(timeout=0.5, token=token).open([edge], 0, inbox)
     assert os.path.exists("/dev/shm" + segment_name(token, edge))
     with pytest.raises(TransportError, match="attach"):

@@ -29,12 +29,12 @@ def _message(seed: int) -> torch.Tensor:
 def _open(rank: int):
     import torch.distributed as dist
 
-    from megatron.dpp.transport.channel import Edge, Inbox, MessageKind
+    from megatron.dpp.transport.channel import Edge, MessageKind, PythonInbox
     from megatron.dpp.transport.torch_backend import TorchBackend
 
     dist.init_process_group("gloo")
     edges = [Edge(0, 1, MessageKind.ACTIVATION), Edge(1, 0, MessageKind.GRADIENT)]
-    inbox = Inbox()
+    inbox = PythonInbox()
     senders, receivers = TorchBackend(torch.device("cpu")).open(edges, rank, inbox)
     return inbox, senders, receivers
 

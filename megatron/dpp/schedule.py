@@ -88,7 +88,7 @@ class DppSchedule:
     def set_microbatch_costs(self, costs: list[float] | None) -> None:
         """What each microbatch of the next call will cost (its token count), the same list
         on every rank: the policy then runs cheap microbatches first and last
-        (policy.cost_order). Used by the next call only."""
+        (policy.choose_cost_order). Used by the next call only."""
         self._microbatch_costs = None if costs is None else list(costs)
 
     def close(self) -> None:

@@ -67,13 +67,74 @@ def dtype_code(dtype: torch.dtype) -> int:
         raise TransportError(f"dtype {dtype} cannot be sent over a DPP channel") from None
 
 
-class Inbox:
+class Inbox(ABC):
     """Arrived messages of one rank, from all of its receive channels.
 
-    Receive channels `put` from their drain threads; the schedule `take`s by key and
-    blocks in `wait` (a condition variable, no spinning) when nothing it needs is here.
-    A channel that fails records its error, and every later wait raises it.
+    Receive channels `put` from their own threads; the schedule `take`s by key and blocks
+    in `wait` (no spinning beyond a few microseconds) when nothing it needs is here. A
+    channel that fails records its error, and every later wait raises it.
+    `PythonInbox` keeps the messages in a dict; `native.NativeInbox` in the extension,
+    where the shared-memory channels' drain threads deliver without taking the GIL.
     """
+
+    @abstractmethod
+    def put(self, key: MessageKey, tensor: torch.Tensor) -> None:
+        """Deliver `key`; a key that is already here is recorded as a failure."""
+
+    @abstractmethod
+    def fail(self, error: BaseException) -> None:
+        """Record a channel's failure (the first one is kept) and wake every waiter."""
+
+    @abstractmethod
+    def has(self, key: MessageKey) -> bool: ...
+
+    @abstractmethod
+    def keys(self) -> list[MessageKey]: ...
+
+    @property
+    @abstractmethod
+    def version(self) -> int:
+        """Changes on every arrival and failure."""
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def _pop(self, key: MessageKey) -> torch.Tensor | None:
+        """Remove and return `key`'s tensor, or None when it has not arrived."""
+
+    @abstractmethod
+    def _block(self, seen_version: int, timeout: float | None) -> bool:
+        """Wait until the version differs from `seen_version` (True) or `timeout` passes
+        (False); raise the recorded failure, if any."""
+
+    def take(self, key: MessageKey, timeout: float | None = None) -> torch.Tensor:
+        """Remove and return the message `key`, waiting for it up to `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            seen = self.version
+            tensor = self._pop(key)
+            if tensor is not None:
+                return tensor
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                self._block(seen, 0)
+                raise TransportError(f"timed out after {timeout:.0f} s waiting for {key}")
+            self._block(seen, remaining)
+
+    def wait(self, seen_version: int, timeout: float | None = None) -> int:
+        """Block until something arrives after `seen_version` (or a channel fails);
+        returns the new version. Raises TransportError on timeout or failure."""
+        if not self._block(seen_version, timeout):
+            raise TransportError(
+                f"timed out after {timeout:.0f} s: no message arrived from any pipeline peer"
+            )
+        return self.version
+
+
+class PythonInbox(Inbox):
+    """The Inbox in a dict under a condition variable: for backends whose receive threads
+    are Python threads, and where the native extension is not built."""
 
     def __init__(self):
         self._messages: dict[MessageKey, torch.Tensor] = {}
@@ -83,7 +144,7 @@ class Inbox:
 
     def put(self, key: MessageKey, tensor: torch.Tensor) -> None:
         with self._cond:
-            if key in self._messages:
+            if key in self._messages and self._error is None:
                 self._error = TransportError(f"duplicate message {key}")
             self._messages[key] = tensor
             self._version += 1
@@ -104,32 +165,6 @@ class Inbox:
         with self._cond:
             return list(self._messages)
 
-    def take(self, key: MessageKey, timeout: float | None = None) -> torch.Tensor:
-        """Remove and return the message `key`, waiting for it up to `timeout` seconds."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while key not in self._messages:
-                self._raise_if_failed()
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise TransportError(f"timed out after {timeout:.0f} s waiting for {key}")
-                self._cond.wait(remaining)
-            return self._messages.pop(key)
-
-    def wait(self, seen_version: int, timeout: float | None = None) -> int:
-        """Block until something arrives after `seen_version` (or a channel fails);
-        returns the new version. Raises TransportError on timeout or failure."""
-        with self._cond:
-            ok = self._cond.wait_for(
-                lambda: self._version != seen_version or self._error is not None, timeout
-            )
-            self._raise_if_failed()
-            if not ok:
-                raise TransportError(
-                    f"timed out after {timeout:.0f} s: no message arrived from any pipeline peer"
-                )
-            return self._version
-
     @property
     def version(self) -> int:
         with self._cond:
@@ -139,11 +174,20 @@ class Inbox:
         with self._cond:
             return len(self._messages)
 
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            if isinstance(self._error, TransportError):
-                raise self._error
-            raise TransportError(f"pipeline channel failed: {self._error}") from self._error
+    def _pop(self, key: MessageKey) -> torch.Tensor | None:
+        with self._cond:
+            return self._messages.pop(key, None)
+
+    def _block(self, seen_version: int, timeout: float | None) -> bool:
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: self._version != seen_version or self._error is not None, timeout
+            )
+            if self._error is not None:
+                if isinstance(self._error, TransportError):
+                    raise self._error
+                raise TransportError(f"pipeline channel failed: {self._error}") from self._error
+            return ok
 
 
 class SendChannel(ABC):

@@ -6,7 +6,15 @@ import functools
 import importlib
 from types import ModuleType
 
-from megatron.dpp.transport.channel import TransportError
+import torch
+
+from megatron.dpp.transport.channel import (
+    Inbox,
+    MessageKey,
+    MessageKind,
+    PythonInbox,
+    TransportError,
+)
 
 _BUILD_HINT = "build it with `pip install --no-build-isolation --no-deps -e .` in the repo root"
 
@@ -40,3 +48,52 @@ def build_info() -> dict[str, bool]:
     if extension is None:
         return {"shm": False, "cuda": False, "rdma": False}
     return dict(extension.build_info())
+
+
+class NativeInbox(Inbox):
+    """The Inbox kept in the extension's Mailbox. The shared-memory drain threads deliver
+    into it without the GIL and wake a waiting schedule directly; a wait spins `spin_us`
+    microseconds before it sleeps on a futex."""
+
+    # Bounds a wait without a timeout (the extension's waits take seconds).
+    FOREVER_S = 1e9
+    DEFAULT_SPIN_US = 200.0
+
+    def __init__(self, spin_us: float = DEFAULT_SPIN_US):
+        self.mailbox = module().Mailbox(spin_us)
+
+    def put(self, key: MessageKey, tensor: torch.Tensor) -> None:
+        self.mailbox.put(int(key.kind), key.chunk, key.microbatch, tensor)
+
+    def fail(self, error: BaseException) -> None:
+        self.mailbox.fail(str(error))
+
+    def has(self, key: MessageKey) -> bool:
+        return self.mailbox.has(int(key.kind), key.chunk, key.microbatch)
+
+    def keys(self) -> list[MessageKey]:
+        return [MessageKey(MessageKind(kind), chunk, microbatch)
+                for kind, chunk, microbatch in self.mailbox.keys()]
+
+    @property
+    def version(self) -> int:
+        return self.mailbox.version
+
+    def __len__(self) -> int:
+        return len(self.mailbox)
+
+    def _pop(self, key: MessageKey) -> torch.Tensor | None:
+        return self.mailbox.take(int(key.kind), key.chunk, key.microbatch)
+
+    def _block(self, seen_version: int, timeout: float | None) -> bool:
+        ok = self.mailbox.wait(seen_version, self.FOREVER_S if timeout is None else timeout)
+        error = self.mailbox.error()
+        if error is not None:
+            raise TransportError(error)
+        return ok
+
+
+def make_inbox() -> Inbox:
+    """A NativeInbox where the extension is built (the shared-memory backend needs one),
+    a PythonInbox otherwise."""
+    return NativeInbox() if available() else PythonInbox()

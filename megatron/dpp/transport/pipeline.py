@@ -17,11 +17,12 @@ import torch.distributed as dist
 
 from megatron.dpp.transport.channel import (
     Edge,
-    Inbox,
     MessageKey,
     MessageKind,
+    PythonInbox,
     TransportError,
 )
+from megatron.dpp.transport.native import NativeInbox, make_inbox
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +45,10 @@ def pipeline_edges(pipelines: list[list[int]], ring: bool) -> list[Edge]:
     return sorted(set(edges), key=lambda e: (e.src, e.dst, int(e.kind)))
 
 
-class JitterInbox(Inbox):
+class JitterInbox(PythonInbox):
     """Delays every arrival by a random time (tests: any arrival order must give the same
-    result and never deadlock)."""
+    result and never deadlock). Arrivals pass through Python here, so only the torch
+    backend runs with it."""
 
     def __init__(self, max_delay_s: float, seed: int):
         super().__init__()
@@ -72,7 +74,7 @@ class PipelineTransport:
         self.rank = dist.get_rank()
         self.timeout = timeout
         jitter_ms = float(os.environ.get(JITTER_ENV, "0"))
-        self.inbox = JitterInbox(jitter_ms / 1000.0, self.rank) if jitter_ms > 0 else Inbox()
+        self.inbox = JitterInbox(jitter_ms / 1000.0, self.rank) if jitter_ms > 0 else make_inbox()
         pipelines = _all_pipelines(pipeline_ranks)
         self.barrier_group = None
         for ranks in pipelines:
@@ -82,7 +84,9 @@ class PipelineTransport:
         edges = pipeline_edges(pipelines, ring)
         self._senders = {}
         self._receivers = {}
-        for backend, backend_edges in _assign_backends(edges, transport, device, timeout):
+        native_inbox = isinstance(self.inbox, NativeInbox)
+        for backend, backend_edges in _assign_backends(edges, transport, device, timeout,
+                                                       native_inbox):
             senders, receivers = backend.open(backend_edges, self.rank, self.inbox)
             self._senders.update(senders)
             self._receivers.update(receivers)
@@ -140,14 +144,20 @@ def _hosts() -> list[str]:
     return gathered
 
 
-def _assign_backends(edges, transport, device, timeout):
-    """[(backend, its edges)] in an order every rank agrees on."""
+def _assign_backends(edges, transport, device, timeout, native_inbox):
+    """[(backend, its edges)] in an order every rank agrees on. The shared-memory backend
+    needs the inbox to be a NativeInbox."""
     from megatron.dpp.transport.rdma import RdmaBackend
     from megatron.dpp.transport.torch_backend import TorchBackend
 
     if transport == "torch":
         return [(TorchBackend(device), edges)]
     native = _native_backend(timeout, required=transport == "shm")
+    if native is not None and not native_inbox:
+        if transport == "shm":
+            raise TransportError(f"--dpp-transport shm does not run with {JITTER_ENV} (the "
+                                 "delayed delivery is a torch-backend test hook)")
+        native = None
     hosts = _hosts()
     crosses_hosts = any(hosts[e.src] != hosts[e.dst] for e in edges)
     # gathered, not local: every rank must reach the same plan (opening is collective)

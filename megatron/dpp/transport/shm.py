@@ -2,8 +2,8 @@
 
 Each edge gets one POSIX shared-memory ring, created by the receiving rank under a name
 made of a random token agreed by the job plus src/dst/kind, and unlinked as soon as the
-sender mapped it. A drain thread per receive channel copies every arrival into a fresh
-tensor and puts it into the Inbox. GPU tensors travel device to device through CUDA IPC
+sender mapped it. A native drain thread per receive channel copies every arrival into a
+fresh tensor and puts it into the rank's NativeInbox. GPU tensors travel device to device through CUDA IPC
 or staged through the (host-registered) ring, when the extension was built with CUDA.
 """
 
@@ -18,17 +18,16 @@ import torch.distributed as dist
 
 from megatron.dpp.transport import native
 from megatron.dpp.transport.channel import (
-    CODE_DTYPES,
     Backend,
     Edge,
     Inbox,
     MessageKey,
-    MessageKind,
     RecvChannel,
     SendChannel,
     TransportError,
     dtype_code,
 )
+from megatron.dpp.transport.native import NativeInbox
 
 logger = logging.getLogger(__name__)
 
@@ -110,89 +109,60 @@ class ShmSendChannel(SendChannel):
 
 
 class ShmRecvChannel(RecvChannel):
-    def __init__(self, edge: Edge, receiver, inbox: Inbox, cuda: _CudaEnd | None):
+    """The receiving end: a native drain thread copies every arrival into a tensor of this
+    rank's and delivers it to the NativeInbox."""
+
+    def __init__(self, edge: Edge, receiver, inbox: NativeInbox, cuda: _CudaEnd | None):
         self.edge = edge
         self._receiver = receiver
         self._inbox = inbox
         self._cuda = cuda
-        self._thread = threading.Thread(
-            target=self._drain, name=f"dpp-shm-drain-{edge.src}-{edge.dst}-{edge.kind.name}",
-            daemon=True)
+        self._drain = None
 
     def start(self) -> None:
-        self._thread.start()
-
-    def _drain(self) -> None:
-        try:
-            if self._cuda is not None:
-                torch.cuda.set_device(self._cuda.device)
-            while True:
-                message = self._receiver.next()
-                if message is None:
-                    return
-                key, tensor = self._read(*message)
-                if tensor is None:
-                    return
-                self._inbox.put(key, tensor)
-        except Exception as error:  # every failure must reach the waiting schedule
-            self._inbox.fail(_as_transport_error(error, self.edge))
-            self._receiver.interrupt()
-
-    def _read(self, kind, chunk, microbatch, code, shape, nbytes, on_cuda):
-        if code not in CODE_DTYPES:
-            raise TransportError(f"unknown dtype code {code}")
-        key = MessageKey(MessageKind(kind), chunk, microbatch)
-        if not on_cuda:
-            tensor = torch.empty(shape, dtype=CODE_DTYPES[code])
-            self._check_size(tensor, nbytes)
-            return key, tensor if self._receiver.read_into(tensor.data_ptr(), nbytes) else None
-        if self._cuda is None:
-            raise TransportError("GPU message arrived, but this rank has no CUDA path")
-        with torch.cuda.stream(self._cuda.copy_stream):
-            tensor = torch.empty(shape, dtype=CODE_DTYPES[code], device=self._cuda.device)
-        self._check_size(tensor, nbytes)
-        if not self._receiver.read_into_cuda(tensor.data_ptr(), nbytes,
-                                             self._cuda.copy_stream.cuda_stream):
-            return key, None
-        # The copy is synchronized; this keeps the allocator from reusing the block for the
-        # next arrival while the consumer's stream still reads it.
-        tensor.record_stream(self._cuda.consumer_stream)
-        return key, tensor
-
-    @staticmethod
-    def _check_size(tensor: torch.Tensor, nbytes: int) -> None:
-        if tensor.numel() * tensor.element_size() != nbytes:
-            raise TransportError(f"message of {nbytes} bytes does not match shape "
-                                 f"{tuple(tensor.shape)} of {tensor.dtype}")
+        cuda = self._cuda
+        self._drain = native.module().ShmDrain(
+            self._receiver, self._inbox.mailbox,
+            f"shm channel {self.edge.src}->{self.edge.dst} ({self.edge.kind.name})",
+            -1 if cuda is None else cuda.device,
+            0 if cuda is None else cuda.copy_stream.cuda_stream,
+            0 if cuda is None else cuda.consumer_stream.cuda_stream)
 
     def close(self) -> None:
         self._receiver.interrupt()
-        if self._thread.is_alive():
-            self._thread.join()
+        if self._drain is not None:
+            self._drain.join()
         self._receiver.close()
 
 
 class ShmBackend(Backend):
     """Shared-memory channels for edges between ranks of one host.
 
-    `slots` x `slot_bytes` is each channel's ring (larger messages are split into
-    consecutive slots); `timeout` bounds every wait on a peer that is not the receiver's
-    idle wait for the next message (that one ends when the peer dies); `path` picks the GPU
-    path: "ipc" (device to device), "staged" (through host memory) or "auto" (IPC where
-    the peer's pool can be opened). `token` names the segments; by default rank 0 draws a
-    random one and broadcasts it on the default process group.
+    `slots` x `slot_bytes` is each channel's ring in shared memory (larger messages are
+    split into consecutive slots); on the CUDA IPC path the receiver's GPU holds `slots` x
+    `device_slot_bytes` (16 MiB: one copy per activation of a 2048 x 2 x 2048 bf16
+    microbatch; 128 MiB per receiving channel). `timeout` bounds every wait on a peer that
+    is not the receiver's idle wait for the next message (that one ends when the peer
+    dies); a wait polls its slot for `spin_us` microseconds before it sleeps on a futex.
+    `path` picks the GPU path: "ipc" (device to device), "staged" (through host memory) or
+    "auto" (IPC where the peer's pool can be opened). `token` names the segments; by
+    default rank 0 draws a random one and broadcasts it on the default process group.
     """
 
     name = "shm"
 
-    def __init__(self, timeout: float = 60.0, slots: int = 32, slot_bytes: int = 1 << 20,
-                 path: str = "auto", token: str | None = None, spins: int = 2000):
+    def __init__(self, timeout: float = 60.0, slots: int = 8, slot_bytes: int = 4 << 20,
+                 device_slot_bytes: int = 16 << 20, path: str = "auto",
+                 token: str | None = None, spin_us: float = 200.0):
         if timeout <= 0:
             raise ValueError(f"ShmBackend timeout must be > 0 s, got {timeout}")
         if slots < 2:
             raise ValueError(f"ShmBackend slots must be >= 2, got {slots}")
         if slot_bytes < 4096:
             raise ValueError(f"ShmBackend slot_bytes must be >= 4096, got {slot_bytes}")
+        if device_slot_bytes < 4096:
+            raise ValueError(
+                f"ShmBackend device_slot_bytes must be >= 4096, got {device_slot_bytes}")
         if path not in GPU_PATHS:
             raise ValueError(f"ShmBackend path must be one of {GPU_PATHS}, got {path!r}")
         if token is not None and not token.isalnum():
@@ -200,8 +170,9 @@ class ShmBackend(Backend):
         self.timeout = timeout
         self.slots = slots
         self.slot_bytes = slot_bytes
+        self.device_slot_bytes = device_slot_bytes
         self.path = path
-        self.spins = spins
+        self.spin_us = spin_us
         self._token = token
 
     def _agree_token(self) -> str:
@@ -225,6 +196,10 @@ class ShmBackend(Backend):
         return None
 
     def open(self, edges: list[Edge], rank: int, inbox: Inbox):
+        if not isinstance(inbox, NativeInbox):
+            raise TransportError(
+                f"ShmBackend delivers into a NativeInbox (megatron.dpp.transport.native."
+                f"make_inbox()), got {type(inbox).__name__}")
         if len(set(edges)) != len(edges):
             raise TransportError(f"duplicate edges given to ShmBackend.open: {edges}")
         extension = native.module()
@@ -260,15 +235,15 @@ class ShmBackend(Backend):
 
     def _open_receiver(self, extension, token: str, edge: Edge, inbox: Inbox) -> ShmRecvChannel:
         receiver = extension.ShmReceiver(segment_name(token, edge), self.slots, self.slot_bytes,
-                                         edge.dst, edge.src, self.timeout, self.spins)
+                                         edge.dst, edge.src, self.timeout, self.spin_us)
         cuda = self._cuda_end()
         if cuda is not None:
-            receiver.enable_cuda(cuda.device, self.path != "staged", self.slot_bytes)
+            receiver.enable_cuda(cuda.device, self.path != "staged", self.device_slot_bytes)
         return ShmRecvChannel(edge, receiver, inbox, cuda)
 
     def _open_sender(self, extension, token: str, edge: Edge) -> ShmSendChannel:
         sender = extension.ShmSender(segment_name(token, edge), edge.src, edge.dst, self.timeout,
-                                     self.spins)
+                                     self.spin_us)
         cuda = self._cuda_end()
         if cuda is not None:
             chosen = sender.enable_cuda(cuda.device, self.path)

@@ -1,0 +1,104 @@
+#include "shm_drain.h"
+
+#include <utility>
+
+#include "errors.h"
+
+#ifdef DPP_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#endif
+
+namespace dpp {
+
+namespace {
+
+void check_size(const at::Tensor& tensor, const MessageMeta& meta) {
+  if (static_cast<uint64_t>(tensor.nbytes()) != meta.nbytes) {
+    throw TransportFailure("message of " + std::to_string(meta.nbytes) +
+                           " bytes does not match its shape and dtype");
+  }
+}
+
+}  // namespace
+
+at::ScalarType scalar_type_of(int32_t code) {
+  switch (code) {
+    case 0: return at::kFloat;
+    case 1: return at::kHalf;
+    case 2: return at::kBFloat16;
+    case 3: return at::kDouble;
+    case 4: return at::kLong;
+    case 5: return at::kInt;
+    case 6: return at::kChar;
+    case 7: return at::kByte;
+    case 8: return at::kBool;
+    default: throw TransportFailure("unknown dtype code " + std::to_string(code));
+  }
+}
+
+ShmDrain::ShmDrain(ShmReceiver& receiver, Mailbox& mailbox, std::string label, int device,
+                   uintptr_t copy_stream, uintptr_t consumer_stream)
+    : receiver_(receiver),
+      mailbox_(mailbox),
+      label_(std::move(label)),
+      device_(device),
+      copy_stream_(copy_stream),
+      consumer_stream_(consumer_stream),
+      thread_([this] { run(); }) {}
+
+ShmDrain::~ShmDrain() {
+  receiver_.interrupt();
+  join();
+}
+
+void ShmDrain::join() {
+  if (thread_.joinable()) thread_.join();
+}
+
+void ShmDrain::run() {
+  try {
+    while (true) {
+      const std::optional<MessageMeta> meta = receiver_.next();
+      if (!meta) return;
+      at::Tensor tensor = receive(*meta);
+      if (!tensor.defined()) return;
+      mailbox_.put(MailboxKey{meta->kind, meta->chunk, meta->microbatch}, std::move(tensor));
+    }
+  } catch (const std::exception& error) {
+    // Every failure must reach the waiting schedule; the sender learns through the ring.
+    mailbox_.fail(label_ + ": " + error.what());
+    receiver_.interrupt();
+  }
+}
+
+at::Tensor ShmDrain::receive(const MessageMeta& meta) {
+  const auto options = at::TensorOptions().dtype(scalar_type_of(meta.dtype));
+  if (!meta.on_cuda) {
+    at::Tensor tensor = at::empty(meta.shape, options);
+    check_size(tensor, meta);
+    return receiver_.read_into(tensor.data_ptr(), meta.nbytes) ? tensor : at::Tensor();
+  }
+#ifdef DPP_WITH_CUDA
+  if (device_ < 0) throw TransportFailure("GPU message arrived, but this rank has no CUDA path");
+  const auto index = static_cast<c10::DeviceIndex>(device_);
+  const auto copy =
+      c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(copy_stream_), index);
+  const auto consumer =
+      c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(consumer_stream_), index);
+  // Allocated on the copy stream; recorded on the consumer's, so the block is not reused
+  // for a later arrival while the consumer may still read it.
+  c10::cuda::CUDAStreamGuard guard(copy);
+  at::Tensor tensor = at::empty(meta.shape, options.device(at::Device(at::kCUDA, index)));
+  check_size(tensor, meta);
+  if (!receiver_.read_into_cuda(tensor.data_ptr(), meta.nbytes, copy_stream_)) return {};
+  c10::cuda::CUDACachingAllocator::recordStream(tensor.storage().data_ptr(), consumer);
+  return tensor;
+#else
+  throw TransportFailure("GPU message arrived, but the native transport was built without CUDA");
+#endif
+}
+
+}  // namespace dpp

@@ -1,0 +1,75 @@
+"""The Inbox contract, for the Python and the native implementation alike."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from megatron.dpp.transport import native
+from megatron.dpp.transport.channel import MessageKey, MessageKind, PythonInbox, TransportError
+
+KINDS = [PythonInbox]
+if native.available():
+    KINDS.append(native.NativeInbox)
+
+
+def key(microbatch: int, chunk: int = 0) -> MessageKey:
+    return MessageKey(MessageKind.ACTIVATION, chunk, microbatch)
+
+
+@pytest.fixture(params=KINDS, ids=lambda kind: kind.__name__)
+def inbox(request):
+    return request.param()
+
+
+def test_messages_are_taken_by_key_in_any_order(inbox):
+    tensors = {i: torch.full((i + 1,), float(i)) for i in range(5)}
+    for i, tensor in tensors.items():
+        inbox.put(key(i, chunk=i % 2), tensor)
+    assert len(inbox) == 5 and inbox.has(key(3, chunk=1)) and not inbox.has(key(3))
+    assert sorted(inbox.keys()) == sorted(key(i, chunk=i % 2) for i in range(5))
+    for i in (4, 0, 2, 1, 3):
+        assert torch.equal(inbox.take(key(i, chunk=i % 2), timeout=1), tensors[i])
+    assert len(inbox) == 0
+
+
+def test_take_waits_for_a_message_put_by_another_thread(inbox):
+    expected = torch.arange(7)
+    timer = threading.Timer(0.05, inbox.put, args=(key(9), expected))
+    timer.start()
+    assert torch.equal(inbox.take(key(9), timeout=10), expected)
+    timer.join()
+
+
+def test_wait_returns_the_new_version_after_an_arrival(inbox):
+    seen = inbox.version
+    threading.Timer(0.05, inbox.put, args=(key(1), torch.zeros(1))).start()
+    assert inbox.wait(seen, timeout=10) != seen
+
+
+def test_timeouts_name_what_was_waited_for(inbox):
+    start = time.monotonic()
+    with pytest.raises(TransportError, match="timed out after 0 s waiting for .*microbatch=3"):
+        inbox.take(key(3), timeout=0.2)
+    with pytest.raises(TransportError, match="no message arrived from any pipeline peer"):
+        inbox.wait(inbox.version, timeout=0.2)
+    assert 0.35 < time.monotonic() - start < 5
+
+
+def test_a_failure_wakes_the_waiter_and_names_the_channel(inbox):
+    threading.Timer(0.05, inbox.fail,
+                    args=(TransportError("shm channel 0->1: peer rank 0 died"),)).start()
+    with pytest.raises(TransportError, match="peer rank 0 died"):
+        inbox.take(key(0), timeout=10)
+    with pytest.raises(TransportError, match="peer rank 0 died"):
+        inbox.wait(inbox.version, timeout=10)
+
+
+def test_a_duplicate_message_is_an_error(inbox):
+    inbox.put(key(2), torch.zeros(1))
+    inbox.put(key(2), torch.ones(1))
+    with pytest.raises(TransportError, match="duplicate message"):
+        inbox.take(key(5), timeout=1)
