@@ -195,6 +195,13 @@ class SendChannel(ABC):
 
     edge: Edge
 
+    def _wire_code(self, key: MessageKey, tensor: torch.Tensor) -> int:
+        """`tensor`'s dtype code, once `key` is known to belong on this edge."""
+        code = dtype_code(tensor.dtype)
+        if key.kind != self.edge.kind:
+            raise TransportError(f"{key} sent on a {self.edge.kind.name} channel")
+        return code
+
     @abstractmethod
     def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
         """Queue `tensor` for delivery; returns without waiting for the receiver. The caller

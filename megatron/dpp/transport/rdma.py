@@ -31,7 +31,6 @@ from megatron.dpp.transport.channel import (
     RecvChannel,
     SendChannel,
     TransportError,
-    dtype_code,
 )
 
 logger = logging.getLogger(__name__)
@@ -99,9 +98,7 @@ class RdmaSendChannel(SendChannel):
         self._closed = False
 
     def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
-        code = dtype_code(tensor.dtype)
-        if key.kind != self.edge.kind:
-            raise TransportError(f"{key} sent on a {self.edge.kind.name} channel")
+        code = self._wire_code(key, tensor)
         # The channel reads host memory only. A synchronous device-to-host copy (it waits
         # for the producing stream) is the simple, correct staging; cross-host links are
         # slower than this copy.

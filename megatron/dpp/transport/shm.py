@@ -25,7 +25,6 @@ from megatron.dpp.transport.channel import (
     RecvChannel,
     SendChannel,
     TransportError,
-    dtype_code,
 )
 from megatron.dpp.transport.native import NativeInbox
 
@@ -61,9 +60,7 @@ class ShmSendChannel(SendChannel):
         self._closed = False
 
     def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
-        code = dtype_code(tensor.dtype)
-        if key.kind != self.edge.kind:
-            raise TransportError(f"{key} sent on a {self.edge.kind.name} channel")
+        code = self._wire_code(key, tensor)
         with self._lock:
             if self._closed:
                 raise TransportError(f"send of {key} on closed channel {self.edge}")
