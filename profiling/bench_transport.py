@@ -44,10 +44,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--slots", type=int, default=defaults.slots)
     parser.add_argument("--slot-bytes", type=int, default=defaults.slot_bytes)
     parser.add_argument("--device-slot-bytes", type=int, default=defaults.device_slot_bytes)
-    parser.add_argument("--spin-us", type=float, default=defaults.spin_us,
-                        help="microseconds a wait on a ring slot polls before it sleeps")
-    parser.add_argument("--inbox-spin-us", type=float, default=NativeInbox.DEFAULT_SPIN_US,
-                        help="microseconds a wait on the inbox spins before it sleeps")
+    parser.add_argument("--spin-us", type=float, default=None,
+                        help="microseconds a wait on a ring slot polls before it sleeps "
+                             "(default: native.default_spin_us())")
+    parser.add_argument("--inbox-spin-us", type=float, default=None,
+                        help="microseconds a wait on the inbox polls before it sleeps "
+                             "(default: native.default_spin_us())")
     parser.add_argument("--transports", default=None,
                         help="comma-separated subset of shm-host, shm-staged, ipc, nccl, "
                              "nccl-host, gloo (default: shm-staged, ipc, nccl, nccl-host on "
@@ -71,7 +73,7 @@ def synchronize(device: torch.device) -> None:
 class ChannelPair:
     """One ShmBackend's channels in both directions, driven as mailbox messages."""
 
-    def __init__(self, backend: ShmBackend, rank: int, spin_us: float):
+    def __init__(self, backend: ShmBackend, rank: int, spin_us: float | None):
         self.rank = rank
         self.inbox = NativeInbox(spin_us)
         self.senders, self.receivers = backend.open([FORWARD, BACKWARD], rank, self.inbox)

@@ -73,3 +73,12 @@ def test_a_duplicate_message_is_an_error(inbox):
     inbox.put(key(2), torch.ones(1))
     with pytest.raises(TransportError, match="duplicate message"):
         inbox.take(key(5), timeout=1)
+
+
+@pytest.mark.parametrize("cores, local_ranks, spins", [(32, 2, True), (8, 2, True), (7, 2, False),
+                                                       (2, 2, False), (2, 1, False), (4, 1, True)])
+def test_waits_spin_only_where_every_local_rank_has_cores_to_spare(monkeypatch, cores,
+                                                                   local_ranks, spins):
+    monkeypatch.setattr(native.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))
+    assert native.default_spin_us() == (native.SPIN_US if spins else 0.0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 from types import ModuleType
 
 import torch
@@ -50,17 +51,33 @@ def build_info() -> dict[str, bool]:
     return dict(extension.build_info())
 
 
+# A spinning wait needs a core of its own: each local rank has a main thread and drain
+# threads that may spin, so with fewer cores than this per local rank they would slow the
+# ranks they share cores with (10 % per step on 2 cores, 2 ranks) instead of answering
+# sooner.
+CORES_PER_RANK_TO_SPIN = 4
+SPIN_US = 200.0
+
+
+def default_spin_us() -> float:
+    """How long a wait of the native transport polls before it sleeps on a futex: SPIN_US
+    where the host has CORES_PER_RANK_TO_SPIN cores per local rank (torchrun's
+    LOCAL_WORLD_SIZE), else 0."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cores = len(os.sched_getaffinity(0))
+    return SPIN_US if cores >= CORES_PER_RANK_TO_SPIN * local_ranks else 0.0
+
+
 class NativeInbox(Inbox):
     """The Inbox kept in the extension's Mailbox. The shared-memory drain threads deliver
     into it without the GIL and wake a waiting schedule directly; a wait spins `spin_us`
-    microseconds before it sleeps on a futex."""
+    microseconds (default: `default_spin_us()`) before it sleeps on a futex."""
 
     # Bounds a wait without a timeout (the extension's waits take seconds).
     FOREVER_S = 1e9
-    DEFAULT_SPIN_US = 200.0
 
-    def __init__(self, spin_us: float = DEFAULT_SPIN_US):
-        self.mailbox = module().Mailbox(spin_us)
+    def __init__(self, spin_us: float | None = None):
+        self.mailbox = module().Mailbox(default_spin_us() if spin_us is None else spin_us)
 
     def put(self, key: MessageKey, tensor: torch.Tensor) -> None:
         self.mailbox.put(int(key.kind), key.chunk, key.microbatch, tensor)

@@ -140,7 +140,8 @@ class ShmBackend(Backend):
     `device_slot_bytes` (16 MiB: one copy per activation of a 2048 x 2 x 2048 bf16
     microbatch; 128 MiB per receiving channel). `timeout` bounds every wait on a peer that
     is not the receiver's idle wait for the next message (that one ends when the peer
-    dies); a wait polls its slot for `spin_us` microseconds before it sleeps on a futex.
+    dies); a wait polls its slot for `spin_us` microseconds (default:
+    `native.default_spin_us()`) before it sleeps on a futex.
     `path` picks the GPU path: "ipc" (device to device), "staged" (through host memory) or
     "auto" (IPC where the peer's pool can be opened). `token` names the segments; by
     default rank 0 draws a random one and broadcasts it on the default process group.
@@ -150,7 +151,7 @@ class ShmBackend(Backend):
 
     def __init__(self, timeout: float = 60.0, slots: int = 8, slot_bytes: int = 4 << 20,
                  device_slot_bytes: int = 16 << 20, path: str = "auto",
-                 token: str | None = None, spin_us: float = 200.0):
+                 token: str | None = None, spin_us: float | None = None):
         if timeout <= 0:
             raise ValueError(f"ShmBackend timeout must be > 0 s, got {timeout}")
         if slots < 2:
@@ -169,7 +170,7 @@ class ShmBackend(Backend):
         self.slot_bytes = slot_bytes
         self.device_slot_bytes = device_slot_bytes
         self.path = path
-        self.spin_us = spin_us
+        self.spin_us = native.default_spin_us() if spin_us is None else spin_us
         self._token = token
 
     def _agree_token(self) -> str:
