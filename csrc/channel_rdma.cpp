@@ -119,8 +119,11 @@ void RdmaChannel::handle(const ibv_wc& completion) {
 
 void RdmaChannel::send_fragment(const MessageMeta& meta, const unsigned char* payload,
                                 uint64_t offset, uint64_t bytes, uint32_t flags) {
-  wait([&] { return credits_ > 0 && sequence_ - writes_completed_ < slots_; }, false,
-       "waiting for a credit");
+  if (!wait([&] { return credits_ > 0 && sequence_ - writes_completed_ < slots_; }, false,
+            "waiting for a credit")) {
+    // Interrupted: writing without a credit could overwrite a slot the peer still reads.
+    throw TransportFailure("RDMA send interrupted while waiting for a credit");
+  }
   const size_t at = (sequence_ % slots_) * stride();
   auto* header = reinterpret_cast<RdmaFragmentHeader*>(region_.data() + at);
   header->flags = flags;
