@@ -82,7 +82,8 @@ bool Mailbox::wait(uint32_t seen, double timeout_s) const {
   const auto start = Clock::now();
   const auto changed = [&] { return version() != seen || failed_.load(); };
   // A wait never spins past its own timeout (a zero timeout only checks).
-  const auto spin = std::chrono::duration<double, std::micro>(std::min(spin_us_, timeout_s * 1e6));
+  const auto spin =
+      std::chrono::duration<double, std::micro>(std::min(spin_us_, timeout_s * 1e6));
   while (Clock::now() - start < spin) {
     if (changed()) return true;
     for (int i = 0; i < 16; ++i) cpu_relax();
