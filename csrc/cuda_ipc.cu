@@ -75,9 +75,10 @@ class IpcSendPath final : public CudaSendPath {
   IpcSendPath(const ShmSender& sender, int device) : device_(device), pool_(sender.ring()) {}
 
   ~IpcSendPath() override {
-    // Copies into the peer's pool must end before the mapping closes.
+    // Copies into the peer's pool must end before the mapping closes (the copy streams
+    // are torch's pooled streams, which live as long as the process).
     DeviceGuard guard(device_);
-    cudaEventSynchronize(last_copy_.get());
+    if (copy_stream_ != nullptr) cudaStreamSynchronize(copy_stream_);
   }
 
   const char* kind() const override { return "ipc"; }
@@ -86,6 +87,7 @@ class IpcSendPath final : public CudaSendPath {
             uintptr_t producer_stream, uintptr_t copy_stream) override {
     DeviceGuard guard(device_);
     const cudaStream_t copy = as_stream(copy_stream);
+    copy_stream_ = copy;
     cuda_check(cudaEventRecord(ready_.get(), as_stream(producer_stream)),
                "cudaEventRecord on the producer stream");
     cuda_check(cudaStreamWaitEvent(copy, ready_.get(), 0), "cudaStreamWaitEvent (copy stream)");
@@ -105,7 +107,6 @@ class IpcSendPath final : public CudaSendPath {
       sender.publish(sequence++);
       offset += bytes;
     } while (offset < meta.nbytes);
-    cuda_check(cudaEventRecord(last_copy_.get(), copy), "cudaEventRecord (last copy)");
     sender.set_sequence(sequence);
   }
 
@@ -113,7 +114,7 @@ class IpcSendPath final : public CudaSendPath {
   int device_;
   IpcPeerPool pool_;
   CudaEvent ready_;
-  CudaEvent last_copy_;
+  cudaStream_t copy_stream_ = nullptr;  // of the last send
 };
 
 // Receiver side of both GPU paths: each fragment comes from the IPC pool or the ring.
@@ -169,10 +170,10 @@ class DeviceReceivePath final : public CudaReceivePath {
       event = 1 - event;
       if (last) break;
     }
+    // Waits for the last copy-out: everything the consumer will read is on the device now,
+    // so no stream needs to wait.
     release(receiver, *in_flight, copied_[1 - event]);
     if (offset != nbytes) throw TransportFailure("short GPU message on the shm channel");
-    // Everything the consumer will read is on the device now: no stream needs to wait.
-    cuda_check(cudaStreamSynchronize(copy), "cudaStreamSynchronize (copy stream)");
     receiver.finish_message(sequence);
     return true;
   }

@@ -10,6 +10,12 @@
 #include "mailbox.h"
 #include "shm_channel.h"
 #include "shm_drain.h"
+
+#ifdef DPP_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
 namespace py = pybind11;
 
 #ifdef DPP_WITH_RDMA
@@ -43,6 +49,34 @@ MessageMeta meta(int kind, int chunk, int microbatch, int dtype, std::vector<int
 }
 
 void* pointer(uintptr_t address) { return reinterpret_cast<void*>(address); }
+
+// Sends a contiguous GPU tensor written on this thread's current stream; resolving the
+// stream and recording the copy stream here saves the Python calls on the latency path.
+void send_cuda_tensor(ShmSender& sender, MessageMeta meta, const at::Tensor& tensor,
+                      uintptr_t copy_stream) {
+#ifdef DPP_WITH_CUDA
+  if (!tensor.is_cuda() || !tensor.is_contiguous()) {
+    throw dpp::TransportFailure("send_cuda needs a contiguous CUDA tensor");
+  }
+  const c10::DeviceIndex device = tensor.device().index();
+  const uintptr_t producer =
+      reinterpret_cast<uintptr_t>(c10::cuda::getCurrentCUDAStream(device).stream());
+  {
+    py::gil_scoped_release unlocked;
+    sender.send_cuda(meta, tensor.data_ptr(), producer, copy_stream);
+  }
+  // The copy may still read the tensor on the side stream after this returns.
+  c10::cuda::CUDACachingAllocator::recordStream(
+      tensor.storage().data_ptr(),
+      c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(copy_stream), device));
+#else
+  (void)sender;
+  (void)meta;
+  (void)tensor;
+  (void)copy_stream;
+  throw dpp::TransportFailure("the native transport was built without CUDA");
+#endif
+}
 
 py::object next_message(ShmReceiver& receiver) {
   std::optional<MessageMeta> message;
@@ -173,15 +207,16 @@ PYBIND11_MODULE(_native, m) {
       .def(
           "send_cuda",
           [](ShmSender& self, int kind, int chunk, int microbatch, int dtype,
-             std::vector<int64_t> shape, uintptr_t address, uint64_t nbytes,
-             uintptr_t producer_stream, uintptr_t copy_stream) {
-            py::gil_scoped_release unlocked;
-            self.send_cuda(meta(kind, chunk, microbatch, dtype, std::move(shape), nbytes, true),
-                           pointer(address), producer_stream, copy_stream);
+             const at::Tensor& tensor, uintptr_t copy_stream) {
+            send_cuda_tensor(self,
+                             meta(kind, chunk, microbatch, dtype, tensor.sizes().vec(),
+                                  tensor.nbytes(), true),
+                             tensor, copy_stream);
           },
           py::arg("kind"), py::arg("chunk"), py::arg("microbatch"), py::arg("dtype"),
-          py::arg("shape"), py::arg("address"), py::arg("nbytes"), py::arg("producer_stream"),
-          py::arg("copy_stream"))
+          py::arg("tensor"), py::arg("copy_stream"),
+          "Sends a contiguous GPU tensor produced on the current stream; copies on "
+          "`copy_stream` (a CUDA stream handle)")
       .def("enable_cuda", &ShmSender::enable_cuda, py::arg("device"), py::arg("path"),
            py::call_guard<py::gil_scoped_release>())
       .def("close", &ShmSender::close, py::call_guard<py::gil_scoped_release>())

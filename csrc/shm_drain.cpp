@@ -6,7 +6,7 @@
 
 #ifdef DPP_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
-#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 #endif
@@ -15,8 +15,13 @@ namespace dpp {
 
 namespace {
 
-void check_size(const at::Tensor& tensor, const MessageMeta& meta) {
-  if (static_cast<uint64_t>(tensor.nbytes()) != meta.nbytes) {
+void check_size(const MessageMeta& meta) {
+  uint64_t expected = at::elementSize(scalar_type_of(meta.dtype));
+  for (const int64_t extent : meta.shape) {
+    if (extent < 0) throw TransportFailure("message with a negative extent in its shape");
+    expected *= static_cast<uint64_t>(extent);
+  }
+  if (expected != meta.nbytes) {
     throw TransportFailure("message of " + std::to_string(meta.nbytes) +
                            " bytes does not match its shape and dtype");
   }
@@ -60,6 +65,15 @@ void ShmDrain::join() {
 
 void ShmDrain::run() {
   try {
+#ifdef DPP_WITH_CUDA
+    if (device_ >= 0) {
+      // Once for the thread: every arrival is allocated and copied on the copy stream.
+      const auto index = static_cast<c10::DeviceIndex>(device_);
+      c10::cuda::set_device(index);
+      c10::cuda::setCurrentCUDAStream(
+          c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(copy_stream_), index));
+    }
+#endif
     while (true) {
       const std::optional<MessageMeta> meta = receiver_.next();
       if (!meta) return;
@@ -74,27 +88,36 @@ void ShmDrain::run() {
   }
 }
 
+at::Tensor ShmDrain::device_tensor(const MessageMeta& meta) const {
+#ifdef DPP_WITH_CUDA
+  const auto index = static_cast<c10::DeviceIndex>(device_);
+  // Allocated on the copy stream (current in this thread); recorded on the consumer's, so
+  // the block is not reused for a later arrival while the consumer may still read it.
+  at::Tensor tensor = at::empty(
+      meta.shape,
+      at::TensorOptions().dtype(scalar_type_of(meta.dtype)).device(at::kCUDA, index));
+  c10::cuda::CUDACachingAllocator::recordStream(
+      tensor.storage().data_ptr(),
+      c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(consumer_stream_), index));
+  return tensor;
+#else
+  (void)meta;
+  throw TransportFailure("GPU message arrived, but the native transport was built without CUDA");
+#endif
+}
+
 at::Tensor ShmDrain::receive(const MessageMeta& meta) {
   const auto options = at::TensorOptions().dtype(scalar_type_of(meta.dtype));
   if (!meta.on_cuda) {
+    check_size(meta);
     at::Tensor tensor = at::empty(meta.shape, options);
-    check_size(tensor, meta);
     return receiver_.read_into(tensor.data_ptr(), meta.nbytes) ? tensor : at::Tensor();
   }
 #ifdef DPP_WITH_CUDA
   if (device_ < 0) throw TransportFailure("GPU message arrived, but this rank has no CUDA path");
-  const auto index = static_cast<c10::DeviceIndex>(device_);
-  const auto copy =
-      c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(copy_stream_), index);
-  const auto consumer =
-      c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(consumer_stream_), index);
-  // Allocated on the copy stream; recorded on the consumer's, so the block is not reused
-  // for a later arrival while the consumer may still read it.
-  c10::cuda::CUDAStreamGuard guard(copy);
-  at::Tensor tensor = at::empty(meta.shape, options.device(at::Device(at::kCUDA, index)));
-  check_size(tensor, meta);
+  check_size(meta);
+  at::Tensor tensor = device_tensor(meta);
   if (!receiver_.read_into_cuda(tensor.data_ptr(), meta.nbytes, copy_stream_)) return {};
-  c10::cuda::CUDACachingAllocator::recordStream(tensor.storage().data_ptr(), consumer);
   return tensor;
 #else
   throw TransportFailure("GPU message arrived, but the native transport was built without CUDA");

@@ -32,6 +32,9 @@ class ShmDrain {
   void run();
   // The current message as a tensor of its own; undefined when interrupted meanwhile.
   at::Tensor receive(const MessageMeta& meta);
+  // An empty tensor on the device for a GPU message like `meta`, usable on the consumer
+  // stream.
+  at::Tensor device_tensor(const MessageMeta& meta) const;
 
   ShmReceiver& receiver_;
   Mailbox& mailbox_;

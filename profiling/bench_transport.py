@@ -4,8 +4,9 @@
 
 On GPUs it measures the shm channel staged through host memory ("shm-staged"), the shm
 channel's CUDA IPC path ("ipc") and torch.distributed NCCL send/recv ("nccl"); without
-GPUs the shm host path and gloo, as a smoke check. Latency is half a ping-pong round trip;
-bandwidth is a one-way stream of messages closed by a small acknowledgement. Rank 0
+GPUs the shm host path and gloo, as a smoke check. Latency is half a ping-pong round trip
+(the median of --repeats runs, which alternate between the transports); bandwidth is a
+one-way stream of messages closed by a small acknowledgement. Rank 0
 prints a table and writes DIR/bench_transport.{md,json}.
 """
 
@@ -15,6 +16,7 @@ import argparse
 import json
 import logging
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -28,6 +30,9 @@ from megatron.dpp.transport.shm import ShmBackend
 
 logger = logging.getLogger("bench_transport")
 
+# Round trips before each timed latency run: the first ones pay for lazy set-up (peer
+# access, allocator blocks).
+WARMUP_ROUND_TRIPS = 20
 FORWARD = Edge(0, 1, MessageKind.ACTIVATION)
 BACKWARD = Edge(1, 0, MessageKind.GRADIENT)
 
@@ -39,7 +44,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-bytes", type=int, default=256 << 20)
     parser.add_argument("--stream-bytes", type=int, default=2 << 30,
                         help="bytes streamed per size for bandwidth (at least 8 messages)")
-    parser.add_argument("--pingpongs", type=int, default=50, help="round trips per size")
+    parser.add_argument("--pingpongs", type=int, default=500,
+                        help="round trips per latency run")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="latency runs per size and transport, interleaved across the "
+                             "transports; the table shows their median")
     defaults = ShmBackend()
     parser.add_argument("--slots", type=int, default=defaults.slots)
     parser.add_argument("--slot-bytes", type=int, default=defaults.slot_bytes)
@@ -125,13 +134,12 @@ class TorchPair:
         pass
 
 
-def measure(pair, rank: int, tensor: torch.Tensor, ack: torch.Tensor, pingpongs: int,
-            streamed: int) -> tuple[float, float]:
-    """(one-way latency in us, bandwidth in GB/s) for messages like `tensor`."""
+def latency(pair, rank: int, tensor: torch.Tensor, pingpongs: int) -> float:
+    """One-way latency in us: half the mean of `pingpongs` round trips of `tensor`."""
     device = tensor.device
     if isinstance(pair, TorchPair):
         pair.buffer = torch.empty_like(tensor)
-    for _ in range(3):  # warm-up round trips
+    for _ in range(WARMUP_ROUND_TRIPS):
         _round_trip(pair, rank, tensor)
     synchronize(device)
     dist.barrier()
@@ -139,7 +147,15 @@ def measure(pair, rank: int, tensor: torch.Tensor, ack: torch.Tensor, pingpongs:
     for _ in range(pingpongs):
         _round_trip(pair, rank, tensor)
     synchronize(device)
-    latency = (time.perf_counter() - start) / pingpongs / 2 * 1e6
+    return (time.perf_counter() - start) / pingpongs / 2 * 1e6
+
+
+def bandwidth(pair, rank: int, tensor: torch.Tensor, ack: torch.Tensor, streamed: int) -> float:
+    """GB/s of a one-way stream of `streamed` messages like `tensor`, closed by `ack`."""
+    device = tensor.device
+    if isinstance(pair, TorchPair):
+        pair.buffer = torch.empty_like(tensor)
+    synchronize(device)
     dist.barrier()
     start = time.perf_counter()
     for _ in range(streamed):
@@ -158,7 +174,7 @@ def measure(pair, rank: int, tensor: torch.Tensor, ack: torch.Tensor, pingpongs:
     pair.step()
     synchronize(device)
     seconds = time.perf_counter() - start
-    return latency, tensor.numel() * tensor.element_size() * streamed / seconds / 1e9
+    return tensor.numel() * tensor.element_size() * streamed / seconds / 1e9
 
 
 def _round_trip(pair, rank: int, tensor: torch.Tensor) -> None:
@@ -204,19 +220,29 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--transports: {unknown} not available here (have {list(available)})")
 
+    # All pairs stay open so that the latency runs of the transports can alternate: a
+    # machine that slows down for a while then slows every transport alike.
+    pairs = {name: available[name][0]() for name in names}
     results = []
-    for name in names:
-        make, device = available[name]
-        ack = torch.zeros(1, device=device)
-        pair = make()
-        for size in sizes(args.min_bytes, args.max_bytes):
-            tensor = torch.randn(size // 4, device=device)
-            streamed = max(8, min(2000, args.stream_bytes // size))
-            latency, bandwidth = measure(pair, rank, tensor, ack, args.pingpongs, streamed)
-            results.append({"transport": name, "bytes": size, "latency_us": latency,
-                            "bandwidth_GBps": bandwidth, "messages": streamed})
+    for size in sizes(args.min_bytes, args.max_bytes):
+        tensors = {name: torch.randn(size // 4, device=available[name][1]) for name in names}
+        runs: dict[str, list[float]] = {name: [] for name in names}
+        for _ in range(args.repeats):
+            for name in names:
+                runs[name].append(latency(pairs[name], rank, tensors[name], args.pingpongs))
+        streamed = max(8, min(2000, args.stream_bytes // size))
+        for name in names:
+            ack = torch.zeros(1, device=available[name][1])
+            rate = bandwidth(pairs[name], rank, tensors[name], ack, streamed)
+            results.append({"transport": name, "bytes": size,
+                            "latency_us": statistics.median(runs[name]),
+                            "latency_runs_us": runs[name], "bandwidth_GBps": rate,
+                            "messages": streamed})
             if rank == 0:
-                logger.info("%-10s %10d B  %9.1f us  %8.2f GB/s", name, size, latency, bandwidth)
+                logger.info("%-10s %10d B  %9.1f us (runs %s)  %8.2f GB/s", name, size,
+                            statistics.median(runs[name]),
+                            ", ".join(f"{run:.1f}" for run in runs[name]), rate)
+    for pair in pairs.values():
         pair.close()
     dist.barrier()
     if rank == 0:

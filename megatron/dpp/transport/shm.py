@@ -80,13 +80,10 @@ class ShmSendChannel(SendChannel):
             raise TransportError(
                 f"GPU tensor sent on shm channel {self.edge}, but the native transport was "
                 f"built without CUDA (build_info: {native.build_info()})")
-        data = tensor.contiguous()
-        producer = torch.cuda.current_stream(data.device)
-        self._sender.send_cuda(int(key.kind), key.chunk, key.microbatch, code, list(data.shape),
-                               data.data_ptr(), data.numel() * data.element_size(),
-                               producer.cuda_stream, self._cuda.copy_stream.cuda_stream)
-        # The IPC copy may still read `data` on the side stream after we return.
-        data.record_stream(self._cuda.copy_stream)
+        # The extension copies after the current stream's work and records its copy stream
+        # on the tensor, which it may still read there after this returns.
+        self._sender.send_cuda(int(key.kind), key.chunk, key.microbatch, code,
+                               tensor.contiguous(), self._cuda.copy_stream.cuda_stream)
 
     def flush(self, timeout: float | None = None) -> None:
         # Host copies are done when send() returns; device copies end on the side stream.
