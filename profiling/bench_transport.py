@@ -33,6 +33,9 @@ logger = logging.getLogger("bench_transport")
 # Round trips before each timed latency run: the first ones pay for lazy set-up (peer
 # access, allocator blocks).
 WARMUP_ROUND_TRIPS = 20
+# Round trips of the smallest message on every transport before anything is timed: without
+# them the first size measured came out slower than the next on every transport.
+WARMUP_PHASE_ROUND_TRIPS = 2000
 FORWARD = Edge(0, 1, MessageKind.ACTIVATION)
 BACKWARD = Edge(1, 0, MessageKind.GRADIENT)
 
@@ -46,7 +49,7 @@ def parse_args() -> argparse.Namespace:
                         help="bytes streamed per size for bandwidth (at least 8 messages)")
     parser.add_argument("--pingpongs", type=int, default=500,
                         help="round trips per latency run")
-    parser.add_argument("--repeats", type=int, default=3,
+    parser.add_argument("--repeats", type=int, default=5,
                         help="latency runs per size and transport, interleaved across the "
                              "transports; the table shows their median")
     defaults = ShmBackend()
@@ -223,6 +226,9 @@ def main() -> None:
     # All pairs stay open so that the latency runs of the transports can alternate: a
     # machine that slows down for a while then slows every transport alike.
     pairs = {name: available[name][0]() for name in names}
+    for name in names:
+        warmup = torch.randn(args.min_bytes // 4, device=available[name][1])
+        latency(pairs[name], rank, warmup, WARMUP_PHASE_ROUND_TRIPS)
     results = []
     for size in sizes(args.min_bytes, args.max_bytes):
         tensors = {name: torch.randn(size // 4, device=available[name][1]) for name in names}
