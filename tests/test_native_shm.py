@@ -275,6 +275,27 @@ def test_receiver_removes_its_segment_when_the_sender_never_attaches():
     receivers[edge].close()
 
 
+def test_a_message_whose_size_does_not_match_its_shape_fails_by_name():
+    from megatron.dpp.transport.channel import TransportError
+    from megatron.dpp.transport.native import NativeInbox
+
+    extension = native.module()
+    name = "/dpp-mismatch" + os.urandom(6).hex()
+    receiver = extension.ShmReceiver(name, SLOTS, SLOT_BYTES, 0, 1, 5.0)
+    inbox = NativeInbox()
+    drain = extension.ShmDrain(receiver, inbox.mailbox, "shm channel 1->0 (test)", -1, 0, 0)
+    sender = extension.ShmSender(name, 1, 0, 5.0)
+    payload = torch.zeros(2, dtype=torch.float32)
+    # Three float32 values need 12 bytes; the message carries 8.
+    sender.send(0, 0, 0, 0, [3], payload.data_ptr(), 8)
+    with pytest.raises(TransportError, match=r"1->0 \(test\).*8 bytes does not match"):
+        inbox.take(key_of(0, 0), timeout=5)
+    drain.join()
+    sender.close()
+    receiver.close()
+    assert not os.path.exists("/dev/shm" + name)
+
+
 def test_bad_settings_are_rejected_by_name():
     from megatron.dpp.transport.shm import ShmBackend
 
