@@ -78,17 +78,6 @@ void send_cuda_tensor(ShmSender& sender, MessageMeta meta, const at::Tensor& ten
 #endif
 }
 
-py::object next_message(ShmReceiver& receiver) {
-  std::optional<MessageMeta> message;
-  {
-    py::gil_scoped_release unlocked;
-    message = receiver.next();
-  }
-  if (!message) return py::none();
-  return py::make_tuple(message->kind, message->chunk, message->microbatch, message->dtype,
-                        py::tuple(py::cast(message->shape)), message->nbytes, message->on_cuda);
-}
-
 py::dict build_info() {
   py::dict info;
   info["shm"] = true;
@@ -156,22 +145,6 @@ PYBIND11_MODULE(_native, m) {
            }),
            py::arg("name"), py::arg("slots"), py::arg("slot_bytes"), py::arg("self_rank"),
            py::arg("peer_rank"), py::arg("timeout"), py::arg("spin_us") = 200.0)
-      .def("next", &next_message,
-           "(kind, chunk, microbatch, dtype_code, shape, nbytes, on_cuda) of the next message, "
-           "or None once the sender closed or interrupt() was called")
-      .def(
-          "read_into",
-          [](ShmReceiver& self, uintptr_t address, uint64_t nbytes) {
-            return self.read_into(pointer(address), nbytes);
-          },
-          py::arg("address"), py::arg("nbytes"), py::call_guard<py::gil_scoped_release>())
-      .def(
-          "read_into_cuda",
-          [](ShmReceiver& self, uintptr_t address, uint64_t nbytes, uintptr_t stream) {
-            return self.read_into_cuda(pointer(address), nbytes, stream);
-          },
-          py::arg("address"), py::arg("nbytes"), py::arg("stream"),
-          py::call_guard<py::gil_scoped_release>())
       .def("enable_cuda", &ShmReceiver::enable_cuda, py::arg("device"), py::arg("export_pool"),
            py::arg("device_slot_bytes"), py::call_guard<py::gil_scoped_release>())
       .def("interrupt", &ShmReceiver::interrupt, py::call_guard<py::gil_scoped_release>())

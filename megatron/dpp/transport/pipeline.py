@@ -132,16 +132,19 @@ class PipelineTransport:
         self._receivers.clear()
 
 
-def _all_pipelines(mine: list[int]) -> list[list[int]]:
+def _gather(value) -> list:
+    """`value` of every rank, by rank."""
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, list(mine))
-    return [list(p) for p in sorted({tuple(p) for p in gathered})]
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _all_pipelines(mine: list[int]) -> list[list[int]]:
+    return [list(p) for p in sorted({tuple(p) for p in _gather(list(mine))})]
 
 
 def _hosts() -> list[str]:
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, os.uname().nodename)
-    return gathered
+    return _gather(os.uname().nodename)
 
 
 def _assign_backends(edges, transport, device, timeout, native_inbox):
@@ -227,9 +230,7 @@ def _cross_host_backend(edge: Edge, transport: str, hosts: list[str],
 def _rdma_problems() -> list[str | None]:
     from megatron.dpp.transport.rdma import unavailable_reason
 
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, unavailable_reason())
-    return gathered
+    return _gather(unavailable_reason())
 
 
 def _native_backend(timeout: float, required: bool):
