@@ -6,7 +6,8 @@
 # Settings, from the environment (CPU default / GPU default):
 #   GPUS_PER_NODE   processes per node: the GPUs present; without GPUs 2 CPU processes
 #                   (single) or 1 per node (master/worker)
-#   TP, PP, VPP     tensor / pipeline parallel size, model chunks per stage: 1, 2, unset
+#   TP, PP, VPP     tensor / pipeline parallel size, model chunks per stage: 1, 2 (1 where
+#                   there is one process per TP group, e.g. one GPU), unset
 #   NODE_IPS        master/worker: one address per node, in node-rank order (required)
 #   NNODES          number of nodes: 1 (single) or the count of NODE_IPS
 #   NODE_RANK       0 on the master; a worker finds its own from NODE_IPS
@@ -25,6 +26,7 @@
 #   DATA_PATH       the sample data (prepared on first use), a --data-path prefix, or "mock"
 #   TOKENIZER_TYPE, VOCAB_FILE, MERGE_FILE   the sample's; VOCAB_SIZE (mock data) 1024
 #   USE_DPP         1: dynamic pipeline schedule (--use-dpp); 0: megatron-core's schedule
+#                   (the default with one pipeline stage, where DPP has nothing to schedule)
 #   DPP_TRANSPORT   auto (torch, shm); DPP_MAX_INFLIGHT unset (the schedule's default)
 #   CHECKPOINT_DIR  unset: no checkpoints; else --save/--load there, every SAVE_INTERVAL
 #   RUN_NAME        <model>-<role>;  RUN_DIR <checkout>/runs/RUN_NAME (log: RUN_DIR/train.log)
@@ -100,10 +102,23 @@ dpp_integer() {
 # trainer flags from the settings; sets TRAIN_FLAGS
 dpp_train_flags() {
     local on_gpu=$1 world=$2
-    local tp=${TP:-1} pp=${PP:-2}
-    dpp_integer tp; dpp_integer pp
+    local tp=${TP:-1} pp=${PP:-2} use_dpp=${USE_DPP:-1}
+    dpp_integer tp
+    if [[ -z ${PP:-} ]] && (( world < 2 * tp )); then
+        pp=1  # one process per tensor-parallel group (one GPU, say): no pipeline
+    fi
+    dpp_integer pp
     (( world % (tp * pp) == 0 )) ||
         dpp_die "TP=$tp x PP=$pp does not divide the $world processes (NNODES x GPUS_PER_NODE)"
+    if (( pp == 1 )); then
+        local cpu_hint="CPU processes: CUDA_VISIBLE_DEVICES= bash $DPP_SCRIPT"
+        if [[ -n ${USE_DPP:-} && $USE_DPP == 1 ]]; then
+            dpp_die "USE_DPP=1 needs PP >= 2 pipeline stages, and $world process(es) give one; use two or more GPUs, or $cpu_hint"
+        fi
+        use_dpp=0
+        dpp_say "one pipeline stage on $world process(es): megatron-core's schedule; the dynamic schedule (USE_DPP=1) needs two or more stages: use two or more GPUs, or $cpu_hint"
+    fi
+    DPP_SCHEDULE=$([[ $use_dpp == 1 ]] && echo DPP || echo megatron-core)
     local dp=$(( world / (tp * pp) ))
     local micro=${MICRO_BATCH:-$([[ $on_gpu == 1 ]] && echo "$GPU_MICRO_BATCH" || echo 2)}
     local count=${NUM_MICROBATCHES:-$([[ $on_gpu == 1 ]] && echo 16 || echo 4)}
@@ -126,7 +141,7 @@ dpp_train_flags() {
         fp32) ;;
         *) dpp_die "PRECISION=$PRECISION: expected bf16, fp16 or fp32" ;;
     esac
-    case ${USE_DPP:-1} in
+    case $use_dpp in
         1) TRAIN_FLAGS+=(--use-dpp --dpp-transport "${DPP_TRANSPORT:-auto}")
            if [[ -n ${DPP_MAX_INFLIGHT:-} ]]; then
                TRAIN_FLAGS+=(--dpp-max-inflight "$DPP_MAX_INFLIGHT")
@@ -208,7 +223,7 @@ dpp_launch() {
     printf '%q ' "${cmd[@]}" >"$RUN_DIR/command.txt"
     echo >>"$RUN_DIR/command.txt"
 
-    dpp_say "node $NODE_RANK of $NNODES, $GPUS_PER_NODE processes on $([[ $on_gpu == 1 ]] && echo GPUs || echo CPU), schedule $([[ ${USE_DPP:-1} == 1 ]] && echo DPP || echo megatron-core); log: $logfile"
+    dpp_say "node $NODE_RANK of $NNODES, $GPUS_PER_NODE processes on $([[ $on_gpu == 1 ]] && echo GPUs || echo CPU), schedule $DPP_SCHEDULE; log: $logfile"
     if [[ $DPP_ROLE == master ]]; then
         local rank ips
         read -r -a ips <<<"$NODE_IPS"

@@ -2,11 +2,13 @@
 
 `run_ranks(n, fn, *args)` spawns n processes with torchrun's environment variables, calls
 `fn(rank, *args)` in each, and returns the list of their return values; an exception in
-any rank fails the call with that rank's traceback.
+any rank fails the call with that rank's traceback. The ranks see no GPU unless `gpu=True`:
+the CPU tests mean CPU processes on gloo, also on a machine that has GPUs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import multiprocessing as mp
 import os
@@ -44,10 +46,27 @@ def _entry(rank, world_size, port, fn, args, results, env):
         results.put((rank, False, traceback.format_exc()))
 
 
+@contextlib.contextmanager
+def _inherited_environment(values: dict[str, str]):
+    """`values` in this process's environment while children are started: a spawned child
+    copies the environment at start, before it imports anything (CUDA reads
+    CUDA_VISIBLE_DEVICES once, at its first use)."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def run_ranks(world_size: int, fn, *args, timeout: float = DEFAULT_TIMEOUT, env=None,
-              reporting=None):
+              reporting=None, gpu: bool = False):
     """`reporting`: the ranks whose results to wait for (default all; a test that kills a
-    rank on purpose waits only for the survivors)."""
+    rank on purpose waits only for the survivors). `gpu`: let the ranks see the GPUs."""
     reporting = list(range(world_size)) if reporting is None else list(reporting)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -56,8 +75,9 @@ def run_ranks(world_size: int, fn, *args, timeout: float = DEFAULT_TIMEOUT, env=
         ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results, env or {}))
         for r in range(world_size)
     ]
-    for proc in procs:
-        proc.start()
+    with _inherited_environment({} if gpu else {"CUDA_VISIBLE_DEVICES": ""}):
+        for proc in procs:
+            proc.start()
     outputs: dict[int, object] = {}
     failures = []
     try:

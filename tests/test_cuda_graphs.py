@@ -100,7 +100,7 @@ def _eager_vs_graphs(rank, dtype_flags, order):
 @pytest.mark.parametrize("dtype_flags", [[], ["--bf16"]], ids=["fp32", "bf16"])
 def test_graph_replays_equal_eager_in_any_backward_order(dtype_flags):
     order = [2, 0, 1]  # three microbatches in flight, backwards not in forward order
-    (results,) = run_ranks(1, _eager_vs_graphs, dtype_flags, order)
+    (results,) = run_ranks(1, _eager_vs_graphs, dtype_flags, order, gpu=True)
     eager, graphs = results[False], results[True]
     assert graphs["slots"] == [len(order)]  # one slot per microbatch in flight, reused
     for (eager_losses, eager_grads), (graph_losses, graph_grads) in zip(

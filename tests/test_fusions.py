@@ -124,8 +124,8 @@ def _main_grads(rank, fused: bool, extra_flags=()):
 def test_weight_grad_accumulation_fusion_gives_the_unfused_gradients(tying):
     # tied on one stage: megatron-core's zero_out_wgrad contract, the embedding keeps its
     # ordinary gradient; untied: the embedding accumulates into main_grad (fused_layers.py)
-    (unfused, unfused_marked, _), = run_ranks(1, _main_grads, False, tying)
-    (fused, fused_marked, _), = run_ranks(1, _main_grads, True, tying)
+    (unfused, unfused_marked, _), = run_ranks(1, _main_grads, False, tying, gpu=True)
+    (fused, fused_marked, _), = run_ranks(1, _main_grads, True, tying, gpu=True)
     # the fused paths really ran: megatron-core's linear layer and the project's word
     # embedding (fused_layers.py) mark the weights they accumulated
     assert fused_marked == [True, True] and unfused_marked == [False, False]

@@ -30,8 +30,9 @@ RUN_TIMEOUT = 240
 
 def script_env(tmp_path: Path, **settings) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in NODE_SETTINGS}
+    # CPU processes, also on a machine with GPUs (the GPU runs say so explicitly)
     env.update(SKIP_PREREQ="1", OMP_NUM_THREADS="1", RUN_DIR=str(tmp_path),
-               PYTHON=sys.executable, PYTHONWARNINGS="ignore")
+               PYTHON=sys.executable, PYTHONWARNINGS="ignore", CUDA_VISIBLE_DEVICES="")
     env.update({k: str(v) for k, v in settings.items()})
     return env
 
@@ -39,6 +40,12 @@ def script_env(tmp_path: Path, **settings) -> dict[str, str]:
 def run_script(name: str, env, timeout=RUN_TIMEOUT) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(REPO / name)], env=env, capture_output=True, text=True,
                           timeout=timeout, cwd=REPO)
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def logged_losses(text: str) -> list[float]:
@@ -245,6 +252,31 @@ def test_single_bert_script_trains_on_cpu(tmp_path):
     assert [int(row["iteration"]) for row in rows] == [1, 2]
     assert all(math.isfinite(row["lm loss"]) and "sop loss" in row for row in rows)
     assert "--use-dpp" not in (tmp_path / "command.txt").read_text()
+
+
+def test_single_process_trains_without_dpp_and_says_why(tmp_path):
+    """One process (what one GPU gives): PP=1 under megatron-core's schedule, and one line
+    saying how to see the dynamic schedule; asking for it anyway is refused by name."""
+    result = run_script("run_single_gpt.sh", script_env(
+        tmp_path, GPUS_PER_NODE=1, TRAIN_ITERS=2, LOG_INTERVAL=1, DATA_PATH="mock"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "needs two or more stages" in result.stderr
+    command = (tmp_path / "command.txt").read_text()
+    assert "--pipeline-model-parallel-size 1" in command and "--use-dpp" not in command
+    assert len(logged_losses((tmp_path / "train.log").read_text())) == 2
+    refused = run_script("run_single_gpt.sh", script_env(
+        tmp_path, GPUS_PER_NODE=1, USE_DPP=1, DATA_PATH="mock"))
+    assert refused.returncode == 2 and "USE_DPP=1 needs PP >= 2" in refused.stderr
+
+
+@pytest.mark.skipif(not torch_cuda_available(), reason="the one-GPU path needs a CUDA GPU")
+def test_single_gpt_script_trains_on_one_gpu(tmp_path):
+    env = script_env(tmp_path, TRAIN_ITERS=3, LOG_INTERVAL=1, GPUS_PER_NODE=1,
+                     MODEL_SIZE="tiny", CUDA_VISIBLE_DEVICES="0")
+    result = run_script("run_single_gpt.sh", env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "processes on GPUs" in result.stderr and "tokens/s" in result.stdout
+    assert len(logged_losses((tmp_path / "train.log").read_text())) == 3
 
 
 def _namespace_problem() -> str | None:
