@@ -30,7 +30,7 @@ GPT_LAYER_FLAGS = [
 ]
 GPT_OF_GPU_MD = [
     "--num-layers", "24", *GPT_LAYER_FLAGS, "--log-interval", "1", "--eval-iters", "0",
-    "--log-throughput", "--pipeline-model-parallel-size", "2",
+    "--log-throughput",
 ]
 
 # megatron-core as it runs without apex / TE, only the core attention swapped for SDPA:
@@ -92,6 +92,9 @@ CONFIGS |= {
                                   "torch"],
     "xent-graphs-m64-dpp-shm": [*FUSED, *XENT, *M64, *GRAPHS, "--use-dpp", "--dpp-transport",
                                 "shm"],
+    # one GPU (--pp 1): the trainer's defaults, and the fastest flags known
+    "one-default": [],
+    "one-fast": [*FUSED[:1], *XENT, *GRAPHS],
 }
 
 # (a, b): print a's tokens/s over b's when both ran
@@ -112,7 +115,7 @@ RATIOS = (
     ("wgrad-graphs-m64-dpp-shm", "wgrad-graphs-m64"), ("wgrad-m32", "fast-m32"),
     ("xent-graphs-m64", "wgrad-graphs-m64"), ("xent-graphs-m64", "sdpa-only"),
     ("xent-graphs-m64-dpp-torch", "xent-graphs-m64"), ("xent-graphs-m64-dpp-shm", "xent-graphs-m64"),
-    ("xent-graphs-m64-dpp-shm", "xent-graphs-m64-dpp-torch"),
+    ("xent-graphs-m64-dpp-shm", "xent-graphs-m64-dpp-torch"), ("one-fast", "one-default"),
 )
 
 LINE = re.compile(
@@ -136,6 +139,14 @@ def observer_flags(name: str, args, out: Path) -> list[str]:
     return flags
 
 
+def pipeline_flags(flags: list[str], pp: int) -> list[str]:
+    """`flags` for a pipeline of `pp` stages: an uneven split needs two stages or more."""
+    if pp == 1 and "--decoder-first-pipeline-num-layers" in flags:
+        at = flags.index("--decoder-first-pipeline-num-layers")
+        flags = flags[:at] + flags[at + 2:]
+    return ["--pipeline-model-parallel-size", str(pp), *flags]
+
+
 def run(name: str, flags: list[str], args, out: Path) -> dict:
     # --find-syncs: the same run under profiling/find_syncs.py (device syncs per call site)
     wrapper = ["profiling/find_syncs.py", "--out", str(out / f"syncs-{name}")] if (
@@ -144,7 +155,8 @@ def run(name: str, flags: list[str], args, out: Path) -> dict:
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.gpus}",
         f"--master_port={args.port}", *wrapper, "pretrain_gpt.py", *GPT_OF_GPU_MD,
         "--global-batch-size", str(2 * args.microbatches),
-        "--train-iters", str(args.warmup + args.iters), *flags, *observer_flags(name, args, out),
+        "--train-iters", str(args.warmup + args.iters), *pipeline_flags(flags, args.pp),
+        *observer_flags(name, args, out),
     ]
     started = time.time()
     log_path = out / f"{name}.log"
@@ -178,6 +190,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=2, help="pipeline stages")
     parser.add_argument("--port", type=int, default=29533)
     parser.add_argument("--timeout", type=float, default=300, help="seconds per configuration")
     parser.add_argument("--trace", action="store_true", help="--trace the last iteration")
