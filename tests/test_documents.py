@@ -1,0 +1,276 @@
+"""Variable-length data (megatron/training/documents.py, microbatches.py): one document per
+sample, Megatron's --split on documents, a resumable shuffled order, blending, padding that
+the loss ignores, grouping by length, token counts, and the reordering iterator."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from megatron.core.datasets.blended_megatron_dataset_config import (
+    convert_split_vector_to_split_matrix,
+    parse_and_normalize_split,
+)
+from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+
+from megatron.training.documents import (
+    BlendedDocuments,
+    DocumentDataConfig,
+    DocumentDataset,
+    build_document_datasets,
+    length_statistics,
+    split_document_ranges,
+)
+from megatron.training.microbatches import (
+    BatchLayout,
+    DocumentMicrobatches,
+    ReorderedMicrobatches,
+    cost_ordered,
+    microbatch_token_counts,
+    pad_microbatch,
+    plan_global_batch,
+    reorder_data_iterators,
+)
+
+SEQ = 12
+SPLIT_SENTENCES_DOC = 5  # stored as two sequences, as preprocess_data --split-sentences does
+
+
+def token(document: int, position: int) -> int:
+    """Token values say where they come from: document * 1000 + position."""
+    return document * 1000 + position
+
+
+def write_prefix(path, lengths) -> str:
+    builder = IndexedDatasetBuilder(f"{path}.bin", dtype=np.int32)
+    for doc, n in enumerate(lengths):
+        values = np.array([token(doc, p) for p in range(n)], dtype=np.int32)
+        if doc == SPLIT_SENTENCES_DOC:
+            builder.add_document(values, [n // 2, n - n // 2])
+        else:
+            builder.add_document(values, [n])
+    builder.finalize(f"{path}.idx")
+    return str(path)
+
+
+# 60 documents of 1..40 tokens (some longer than SEQ + 1, one of a single token)
+LENGTHS = [int(n) for n in np.random.default_rng(7).integers(2, 41, size=60)]
+LENGTHS[3] = 1
+LENGTHS[SPLIT_SENTENCES_DOC] = 30
+
+
+@pytest.fixture(scope="module")
+def prefix(tmp_path_factory):
+    return write_prefix(tmp_path_factory.mktemp("docs") / "corpus", LENGTHS)
+
+
+def datasets(prefix, sizes=(200, 40, 20), seed=1234, split="80,15,5", **kw):
+    config = DocumentDataConfig([prefix] if isinstance(prefix, str) else prefix,
+                                kw.pop("weights", None), split, SEQ, seed, **kw)
+    return build_document_datasets(config, sizes)
+
+
+def check_sample(sample, document: int):
+    """The sample is document's beginning: n + 1 tokens, shifted by one for the labels."""
+    n = min(LENGTHS[document], SEQ + 1) - 1
+    expected = torch.tensor([token(document, p) for p in range(n + 1)])
+    assert torch.equal(sample["tokens"], expected[:-1])
+    assert torch.equal(sample["labels"], expected[1:])
+    assert torch.equal(sample["loss_mask"], torch.ones(n))
+
+
+@pytest.mark.parametrize("split", ["969,30,1", "80,15,5", "98/2", "1", "0,1,0", "33,33,34"])
+@pytest.mark.parametrize("documents", [7, 60, 2101])
+def test_split_ranges_are_megatrons(split, documents):
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    expected = [(0, 0) if bounds is None else
+                (int(round(bounds[0] * documents)), int(round(bounds[1] * documents)))
+                for bounds in matrix]
+    ranges = split_document_ranges(split, documents)
+    assert [(a, b) for a, b in ranges if b > a] == [(a, b) for a, b in expected if b > a]
+    assert ranges[0][0] == 0 and ranges[-1][1] == documents
+
+
+@pytest.mark.parametrize("split", ["", "1,2,3,4", "a,b", "0,0,0", "-1,2"])
+def test_a_bad_split_is_refused_by_name(split):
+    with pytest.raises(ValueError, match="--split"):
+        split_document_ranges(split, 10)
+
+
+def test_every_sample_is_one_truncated_document(prefix):
+    train, valid, test = datasets(prefix)
+    seen = {}
+    for name, dataset, (lo, hi) in zip(("train", "valid", "test"), (train, valid, test),
+                                       split_document_ranges("80,15,5", len(LENGTHS)),
+                                       strict=True):
+        for i in range(len(dataset)):
+            document = dataset.document_of(i)
+            assert lo <= document < hi, name
+            sample = dataset[i]
+            check_sample(sample, document)
+            assert dataset.sample_lengths([i])[0] == len(sample["tokens"])
+            seen.setdefault(name, set()).add(document)
+    # every document of 2+ tokens of its split is used; the 1-token one never
+    assert seen["train"] == {d for d in range(48) if LENGTHS[d] >= 2}
+    assert seen["valid"] == set(range(48, 57)) and seen["test"] == set(range(57, 60))
+    assert SPLIT_SENTENCES_DOC in seen["train"] and 3 not in seen["train"]
+    assert max(len(train[i]["tokens"]) for i in range(len(train))) == SEQ
+
+
+def test_eod_tokens_can_be_masked_out_of_the_loss(prefix):
+    (train, _, _) = datasets(prefix, eod_token=token(0, 4))
+    sample = train[[train.document_of(i) for i in range(47)].index(0)]
+    assert sample["loss_mask"].tolist() == [0.0 if p == 3 else 1.0 for p in range(SEQ)]
+
+
+def test_epochs_shuffle_every_document_once_deterministically(prefix):
+    (train, _, _), (again, _, _) = datasets(prefix), datasets(prefix)
+    (other_seed, _, _) = datasets(prefix, seed=99)
+    documents = len(train.documents)
+    assert documents == 47 and len(train) == 5 * documents  # whole epochs >= 200 samples
+    epochs = [[train.document_of(e * documents + k) for k in range(documents)]
+              for e in range(6)]
+    for order in epochs:
+        assert sorted(order) == sorted(train.documents.tolist())
+    assert epochs[0] != epochs[1]  # a new permutation each epoch
+    assert epochs == [[again.document_of(e * documents + k) for k in range(documents)]
+                      for e in range(6)]
+    assert epochs[0] != [other_seed.document_of(k) for k in range(documents)]
+
+
+def test_blending_follows_the_weights_and_reads_each_prefix_in_its_order(prefix, tmp_path):
+    second = write_prefix(tmp_path / "second", [10 + (d % 7) for d in range(30)])
+    (blend, _, _) = datasets([prefix, second], sizes=(400, 0, 0), weights=[1.0, 3.0])
+    (alone, _, _) = datasets(prefix, sizes=(400, 0, 0))
+    assert isinstance(blend, BlendedDocuments) and len(blend) == 400
+    from_first = np.flatnonzero(blend.dataset_index == 0)
+    assert len(from_first) == 100
+    # the first prefix's samples are that prefix's own sample sequence, in order
+    for k, i in enumerate(from_first[:60]):
+        check_sample(blend[int(i)], alone.document_of(k))
+    lengths = blend.sample_lengths(np.arange(400))
+    assert lengths.tolist() == [len(blend[i]["tokens"]) for i in range(400)]
+    with pytest.raises(IndexError, match="400"):
+        blend.sample_lengths([400])
+
+
+def test_data_errors_name_the_problem(prefix, tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing"):
+        datasets(str(tmp_path / "missing"))
+    tiny = write_prefix(tmp_path / "tiny", [5, 6, 7])
+    with pytest.raises(ValueError, match="no valid documents in .*tiny"):
+        datasets([prefix, tiny], weights=[1.0, 1.0], split="90,10,0")
+    with pytest.raises(ValueError, match="weights"):
+        datasets([prefix, tiny], weights=[1.0])
+    with pytest.raises(ValueError, match="no document of 2 tokens"):
+        DocumentDataset(IndexedDataset(prefix), np.array([3]), SEQ, 10, 0, name="one-token")
+
+
+def test_padding_is_masked_and_has_the_gpt_batch_shape():
+    samples = [{"tokens": torch.arange(1, n + 1), "labels": torch.arange(2, n + 2),
+                "loss_mask": torch.ones(n)} for n in (3, 7, 1)]
+    batch = pad_microbatch(samples, pad_to_multiple=8, pad_id=5)
+    assert batch["attention_mask"] is None
+    assert all(batch[k].shape == (3, 8) for k in ("tokens", "labels", "loss_mask",
+                                                  "position_ids"))
+    assert batch["loss_mask"].dtype == torch.float32 and batch["tokens"].dtype == torch.int64
+    for row, n in enumerate((3, 7, 1)):
+        assert batch["tokens"][row, :n].tolist() == list(range(1, n + 1))
+        assert batch["loss_mask"][row].tolist() == [1.0] * n + [0.0] * (8 - n)
+        assert batch["labels"][row, n:].eq(5).all() and batch["tokens"][row, n:].eq(5).all()
+        assert batch["position_ids"][row].tolist() == list(range(8))
+    assert batch["loss_mask"][:, 7].eq(0).all()  # a position that is padding in every row
+    assert pad_microbatch(samples)["tokens"].shape == (3, 7)  # its own longest, no more
+    assert pad_microbatch(samples, 16, max_length=12)["tokens"].shape == (3, 12)
+
+
+def read(iterator, count):
+    return [next(iterator) for _ in range(count)]
+
+
+@pytest.mark.parametrize("group", [False, True])
+def test_resume_at_consumed_samples_continues_the_same_batches(prefix, group):
+    (train, _, _) = datasets(prefix)
+    layout = BatchLayout(2, 8, 2, group_by_length=group, pad_to_multiple=4)
+    for rank in range(2):
+        whole = read(DocumentMicrobatches(train, layout, rank), 6)  # 3 global batches
+        resumed = read(DocumentMicrobatches(train, layout, rank, consumed_samples=16), 2)
+        for a, b in zip(whole[4:], resumed, strict=True):
+            assert all(torch.equal(a[k], b[k]) for k in ("tokens", "labels", "loss_mask"))
+
+
+def test_without_grouping_the_layout_is_megatrons(prefix):
+    (train, _, _) = datasets(prefix)
+    plan = plan_global_batch(train, 24, BatchLayout(2, 12, 3))
+    # DP rank r's k-th microbatch: samples c + k*m*d + r*m + [0, m)
+    assert plan.samples == tuple(tuple((24 + k * 6 + r * 2, 24 + k * 6 + r * 2 + 1)
+                                       for k in range(2)) for r in range(3))
+
+
+def test_grouping_keeps_the_global_batch_and_partitions_it_deterministically(prefix):
+    (train, _, _) = datasets(prefix)
+    for consumed in (0, 32, 64):
+        natural = plan_global_batch(train, consumed, BatchLayout(2, 32, 2))
+        layout = BatchLayout(2, 32, 2, group_by_length=True)
+        grouped = plan_global_batch(train, consumed, layout)
+        assert grouped == plan_global_batch(train, consumed, layout)  # every rank alike
+        everything = [i for rank in grouped.samples for mb in rank for i in mb]
+        assert sorted(everything) == list(range(consumed, consumed + 32))
+        assert [len(rank) for rank in grouped.samples] == [8, 8]
+        assert all(len(mb) == 2 for rank in grouped.samples for mb in rank)
+        # microbatches are neighbours in length order: little padding
+        lengths = train.sample_lengths(np.arange(consumed, consumed + 32))
+        rank_of = {tuple(sorted(mb)): r for r, rank in enumerate(grouped.samples)
+                   for mb in rank}
+        by_length = np.lexsort((np.arange(32), lengths)) + consumed
+        assert {tuple(sorted(int(i) for i in by_length[j:j + 2])) for j in range(0, 32, 2)} \
+            == set(rank_of)
+        padded = [sum(p.token_counts(r)) for p in (natural, grouped) for r in range(2)]
+        assert sum(padded[2:]) < sum(padded[:2])
+        # the snake keeps the two data-parallel ranks' work within one microbatch's worth
+        assert abs(padded[2] - padded[3]) <= 2 * SEQ
+
+
+@pytest.mark.parametrize("group", [False, True])
+def test_token_counts_are_the_batches_sizes(prefix, group):
+    (train, _, _) = datasets(prefix)
+    layout = BatchLayout(3, 12, 2, group_by_length=group, pad_to_multiple=4)
+    for rank in range(2):
+        iterator = DocumentMicrobatches(train, layout, rank, consumed_samples=12)
+        for consumed in (12, 24):
+            counts = microbatch_token_counts(train, consumed, layout, rank)
+            batches = read(iterator, 2)
+            assert counts == [b["tokens"].numel() for b in batches]
+            real = [int(b["loss_mask"].sum()) for b in batches]
+            assert all(r <= c for r, c in zip(real, counts, strict=True))
+
+
+def test_reordered_microbatches_yield_the_permutation():
+    order = [2, 0, 3, 1]
+    assert list(ReorderedMicrobatches(iter("abcdef"), order)) == ["c", "a", "d", "b"]
+    source = iter(range(8))
+    wrapped = reorder_data_iterators([source, None], order)
+    assert wrapped[1] is None and list(wrapped[0]) == [2, 0, 3, 1]
+    assert list(ReorderedMicrobatches(source, [1, 0])) == [5, 4]  # the next iteration
+    with pytest.raises(ValueError, match="not a permutation"):
+        ReorderedMicrobatches(iter(range(4)), [0, 0, 1, 2])
+
+
+def test_cost_order_runs_cheap_microbatches_first_and_last(prefix):
+    (train, _, _) = datasets(prefix)
+    layout = BatchLayout(1, 16, 1)
+    counts = microbatch_token_counts(train, 0, layout, 0)
+    order = cost_ordered(counts, pp_size=4)
+    batches = list(ReorderedMicrobatches(DocumentMicrobatches(train, layout, 0), order))
+    run = [b["tokens"].numel() for b in batches]
+    assert run == [counts[i] for i in order]
+    assert run[0] == min(counts) and run[-1] <= sorted(counts)[1]
+    assert run.index(max(run)) < len(run) // 2
+    with pytest.raises(ValueError, match="pp_size"):
+        cost_ordered(counts, 0)
+
+
+def test_length_statistics():
+    stats = length_statistics([1, 2, 3, 4, 10])
+    assert stats["mean"] == 4 and stats["max"] == 10 and stats["p50"] == 3
+    assert stats["cv"] == pytest.approx(np.std([1, 2, 3, 4, 10]) / 4)
