@@ -274,3 +274,85 @@ def test_length_statistics():
     stats = length_statistics([1, 2, 3, 4, 10])
     assert stats["mean"] == 4 and stats["max"] == 10 and stats["p50"] == 3
     assert stats["cv"] == pytest.approx(np.std([1, 2, 3, 4, 10]) / 4)
+
+
+def _padded_and_alone(rank, directory):
+    """A GPT (the project's builder, fp32, no dropout) on one padded microbatch of three
+    documents and on each document alone, unpadded: token losses and main_grads."""
+    import contextlib
+    import copy
+
+    from megatron.training.arguments import parse_args
+    from megatron.training.gpt import gpt_loss
+    from megatron.training.initialize import initialize_distributed
+    from megatron.training.models import (
+        build_gpt_stage,
+        build_model_chunks,
+        transformer_config_from_args,
+    )
+    from megatron.training.optimizer import wrap_model_chunks
+
+    rng = np.random.default_rng(3)
+    builder = IndexedDatasetBuilder(f"{directory}/gpt.bin", dtype=np.int32)
+    for n in (12, 6, 4):  # samples of 11, 5 and 3 tokens
+        builder.add_document(rng.integers(0, 96, size=n, dtype=np.int32), [n])
+    builder.finalize(f"{directory}/gpt.idx")
+    (dataset, _, _) = build_document_datasets(
+        DocumentDataConfig([f"{directory}/gpt"], None, "1", 16, 0), (3, 0, 0))
+    samples = [dataset[i] for i in range(3)]
+    batch = pad_microbatch(samples, pad_to_multiple=8)  # 16 columns, 11..15 all padding
+    flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size",
+             "3", "--global-batch-size", "3", "--vocab-size", "96", "--mock-data",
+             "--tokenizer-type", "NullTokenizer", "--lr", "1e-4", "--train-iters", "1",
+             "--hidden-dropout", "0", "--attention-dropout", "0",
+             "--distributed-backend", "gloo"]
+    results = {}
+    with contextlib.ExitStack() as stack:
+        base = parse_args(flags, world_size=1)
+        base.padded_vocab_size = base.vocab_size
+        device = initialize_distributed(base, stack)
+        for positions in ("learned_absolute", "rope"):
+            args = copy.copy(base)
+            args.position_embedding_type = positions
+            config = transformer_config_from_args(args)
+            (model,) = wrap_model_chunks(build_model_chunks(args, config, build_gpt_stage),
+                                         args, config, device)
+            output = model(batch["tokens"], batch["position_ids"], None,
+                           labels=batch["labels"])
+            loss, tokens, _ = gpt_loss(batch["loss_mask"], output)
+            loss.backward()
+            padded = ({n: p.main_grad.clone() for n, p in model.named_parameters()},
+                      output.detach(), float(loss), int(tokens))
+            model.zero_grad_buffer()
+            alone = []
+            for sample in samples:
+                n = len(sample["tokens"])
+                out = model(sample["tokens"][None], torch.arange(n)[None], None,
+                            labels=sample["labels"][None])
+                out.sum().backward()
+                alone.append(out.detach()[0])
+            results[positions] = (padded, alone,
+                                  {n: p.main_grad.clone() for n, p in model.named_parameters()})
+    return results
+
+
+def test_padding_changes_neither_loss_nor_gradients_of_a_gpt(tmp_path):
+    from tests.distributed import run_ranks
+
+    (results,) = run_ranks(1, _padded_and_alone, str(tmp_path))
+    for positions, ((grads, output, loss, tokens), alone, alone_grads) in results.items():
+        assert output.shape == (3, 16) and tokens == 11 + 5 + 3, positions
+        for row, token_losses in enumerate(alone):
+            torch.testing.assert_close(output[row, :len(token_losses)], token_losses,
+                                       msg=positions)
+        # padding computes real (garbage) losses: the mask is what removes them
+        assert output[:, 11:].min() > 0
+        assert loss == pytest.approx(float(sum(t.sum() for t in alone)), rel=1e-6)
+        assert grads.keys() == alone_grads.keys()
+        for name, grad in alone_grads.items():
+            assert grad.abs().sum() > 0, (positions, name)
+            # fp32 summation order (other GEMM shapes): within 2e-6 of the tensor's scale
+            torch.testing.assert_close(grads[name], grad, rtol=1e-5,
+                                       atol=2e-6 * grad.abs().max().item(),
+                                       msg=f"{positions} {name}")
