@@ -47,9 +47,10 @@ def main(argv=None) -> None:
     for seq_length in args.seq_length or [512, 1024, 2048]:
         (train, _, _) = build_document_datasets(
             DocumentDataConfig([args.data_path], None, "1", seq_length, 1234), (samples, 0, 0))
+        epoch = train.sample_lengths(np.arange(len(train.documents)))  # each document once
+        print(line(f"samples, seq {seq_length}", length_statistics(epoch)),
+              f" truncated {np.mean(epoch == seq_length):.1%}")
         lengths = train.sample_lengths(np.arange(samples))
-        print(line(f"samples, seq {seq_length}", length_statistics(lengths)),
-              f" truncated {np.mean(lengths == seq_length):.1%}")
         for group in (False, True):
             layout = BatchLayout(args.micro_batch_size, args.global_batch_size,
                                  group_by_length=group, pad_to_multiple=args.pad_to_multiple)
