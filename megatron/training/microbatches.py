@@ -14,12 +14,13 @@ is one document, so position ids are 0, 1, ... in every row.
 Grouping. Without grouping the global batch of samples [c, c + G) is laid out as Megatron
 does: DP rank r's k-th microbatch holds samples c + k*m*d + r*m + [0, m). With grouping the
 same G samples are sorted by (length, index) and cut into G/m microbatches of m neighbours
-(so little padding); sorted microbatch j goes to slot j // d and, within the slot, to DP
-rank j % d on even slots and d - 1 - j % d on odd ones (a snake: every rank gets one of
-each d similar microbatches, so the DP ranks' work stays even). Slots then run in the order
-of their smallest sample index. The DP ranks together still see exactly the samples
-[c, c + G); the partition is a pure function of the sample lengths, so every rank computes
-it without communication.
+(so little padding); d neighbouring microbatches form a slot, and each DP rank gets one
+microbatch of every slot: dearest slot first, its dearest microbatch goes to the rank with
+the fewest tokens so far (ties: lower rank). Pairing opposite orders keeps the ranks' token
+totals within the largest spread inside one slot, so the DP replicas' work stays even.
+Slots then run in the order of their smallest sample index. The DP ranks together still see
+exactly the samples [c, c + G); the partition is a pure function of the sample lengths, so
+every rank computes it without communication.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def pad_microbatch(samples: Sequence[dict], pad_to_multiple: int = 1, pad_id: in
 
 
 def padded_length(longest: int, pad_to_multiple: int = 1, max_length: int | None = None) -> int:
+    """`longest` rounded up to a multiple of `pad_to_multiple`, not beyond max_length."""
     if pad_to_multiple < 1:
         raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
     length = -(-longest // pad_to_multiple) * pad_to_multiple
@@ -112,20 +114,26 @@ def plan_global_batch(dataset, consumed_samples: int, layout: BatchLayout) -> Gl
     indices = np.arange(consumed_samples, consumed_samples + layout.global_batch_size)
     lengths = np.asarray(dataset.sample_lengths(indices), dtype=np.int64)
     slots = layout.microbatches_per_rank
+    cap = getattr(dataset, "seq_length", None)
     if layout.group_by_length:
         ranked = np.lexsort((indices, lengths))  # by length, ties by sample index
         groups = ranked.reshape(slots * d, m)
-        owner = np.empty((slots, d), dtype=np.int64)  # owner[k, r]: sorted microbatch
-        for k in range(slots):
-            row = np.arange(k * d, (k + 1) * d)
-            owner[k] = row if k % 2 == 0 else row[::-1]
+        group_tokens = [m * padded_length(int(lengths[g].max()), layout.pad_to_multiple, cap)
+                        for g in groups]
+        owner = np.empty((slots, d), dtype=np.int64)  # owner[k, r]: index into groups
+        totals = [0] * d
+        for k in reversed(range(slots)):  # dearest slot first
+            lightest_first = sorted(range(d), key=lambda r: (totals[r], r))
+            for rank, group in zip(lightest_first, reversed(range(k * d, (k + 1) * d)),
+                                   strict=True):
+                owner[k, rank] = group
+                totals[rank] += group_tokens[group]
         slot_order = np.argsort(groups.min(axis=1).reshape(slots, d).min(axis=1), kind="stable")
         owner = owner[slot_order]
         positions = [[groups[owner[k, r]] for k in range(slots)] for r in range(d)]
     else:
         natural = np.arange(layout.global_batch_size).reshape(slots, d, m)
         positions = [[natural[k, r] for k in range(slots)] for r in range(d)]
-    cap = getattr(dataset, "seq_length", None)
     return GlobalBatchPlan(
         consumed_samples=consumed_samples,
         samples=tuple(tuple(tuple(int(indices[p]) for p in mb) for mb in rank)
