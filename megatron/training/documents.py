@@ -67,10 +67,8 @@ class DocumentDataset(torch.utils.data.Dataset):
         self.indexed, self.seq_length = indexed, seq_length
         self.name, self.seed, self.stream = name, seed, tuple(stream)
         self.eod_token = eod_token  # its labels are masked out of the loss (--eod-mask-loss)
-        sequences = np.concatenate([[0], np.cumsum(indexed.sequence_lengths, dtype=np.int64)])
-        bounds = indexed.document_indices
         documents = np.asarray(documents, dtype=np.int64)
-        lengths = sequences[bounds[documents + 1]] - sequences[bounds[documents]]
+        lengths = _document_lengths(indexed, documents)
         kept = lengths >= 2
         if not kept.all():
             log.info("%s: %d of %d documents have fewer than 2 tokens and are left out",
@@ -268,5 +266,12 @@ def length_statistics(lengths) -> dict[str, float]:
 def document_lengths(prefix: str) -> np.ndarray:
     """Token count of every document of a prefix (from its .idx)."""
     data = IndexedDataset(prefix)
-    sequences = np.concatenate([[0], np.cumsum(data.sequence_lengths, dtype=np.int64)])
-    return np.diff(sequences[data.document_indices])
+    return _document_lengths(data, np.arange(len(data.document_indices) - 1))
+
+
+def _document_lengths(indexed: IndexedDataset, documents: np.ndarray) -> np.ndarray:
+    """Token count of each document, over its sequences (a document holds several when
+    tools/preprocess_data.py split sentences)."""
+    starts = np.concatenate([[0], np.cumsum(indexed.sequence_lengths, dtype=np.int64)])
+    bounds = indexed.document_indices
+    return starts[bounds[documents + 1]] - starts[bounds[documents]]
