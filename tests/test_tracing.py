@@ -5,12 +5,14 @@ timeline tool draws real and simulated runs; tracing off records nothing."""
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
 import torch
 
 from megatron.dpp import tracing
+from megatron.dpp.actions import Task
 from megatron.dpp.simulate import CostModel, compare, write_trace
 from profiling import aggregate, plot_timeline, report
 from tests.distributed import run_ranks
@@ -117,10 +119,25 @@ def test_tracer_records_only_traced_iterations(tmp_path):
     assert all(s["it"] == 2 and s["dur_us"] >= 0 for s in spans)
 
 
-def test_null_tracer_and_bad_inputs(tmp_path):
+# what the trainer and the DPP schedule call on whichever tracer they hold
+TRACER_API = ("span", "start", "stop", "record_actions", "begin_iteration", "end_iteration",
+              "megatron_timers", "close")
+
+
+def test_null_tracer_and_bad_inputs(tmp_path, monkeypatch):
+    for name in TRACER_API:  # tracing off must accept every call tracing on takes
+        assert (inspect.signature(getattr(tracing.NullTracer, name)).parameters
+                == inspect.signature(getattr(tracing.Tracer, name)).parameters), name
+    monkeypatch.chdir(tmp_path)
     null = tracing.NullTracer()
-    assert null.span("forward", 0, 0) is null.span("backward", 1, 0), "one shared no-op"
-    assert null.megatron_timers(label_compute=True) is None
+    null.begin_iteration(1, num_microbatches=2)
+    with null.span("forward", 0, 0):
+        null.stop(null.start("backward", 0, 0))
+    null.record_actions(0, [Task("F", 0, 0)])
+    null.end_iteration()
+    null.close()
+    assert list(tmp_path.iterdir()) == [], "tracing off writes nothing"
+    assert null.megatron_timers(label_compute=True) is None  # megatron-core's timers stay off
     with pytest.raises(aggregate.TraceError, match="no trace-rank"):
         aggregate.merge(str(tmp_path))
     (tmp_path / "trace-rank0.jsonl").write_text('{"format": "megatron-dpp-trace", "rank": 0}\n'
