@@ -64,21 +64,25 @@ def run_pipeline(
     num_microbatches = len(durations[FORWARD][0])
     release = WEIGHT if WEIGHT in durations else BACKWARD
     # per rank, by kind and local chunk: the durations row of the chunk's virtual stage,
-    # and where the output goes (destination rank, the table of its tasks) or None
-    rows = [{kind: [table[v] for v in topology.stage_of[r]] for kind, table in durations.items()}
-            for r in range(p)]
-    routes = [
-        {kind: [None if route is None
-                else (route[0], task_table(kind, route[1], num_microbatches))
-                for route in targets]
-         for kind, targets in topology.routes[r].items()}
-        for r in range(p)
-    ]
+    # the destination rank of the output (-1: none) and the table of its tasks there
+    lanes = []
+    for r in range(p):
+        lane = {}
+        for kind, table in durations.items():
+            lane[kind] = []
+            for v, route in zip(topology.stage_of[r], topology.routes[r][kind], strict=True):
+                if route is None:
+                    lane[kind].append((table[v], -1, None))
+                else:
+                    lane[kind].append((table[v], route[0],
+                                       task_table(kind, route[1], num_microbatches)))
+        lanes.append(lane)
     next_task = [runner.next_task for runner in runners]
     complete = [runner.complete for runner in runners]
     arrived = [set() for _ in range(p)]
     has_arrived = [s.__contains__ for s in arrived]
     running: list[Task | None] = [None] * p
+    running_lane: list = [None] * p  # the lane entry of the running task
     busy = [0.0] * p
     in_flight = [0] * p
     peak = [0] * p
@@ -100,13 +104,15 @@ def run_pipeline(
             if task is None:
                 continue
             kind, chunk, microbatch = task
-            duration = rows[r][kind][chunk][microbatch]
+            lane = lanes[r][kind][chunk]
+            duration = lane[0][microbatch]
             if kind == FORWARD:
                 count = in_flight[r] + 1
                 in_flight[r] = count
                 if count > peak[r]:
                     peak[r] = count
             running[r] = task
+            running_lane[r] = lane
             busy[r] += duration
             push(events, (now + duration, r))
             if record:
@@ -126,13 +132,11 @@ def run_pipeline(
             task = running[r]
             running[r] = None
             complete[r](task)
-            kind = task[0]
-            if kind == release:
+            if task[0] == release:
                 in_flight[r] -= 1
-            route = routes[r][kind][task[1]]
-            if route is None:
+            _, dst, targets = running_lane[r]
+            if dst < 0:
                 continue
-            dst, targets = route
             if latency:
                 push(events, (now + latency, p + len(pending)))
                 pending.append((dst, targets[task[2]]))

@@ -93,8 +93,8 @@ ORDER_CANDIDATES = ((0.3, 1.0), (0.3, 0.5))
 # backward / forward time assumed when predicting a cost order's makespan
 BACKWARD_COST_RATIO = 2.0
 # most tasks (2 * pp_size * microbatches) `choose_cost_order` simulates per candidate; a
-# prediction takes ~0.45 ms of host time at p = 8, m = 32 (512 tasks), ~2.3 ms at p = 16,
-# m = 64 (2048), linear in the task count
+# simulation takes ~0.8 ms of CPU time at p = 8, m = 32 (512 tasks), ~3.5 ms at p = 16,
+# m = 64 (2048), about linear in the task count (profiling/bench_cost_order.py)
 ORDER_CHOICE_MAX_TASKS = 2048
 
 
