@@ -150,3 +150,33 @@ def test_null_tracer_and_bad_inputs(tmp_path, monkeypatch):
         parse_args(with_flags(RUN, trace_iters=[2]), world_size=2)
     with pytest.raises(ArgumentError, match="--trace-iters 0: iterations count from 1"):
         parse_args(with_flags(RUN, trace=True, trace_iters=[0, 2]), world_size=2)
+
+
+def clock_offsets(rank):
+    """Rank function: `_clock_offset_ns` with both ranks on one host, then with rank 1
+    posing as another host."""
+    import socket
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        same = tracing._clock_offset_ns(torch.device("cpu"))
+        real = socket.gethostname
+        socket.gethostname = lambda: f"{real()}-elsewhere" if rank == 1 else real()
+        try:
+            other = tracing._clock_offset_ns(torch.device("cpu"))
+        finally:
+            socket.gethostname = real
+    finally:
+        dist.destroy_process_group()
+    return same, other
+
+
+def test_clock_offsets_are_measured_across_hosts_only():
+    """On rank 0's host the clock is shared: offset 0, no round trip. A rank on another
+    host measures it; here the true offset is 0, so the estimate is within half its
+    round trip of 0."""
+    (same0, other0), (same1, (offset, round_trip)) = run_ranks(2, clock_offsets)
+    assert same0 == same1 == other0 == (0, 0)
+    assert round_trip > 0 and abs(offset) <= round_trip / 2 + 1  # + 1: integer halving

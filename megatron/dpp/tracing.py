@@ -7,8 +7,9 @@ profiling/sim_compare.py replays them in the simulator.
 
 Clocks: the host's monotonic clock on CPU; on GPU, CUDA events on the current stream,
 resolved at the end of each traced iteration (the hot path never waits for the device).
-At start every rank measures its clock's offset to rank 0's by ping-pong (best of a few
-round trips), so all spans share rank 0's time axis, across processes and nodes.
+Ranks on rank 0's host share its monotonic clock; a rank on another host measures its
+clock's offset to rank 0's at start by ping-pong (best of a few round trips), so all spans
+share rank 0's time axis, across processes and nodes.
 
 Tracing off: the trainer holds a `NullTracer`, whose spans are one shared no-op context.
 Static schedules: megatron.core reports its compute, p2p and grad-sync phases through
@@ -322,27 +323,34 @@ def memory_line(peaks: list[int], device: torch.device) -> str:
 
 
 def _clock_offset_ns(device: torch.device) -> tuple[int, int]:
-    """(offset to rank 0's perf_counter_ns, round trip of the best sample) by ping-pong;
-    rank 0 answers each other rank in turn."""
+    """(offset to rank 0's perf_counter_ns, round trip of the best sample). Ranks on rank
+    0's host read the same system-wide monotonic clock: offset 0, exactly (a measured one
+    would only add its error, up to half a round trip, which grows with the host's load).
+    Ranks on other hosts measure it by ping-pong; rank 0 answers each in turn."""
+    hosts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    remote = [r for r in range(1, len(hosts)) if hosts[r] != hosts[0]]
     buffer = torch.zeros(1, dtype=torch.int64, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
     rank = dist.get_rank()
     if rank == 0:
-        for peer in range(1, dist.get_world_size()):
+        for peer in remote:
             for _ in range(_SYNC_ROUNDS):
                 dist.recv(buffer, peer)
                 sync(device)
                 buffer.fill_(time.perf_counter_ns())
                 dist.send(buffer, peer)
         return 0, 0
+    if rank not in remote:
+        return 0, 0
     best = None
     for _ in range(_SYNC_ROUNDS):
         sent = time.perf_counter_ns()
         dist.send(buffer, 0)
         dist.recv(buffer, 0)
-        remote = int(buffer.item())
+        remote_ns = int(buffer.item())
         received = time.perf_counter_ns()
-        sample = (received - sent, remote - (sent + received) // 2)
+        sample = (received - sent, remote_ns - (sent + received) // 2)
         best = sample if best is None or sample[0] < best[0] else best
     return best[1], best[0]
 
