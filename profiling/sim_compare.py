@@ -7,6 +7,10 @@ stage, the bubble the run had with the bubble the simulator predicts.
     python profiling/sim_compare.py /tmp/sim.json --schedule dpp --slack 2
 
 The trace is a --trace directory, profiling/aggregate.py's trace.json or a simulator trace.
+A DPP run's --trace directory also holds the actions each rank executed, in order
+(trace-rank<R>.actions.csv): the simulator then replays exactly that order per stage (the
+stage's lowest rank) instead of simulating the policy (`--actions DIR` names the files'
+directory when the trace is a merged trace.json).
 Bubble, makespan: profiling/report.py's definitions (1 - busy / makespan; makespan from the
 iteration's first forward/backward start to its last end on any stage). Durations: the
 measured span of every (virtual stage, microbatch), the mean over a stage's ranks (tensor /
@@ -21,7 +25,10 @@ more than the simulator predicts (host overheads, send costs, clock error).
 from __future__ import annotations
 
 import argparse
+import glob
 import json
+import os
+import re
 import statistics
 import sys
 from collections import defaultdict
@@ -30,15 +37,16 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the `profiling` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron.dpp.simulate import SCHEDULES, Durations, simulate  # noqa: E402
+from megatron.dpp.actions import BACKWARD, FORWARD, Task, read_actions  # noqa: E402
+from megatron.dpp.config import DEFAULTS  # noqa: E402
+from megatron.dpp.simulate import SCHEDULES, Durations, replay, simulate  # noqa: E402
+from megatron.dpp.topology import PipelineTopology  # noqa: E402
 from profiling.aggregate import Span, TraceError, load_spans, load_trace  # noqa: E402
 from profiling.plot_timeline import select  # noqa: E402
 from profiling.report import COMPUTE_KINDS, iteration_reports  # noqa: E402
 
-# megatron.dpp.schedule.DEFAULT_SLACK, the runtime's slack without --dpp-max-inflight, for
-# traces whose header has no "dpp_slack"; copied because importing the schedule pulls in
-# torch and megatron.core (seconds)
-DEFAULT_SLACK = 2
+TASK_KIND = {"forward": FORWARD, "backward": BACKWARD}
+_ACTIONS_FILE = re.compile(r"trace-rank(\d+)\.actions\.csv$")
 
 
 def pipeline_shape(trace: dict, compute: list[Span]) -> tuple[int, int]:
@@ -52,13 +60,14 @@ def pipeline_shape(trace: dict, compute: list[Span]) -> tuple[int, int]:
 def measured_durations(compute: list[Span], pp: int, chunks: int) -> Durations:
     """Durations of one iteration: each (kind, virtual stage, microbatch) averaged over the
     stage's ranks. Raises TraceError when a task is missing or unlabelled."""
+    topology = PipelineTopology(pp, chunks)
     samples: dict[tuple[str, int, int], list[float]] = defaultdict(list)
     for span in compute:
         if span.microbatch is None:
             raise TraceError(f"iteration {span.iteration}: a {span.kind} on rank {span.rank} "
                              "has no microbatch label")
-        samples[span.kind, (span.chunk or 0) * pp + span.stage, span.microbatch].append(
-            span.duration)
+        v = topology.virtual_stage(span.stage, span.chunk or 0)
+        samples[span.kind, v, span.microbatch].append(span.duration)
     m = 1 + max(key[2] for key in samples)
     table = {}
     for kind in COMPUTE_KINDS:
@@ -84,18 +93,18 @@ def run_order(compute: list[Span]) -> list[int]:
 def estimate_latency(compute: list[Span], pp: int, chunks: int) -> tuple[float, int]:
     """(median latency, number of samples) of one iteration; (0.0, 0) with no sample."""
     lead = select(compute, None)
-    last = pp * chunks - 1
-    ends = {(s.kind, (s.chunk or 0) * pp + s.stage, s.microbatch): s.end for s in lead}
+    topology = PipelineTopology(pp, chunks)
+    ends = {(s.stage, Task(TASK_KIND[s.kind], s.chunk or 0, s.microbatch)): s.end
+            for s in lead}
     gaps = []
     for stage in {s.stage for s in lead}:
         idle_since = float("-inf")  # before its first task a rank waits from the start
         for span in sorted((s for s in lead if s.stage == stage), key=lambda s: s.start):
-            v = (span.chunk or 0) * pp + span.stage
-            # the input of F(v) comes from F(v - 1), that of B(v) from B(v + 1); F(0) and
-            # B(last) read local data
-            source = v - 1 if span.kind == "forward" else v + 1
-            produced = ends.get((span.kind, source, span.microbatch))
-            if 0 <= source <= last and produced is not None and produced > idle_since:
+            # the task whose output is this one's input (none: local data or loss)
+            source = topology.source(stage, Task(TASK_KIND[span.kind], span.chunk or 0,
+                                                 span.microbatch))
+            produced = None if source is None else ends.get(source)
+            if produced is not None and produced > idle_since:
                 gaps.append(span.start - produced)
             idle_since = span.end
     if not gaps:
@@ -104,9 +113,34 @@ def estimate_latency(compute: list[Span], pp: int, chunks: int) -> tuple[float, 
     return max(0.0, statistics.median(gaps)), len(gaps)
 
 
+def executed_actions(directory: str) -> dict[int, dict[int, list[Task]]]:
+    """iteration -> stage -> the actions that stage ran, from the trace-rank<R>.actions.csv
+    files of a DPP --trace directory (a stage's lowest rank; tensor-parallel ranks run the
+    same order). Empty when there are none."""
+    files = {}
+    for path in glob.glob(os.path.join(directory, "trace-rank*.actions.csv")):
+        match = _ACTIONS_FILE.search(os.path.basename(path))
+        if match:
+            files[int(match.group(1))] = path
+    out: dict[int, dict[int, list[Task]]] = {}
+    for rank in sorted(files):
+        try:
+            recorded = read_actions(files[rank])
+        except ValueError as error:
+            raise TraceError(str(error)) from None
+        for iteration, stages in recorded.items():
+            if iteration is None:
+                raise TraceError(f"{files[rank]}: no iteration column (not written by --trace)")
+            for stage, actions in stages.items():
+                out.setdefault(iteration, {}).setdefault(stage, actions)
+    return out
+
+
 def compare(path: str, schedule: str | None = None, slack: int | None = None,
-            latency: float | None = None) -> dict:
-    """Per iteration: measured and simulated makespan and per-stage bubble, plus means."""
+            latency: float | None = None, actions: str | None = None) -> dict:
+    """Per iteration: measured and simulated makespan and per-stage bubble, plus means.
+    A DPP run with recorded actions (`actions`: their directory, default the trace
+    directory) is replayed in exactly its executed order."""
     trace = load_trace(path)
     spans, iterations = load_spans(trace)
     header_schedule = trace.get("otherData", {}).get("schedule")
@@ -121,7 +155,11 @@ def compare(path: str, schedule: str | None = None, slack: int | None = None,
         slack = 0
     elif slack is None:
         recorded = trace.get("otherData", {}).get("dpp_slack")
-        slack = DEFAULT_SLACK if recorded is None else recorded
+        slack = DEFAULTS.slack if recorded is None else recorded
+    if actions is None and os.path.isdir(path):
+        actions = path
+    executed = (executed_actions(actions)
+                if actions is not None and schedule == header_schedule == "dpp" else {})
     rows = []
     for report in iteration_reports(spans, iterations):
         compute = [s for s in spans
@@ -131,9 +169,14 @@ def compare(path: str, schedule: str | None = None, slack: int | None = None,
         estimated, samples = estimate_latency(compute, pp, chunks)
         used = estimated if latency is None else latency
         try:
-            result = simulate(schedule, pp, len(durations.microbatch_factor), durations,
-                              num_chunks=chunks, slack=slack, latency=used,
-                              microbatch_order=run_order(compute) if schedule == "dpp" else None)
+            if executed:
+                result = replay(_stage_plans(executed, report["iteration"], pp, actions),
+                                durations, num_chunks=chunks, latency=used)
+            else:
+                result = simulate(
+                    schedule, pp, len(durations.microbatch_factor), durations,
+                    num_chunks=chunks, slack=slack, latency=used,
+                    microbatch_order=run_order(compute) if schedule == "dpp" else None)
         except ValueError as error:
             raise TraceError(f"{path}: iteration {report['iteration']}: {error}") from None
         stages = [{"stage": row["stage"], "measured_bubble": row["bubble"],
@@ -145,7 +188,17 @@ def compare(path: str, schedule: str | None = None, slack: int | None = None,
                      "simulated_makespan_ms": result.makespan, "stages": stages})
     if not rows:
         raise TraceError(f"{path}: no forward/backward spans")
-    return {"schedule": schedule, "slack": slack, "iterations": rows, "mean": _mean(rows)}
+    return {"schedule": schedule, "slack": slack, "replayed": bool(executed),
+            "iterations": rows, "mean": _mean(rows)}
+
+
+def _stage_plans(executed: dict, iteration: int, pp: int, directory: str) -> list[list[Task]]:
+    stages = executed.get(iteration, {})
+    missing = [stage for stage in range(pp) if stage not in stages]
+    if missing:
+        raise TraceError(f"{directory}: no recorded actions of iteration {iteration} for "
+                         f"stages {missing}")
+    return [stages[stage] for stage in range(pp)]
 
 
 def _mean(rows: list[dict]) -> list[dict]:
@@ -161,7 +214,8 @@ def _mean(rows: list[dict]) -> list[dict]:
 
 def format_comparison(result: dict) -> str:
     slack = f" slack {result['slack']}" if result["schedule"] == "dpp" else ""
-    lines = [f"simulated schedule: {result['schedule']}{slack}"]
+    replayed = ", replaying the executed actions" if result["replayed"] else ""
+    lines = [f"simulated schedule: {result['schedule']}{slack}{replayed}"]
     header = "  stage  measured  simulated  difference (points)"
     for row in result["iterations"]:
         lines.append(f"iteration {row['iteration']}: makespan measured "
@@ -188,7 +242,11 @@ def main(argv=None) -> int:
     parser.add_argument("--schedule", choices=SCHEDULES, default=None,
                         help="schedule to simulate (default: the trace header's)")
     parser.add_argument("--slack", type=int, default=None,
-                        help=f"dpp: the run's --dpp-max-inflight (default {DEFAULT_SLACK})")
+                        help="dpp: the run's --dpp-max-inflight (default: the trace header's, "
+                             f"else {DEFAULTS.slack})")
+    parser.add_argument("--actions", default=None, metavar="DIR",
+                        help="directory of a DPP run's trace-rank<R>.actions.csv (default: the "
+                             "trace directory)")
     parser.add_argument("--latency", type=float, default=None,
                         help="message latency in ms (default: estimated per iteration)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -198,7 +256,7 @@ def main(argv=None) -> int:
     if args.latency is not None and args.latency < 0:
         parser.error(f"--latency must be >= 0, got {args.latency}")
     try:
-        result = compare(args.trace, args.schedule, args.slack, args.latency)
+        result = compare(args.trace, args.schedule, args.slack, args.latency, args.actions)
     except TraceError as error:
         parser.exit(2, f"{parser.prog}: {error}\n")
     if args.json:

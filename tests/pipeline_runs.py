@@ -63,7 +63,8 @@ def compare_schedules(rank, flags, world_size, task_name="gpt"):
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron.dpp.schedule import DppOptions, DppSchedule
+    from megatron.dpp.config import DppOptions
+    from megatron.dpp.schedule import DppSchedule
     from megatron.training.arguments import parse_args
     from megatron.training.data import microbatch_lengths
     from megatron.training.training import setup
@@ -82,9 +83,7 @@ def compare_schedules(rank, flags, world_size, task_name="gpt"):
             result["core"] = one_step(trainer, core, m)
             result["core_eval"] = one_step(trainer, core, m, forward_only=True)[0]
         if args.pipeline_model_parallel_size > 1:
-            slack = 2 if args.dpp_max_inflight is None else args.dpp_max_inflight
-            dpp = DppSchedule(DppOptions(slack=slack, transport=args.dpp_transport,
-                                         timeout=args.dpp_timeout))
+            dpp = DppSchedule(DppOptions.from_args(args))
             stack.callback(dpp.close)
             if args.seq_length_cv > 0:
                 # as the trainer does: DPP orders the microbatches by their token counts

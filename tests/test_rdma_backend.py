@@ -32,7 +32,7 @@ THREAD_TIMEOUT_S = 30.0
 
 # ranks 0, 1 on host a; 2, 3 on host b: edges 1->2 and 2->1 cross hosts
 HOSTS = ["a", "a", "b", "b"]
-EDGES = pipeline_edges([[0, 1, 2, 3]], ring=False)
+EDGES = pipeline_edges([[0, 1, 2, 3]], num_chunks=1)
 REMOTE = [Edge(1, 2, MessageKind.ACTIVATION), Edge(2, 1, MessageKind.GRADIENT)]
 LOCAL = [e for e in EDGES if e not in REMOTE]
 
@@ -74,7 +74,7 @@ def test_rdma_uses_torch_within_a_host_without_shm():
 def test_auto_decides_per_edge_by_both_ends():
     # three hosts; rank 2 (host b) has no device: the edges touching it fall back to torch
     hosts = ["a", "b", "b", "c"]
-    edges = pipeline_edges([[0, 1, 2, 3]], ring=False)
+    edges = pipeline_edges([[0, 1, 2, 3]], num_chunks=1)
     plan = dict(plan_backends(edges, "auto", hosts, shm_usable=True,
                               rdma_problems=[None, None, NO_DEVICE_REASON, None]))
     assert plan["rdma"] == [Edge(0, 1, MessageKind.ACTIVATION), Edge(1, 0, MessageKind.GRADIENT)]

@@ -1,18 +1,24 @@
 """profiling/sim_compare.py: replaying a simulator trace's own durations through the same
 schedule reproduces its bubble exactly (durations, latency and schedule rebuilt right);
 a different schedule, slack or latency does not; a real PP=2 CPU run compares within a
-loose bound."""
+loose bound, and a DPP run's recorded actions are replayed exactly."""
 
 from __future__ import annotations
 
 import json
-import re
+import shutil
 from pathlib import Path
 
 import pytest
 
+from megatron.dpp.actions import Task, read_actions, write_actions
+from megatron.dpp.config import DEFAULTS
+from megatron.dpp.plan import check_plans
 from megatron.dpp.simulate import main as simulate_main
+from megatron.dpp.simulate import replay
+from megatron.dpp.topology import PipelineTopology
 from profiling import sim_compare
+from profiling.aggregate import TraceError, load_spans, load_trace
 from tests.distributed import run_ranks
 from tests.trainer_runs import TINY, train_runs, with_flags
 
@@ -66,7 +72,7 @@ def test_cli_table_json_and_errors(tmp_path, capsys):
     capsys.readouterr()
     assert sim_compare.main([path, "--schedule", "dpp", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["schedule"] == "dpp" and result["slack"] == sim_compare.DEFAULT_SLACK
+    assert result["schedule"] == "dpp" and result["slack"] == DEFAULTS.slack
     assert [row["stage"] for row in result["mean"]] == [0, 1, 2, 3]
     assert sim_compare.main([path, "--schedule", "dpp"]) == 0
     table = capsys.readouterr().out
@@ -77,9 +83,6 @@ def test_cli_table_json_and_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         sim_compare.main([path, "--schedule", "interleaved"])  # the trace has one chunk
     assert "interleaved needs num_chunks >= 2" in capsys.readouterr().err
-    # the copied default must follow the runtime's
-    source = Path("megatron/dpp/schedule.py").read_text()
-    assert re.search(rf"^DEFAULT_SLACK = {sim_compare.DEFAULT_SLACK}$", source, re.M)
 
 
 MICROBATCHES = 4
@@ -87,16 +90,24 @@ RUN = with_flags(TINY, pipeline_model_parallel_size=2, global_batch_size=2 * MIC
                  train_iters=3, trace=True, trace_iters=[2, 3])
 
 
-def test_real_pp2_runs(tmp_path):
-    """A DPP and a 1F1B CPU run (one pair of processes): the schedule comes from the
-    header, and the simulator's bubble is near the measured one. CPU stages idle on host
-    work outside the spans (data, sends), so the bound is loose."""
-    dirs = {name: str(tmp_path / name) for name in ("dpp", "1f1b")}
+@pytest.fixture(scope="module")
+def real_runs(tmp_path_factory):
+    """Trace directories of a DPP (slack 1) and a 1F1B PP=2 CPU run (one pair of
+    processes for both)."""
+    root = tmp_path_factory.mktemp("real")
+    dirs = {name: str(root / name) for name in ("dpp", "1f1b")}
     flags = [with_flags(RUN, trace_dir=dirs["dpp"], use_dpp=True, dpp_transport="torch",
                         dpp_max_inflight=1),
              with_flags(RUN, trace_dir=dirs["1f1b"])]
     run_ranks(2, train_runs, flags, 2)
-    for name, directory in dirs.items():
+    return dirs
+
+
+def test_real_pp2_runs(real_runs):
+    """A DPP and a 1F1B CPU run: the schedule comes from the header, and the simulator's
+    bubble is near the measured one. CPU stages idle on host work outside the spans
+    (data, sends), so the bound is loose."""
+    for name, directory in real_runs.items():
         result = sim_compare.compare(directory)
         assert result["schedule"] == name
         assert result["slack"] == (1 if name == "dpp" else 0)  # the header's --dpp-max-inflight
@@ -105,3 +116,56 @@ def test_real_pp2_runs(tmp_path):
             assert iteration["latency_samples"] > 0
             for row in iteration["stages"]:
                 assert abs(row["difference_pp"]) < 25.0, (name, iteration)
+
+
+def test_dpp_trace_replays_the_executed_order(real_runs, tmp_path):
+    """--trace under DPP writes each rank's executed actions (the order of its compute
+    spans, a complete plan); sim_compare replays exactly them: rewriting stage 0's order of
+    iteration 2 (to GPipe's, also valid) changes the simulation to that order's replay,
+    and an order that can never finish is refused naming the rank and action."""
+    dpp = real_runs["dpp"]
+    assert not list(Path(real_runs["1f1b"]).glob("*.csv"))  # megatron-core's own schedule
+    trace = load_trace(dpp)
+    spans, _ = load_spans(trace)
+    recorded = {}
+    for rank in (0, 1):
+        by_iteration = read_actions(str(Path(dpp) / f"trace-rank{rank}.actions.csv"))
+        assert sorted(by_iteration) == [2, 3]
+        for iteration, stages in by_iteration.items():
+            (actions,) = stages.values()
+            ran = sorted((s for s in spans if s.rank == rank and s.iteration == iteration
+                          and s.kind in ("forward", "backward")), key=lambda s: s.start)
+            assert actions == [Task(sim_compare.TASK_KIND[s.kind], s.chunk or 0, s.microbatch)
+                               for s in ran]
+            recorded.setdefault(iteration, {})[rank] = actions
+    for stages in recorded.values():
+        check_plans([stages[0], stages[1]], PipelineTopology(2), MICROBATCHES)
+    result = sim_compare.compare(dpp)
+    assert result["replayed"]
+
+    changed = tmp_path / "changed"
+    shutil.copytree(dpp, changed)
+    late = [Task("F", 0, i) for i in range(MICROBATCHES)]
+    late += [Task("B", 0, i) for i in reversed(range(MICROBATCHES))]
+    rewrite(changed / "trace-rank0.actions.csv", {2: {0: late}, 3: {0: recorded[3][0]}})
+    replayed = sim_compare.compare(str(changed))
+    (first, second), original = replayed["iterations"], result["iterations"]
+    compute = [s for s in spans if s.iteration == 2 and s.kind in ("forward", "backward")]
+    durations = sim_compare.measured_durations(compute, 2, 1)
+    expected = replay([late, recorded[2][1]], durations, latency=first["latency_ms"])
+    assert first["simulated_makespan_ms"] == expected.makespan
+    assert first["simulated_makespan_ms"] > original[0]["simulated_makespan_ms"]
+    assert second == original[1]
+
+    stuck = list(recorded[3][0])
+    stuck.insert(0, stuck.pop(stuck.index(Task("B", 0, 0))))  # a backward before its forward
+    rewrite(changed / "trace-rank0.actions.csv", {2: {0: late}, 3: {0: stuck}})
+    with pytest.raises(TraceError, match=r"iteration 3: .*rank 0, action 0: B\(chunk 0, "
+                                         r"microbatch 0\) can never run"):
+        sim_compare.compare(str(changed))
+
+
+def rewrite(path, by_iteration):
+    with open(path, "w", newline="") as file:
+        for k, (iteration, plans) in enumerate(sorted(by_iteration.items())):
+            write_actions(file, plans, iteration, header=k == 0)

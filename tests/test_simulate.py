@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from megatron.dpp.policy import StageConfig, static_order
+from megatron.dpp.plan import StageConfig, static_order
 from megatron.dpp.simulate import CostModel, compare, main, sample_durations, simulate
 
 
@@ -81,14 +81,28 @@ def test_bad_input_is_named():
 
 
 def test_cli_json_and_trace(tmp_path, capsys):
+    """The CLI reports the simulator's own makespans and ratios (1F1B's makespan over each
+    other schedule's), and writes the DPP run's trace task by task."""
     trace = tmp_path / "trace.json"
-    main(["--pp", "2", "--microbatches", "4", "--cv", "0.5", "--json", "--trace", str(trace)])
-    report = json.loads(capsys.readouterr().out)
-    assert set(report["schedules"]) == {"1f1b", "gpipe", "dpp"}
-    assert report["schedules"]["1f1b"]["speedup_vs_1f1b"] == 1.0
+    main(["--pp", "2", "--microbatches", "4", "--cv", "0.5", "--slack", "2", "--json",
+          "--trace", str(trace)])
+    report = json.loads(capsys.readouterr().out)["schedules"]
+    assert set(report) == {"1f1b", "gpipe", "dpp"}
+    expected = compare(2, 4, CostModel(cv=0.5), slack=2, record=True)
+    for name, result in expected.items():
+        assert report[name]["makespan"] == result.makespan
+        assert report[name]["peak_in_flight_per_stage"] == result.peak_in_flight
+    assert "speedup_vs_1f1b" not in report["1f1b"]
+    for name in ("gpipe", "dpp"):
+        ratio = expected["1f1b"].makespan / expected[name].makespan
+        assert report[name]["speedup_vs_1f1b"] == ratio
+    assert report["dpp"]["speedup_vs_1f1b"] > 1.0  # cv 0.5 with known costs and slack
     events = json.loads(trace.read_text())["traceEvents"]
     assert len(events) == 2 * 2 * 4
-    assert {e["args"]["kind"] for e in events} == {"F", "B"}
+    for rank in (0, 1):
+        ran = [(e["args"]["kind"], e["args"]["chunk"], e["args"]["microbatch"])
+               for e in sorted(events, key=lambda e: e["ts"]) if e["tid"] == rank]
+        assert ran == [tuple(task) for task in expected["dpp"].orders[rank]]
 
 
 def test_cli_grid_small(capsys):

@@ -5,12 +5,14 @@ timeline tool draws real and simulated runs; tracing off records nothing."""
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
 import torch
 
 from megatron.dpp import tracing
+from megatron.dpp.actions import Task
 from megatron.dpp.simulate import CostModel, compare, write_trace
 from profiling import aggregate, plot_timeline, report
 from tests.distributed import run_ranks
@@ -117,10 +119,25 @@ def test_tracer_records_only_traced_iterations(tmp_path):
     assert all(s["it"] == 2 and s["dur_us"] >= 0 for s in spans)
 
 
-def test_null_tracer_and_bad_inputs(tmp_path):
+# what the trainer and the DPP schedule call on whichever tracer they hold
+TRACER_API = ("span", "start", "stop", "record_actions", "begin_iteration", "end_iteration",
+              "megatron_timers", "close")
+
+
+def test_null_tracer_and_bad_inputs(tmp_path, monkeypatch):
+    for name in TRACER_API:  # tracing off must accept every call tracing on takes
+        assert (inspect.signature(getattr(tracing.NullTracer, name)).parameters
+                == inspect.signature(getattr(tracing.Tracer, name)).parameters), name
+    monkeypatch.chdir(tmp_path)
     null = tracing.NullTracer()
-    assert null.span("forward", 0, 0) is null.span("backward", 1, 0), "one shared no-op"
-    assert null.megatron_timers(label_compute=True) is None
+    null.begin_iteration(1, num_microbatches=2)
+    with null.span("forward", 0, 0):
+        null.stop(null.start("backward", 0, 0))
+    null.record_actions(0, [Task("F", 0, 0)])
+    null.end_iteration()
+    null.close()
+    assert list(tmp_path.iterdir()) == [], "tracing off writes nothing"
+    assert null.megatron_timers(label_compute=True) is None  # megatron-core's timers stay off
     with pytest.raises(aggregate.TraceError, match="no trace-rank"):
         aggregate.merge(str(tmp_path))
     (tmp_path / "trace-rank0.jsonl").write_text('{"format": "megatron-dpp-trace", "rank": 0}\n'
@@ -133,3 +150,33 @@ def test_null_tracer_and_bad_inputs(tmp_path):
         parse_args(with_flags(RUN, trace_iters=[2]), world_size=2)
     with pytest.raises(ArgumentError, match="--trace-iters 0: iterations count from 1"):
         parse_args(with_flags(RUN, trace=True, trace_iters=[0, 2]), world_size=2)
+
+
+def clock_offsets(rank):
+    """Rank function: `_clock_offset_ns` with both ranks on one host, then with rank 1
+    posing as another host."""
+    import socket
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        same = tracing._clock_offset_ns(torch.device("cpu"))
+        real = socket.gethostname
+        socket.gethostname = lambda: f"{real()}-elsewhere" if rank == 1 else real()
+        try:
+            other = tracing._clock_offset_ns(torch.device("cpu"))
+        finally:
+            socket.gethostname = real
+    finally:
+        dist.destroy_process_group()
+    return same, other
+
+
+def test_clock_offsets_are_measured_across_hosts_only():
+    """On rank 0's host the clock is shared: offset 0, no round trip. A rank on another
+    host measures it; here the true offset is 0, so the estimate is within half its
+    round trip of 0."""
+    (same0, other0), (same1, (offset, round_trip)) = run_ranks(2, clock_offsets)
+    assert same0 == same1 == other0 == (0, 0)
+    assert round_trip > 0 and abs(offset) <= round_trip / 2 + 1  # + 1: integer halving

@@ -9,10 +9,9 @@ def get_forward_backward_func(args=None):
         from megatron.core.pipeline_parallel import get_forward_backward_func as core_func
 
         return core_func()
-    from megatron.dpp.schedule import DEFAULT_SLACK, DppOptions, DppSchedule
+    from megatron.dpp.config import DppOptions
+    from megatron.dpp.schedule import DppSchedule
 
     if args is None:
         return DppSchedule()
-    slack = DEFAULT_SLACK if args.dpp_max_inflight is None else args.dpp_max_inflight
-    return DppSchedule(DppOptions(slack=slack, transport=args.dpp_transport,
-                                  timeout=args.dpp_timeout))
+    return DppSchedule(DppOptions.from_args(args))

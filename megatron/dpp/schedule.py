@@ -1,16 +1,16 @@
-"""forward_backward_dpp: the dynamic pipeline schedule, a drop-in for the function
-megatron.core's get_forward_backward_func() returns.
+"""DppSchedule: the dynamic pipeline schedule, a drop-in for the function megatron.core's
+get_forward_backward_func() returns.
 
-Each stage asks the policy (megatron/dpp/policy.py) for its next task among those whose
+Each stage asks the policy (megatron/dpp/policy.py) for its next action among those whose
 inputs have arrived, runs it with megatron.core's own forward_step / backward_step, and
-sends the result through the mailbox transport. Nothing ready: it blocks on the inbox.
+sends the result to the rank the topology (megatron/dpp/topology.py) names, through the
+mailbox transport. Nothing ready: it blocks on the inbox. The order it ran is kept as
+data (`executed`) and, under --trace, written beside the trace.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -23,23 +23,14 @@ from megatron.core.pipeline_parallel.schedules import (
 )
 from megatron.core.utils import get_model_config
 
-from megatron.dpp.policy import BACKWARD, FORWARD, GreedyPolicy, StageConfig, Task
+from megatron.dpp.actions import BACKWARD, FORWARD, KINDS, Task
+from megatron.dpp.config import DppOptions
+from megatron.dpp.plan import StageConfig
+from megatron.dpp.policy import GreedyPolicy, microbatch_order_for
+from megatron.dpp.topology import PipelineTopology
 from megatron.dpp.tracing import NullTracer
 from megatron.dpp.transport.channel import MessageKey, MessageKind
 from megatron.dpp.transport.pipeline import PipelineTransport
-
-log = logging.getLogger(__name__)
-
-# Extra in-flight microbatches beyond megatron's schedule by default (docs/benchmarks/
-# simulator.md: +2 gave the gains under variance at a bounded memory cost).
-DEFAULT_SLACK = 2
-
-
-@dataclass(frozen=True)
-class DppOptions:
-    slack: int = DEFAULT_SLACK
-    transport: str = "auto"
-    timeout: float = 60.0
 
 
 class _TaskCoordinator:
@@ -68,10 +59,10 @@ class _TaskCoordinator:
             return task
         message = torch.zeros(3, dtype=torch.int64)
         if task is not None:
-            message[:] = torch.tensor([task.kind == BACKWARD, task.chunk, task.microbatch])
+            message[:] = torch.tensor([KINDS.index(task.kind), task.chunk, task.microbatch])
         dist.broadcast(message, self.leader, group=self.group)
         kind, chunk, microbatch = message.tolist()
-        return Task(BACKWARD if kind else FORWARD, chunk, microbatch)
+        return Task(KINDS[kind], chunk, microbatch)
 
 
 class DppSchedule:
@@ -102,7 +93,7 @@ class DppSchedule:
         pp_group = parallel_state.get_pipeline_model_parallel_group()
         self._pipeline = dist.get_process_group_ranks(pp_group)
         self._transport = PipelineTransport(
-            self._pipeline, ring=num_chunks > 1, device=device,
+            self._pipeline, num_chunks=num_chunks, device=device,
             transport=self.options.transport, timeout=self.options.timeout,
         )
         self._coordinator = _TaskCoordinator()
@@ -130,7 +121,7 @@ class DppSchedule:
         model = model if isinstance(model, list) else [model]
         iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
         if len(iterators) != len(model):
-            raise ValueError(f"forward_backward_dpp: {len(model)} model chunks but "
+            raise ValueError(f"DppSchedule: {len(model)} model chunks but "
                              f"{len(iterators)} data iterators")
         config = get_model_config(model[0])
         device = next(model[0].parameters()).device
@@ -138,7 +129,7 @@ class DppSchedule:
         self._transport.barrier()
         costs, self._microbatch_costs = self._microbatch_costs, None
         if costs is not None and len(costs) != num_microbatches:
-            raise ValueError(f"forward_backward_dpp: {len(costs)} microbatch costs for "
+            raise ValueError(f"DppSchedule: {len(costs)} microbatch costs for "
                              f"{num_microbatches} microbatches")
         run = _Iteration(self, model, iterators, forward_step_func, num_microbatches,
                          config, forward_only, collect_non_loss_data, costs)
@@ -162,12 +153,15 @@ class _Iteration:
         self.pp_size = len(self.pipeline)
         self.rank = parallel_state.get_pipeline_model_parallel_rank()
         self.num_chunks = len(model)
+        self.topology = PipelineTopology(self.pp_size, self.num_chunks)
         self.stage = StageConfig(
             rank=self.rank, pp_size=self.pp_size, num_chunks=self.num_chunks,
             num_microbatches=num_microbatches, slack=schedule.options.slack,
             forward_only=forward_only,
         )
-        self.policy = GreedyPolicy(self.stage, microbatch_costs=costs)
+        self.policy = GreedyPolicy(self.stage,
+                                   microbatch_order=microbatch_order_for(self.stage, costs))
+        self.executed: list[Task] = []  # the actions in the order they ran
         order = self.policy.microbatch_order
         if order != sorted(order):
             # the plan runs microbatch i out of turn: each forward reads batch i
@@ -182,16 +176,15 @@ class _Iteration:
         self.no_sync = _NoSyncPerChunk(config, self.num_chunks, forward_only)
 
     def execute(self, pg_collection, force_all_reduce):
-        tasks = len(self.policy.plan)
+        run = {FORWARD: self._forward, BACKWARD: self._backward}
         with self.no_sync:
-            for _ in range(tasks):
+            for _ in range(len(self.policy.plan)):
                 task = self._next()
-                if task.kind == FORWARD:
-                    self._forward(task)
-                else:
-                    self._backward(task)
+                run[task.kind](task)
+                self.executed.append(task)
                 if self.coordinator.deciding:
                     self.policy.complete(task)
+        self.tracer.record_actions(self.rank, self.executed)
         with self.tracer.span("send"):
             self.transport.flush()
         if not self.forward_only:
@@ -229,16 +222,21 @@ class _Iteration:
     def _arrived(self, task: Task) -> bool:
         return self.transport.inbox.has(_input_key(task))
 
-    def _virtual_stage(self, chunk: int) -> int:
-        return chunk * self.pp_size + self.rank
+    def _send_output(self, task: Task, tensor) -> None:
+        """To the rank of the task that consumes `task`'s output (none: nothing to send)."""
+        destination = self.topology.destination(self.rank, task)
+        if destination is None:
+            return
+        rank, consumer = destination
+        with self.tracer.span("send", task.microbatch, task.chunk):
+            self.transport.send(self.pipeline[rank], _input_key(consumer), tensor)
 
     def _forward(self, task: Task) -> None:
         chunk, microbatch = task.chunk, task.microbatch
-        virtual = self._virtual_stage(chunk)
-        last = virtual == self.num_chunks * self.pp_size - 1
+        last = self.topology.is_last(self.rank, chunk)
         input_tensor = None
         span = self.tracer.start("forward", microbatch, chunk)
-        if virtual > 0:
+        if not self.topology.input_is_local(self.rank, task):
             input_tensor = self.transport.take(_input_key(task))
             if not self.forward_only:
                 input_tensor.requires_grad_(True)
@@ -265,13 +263,7 @@ class _Iteration:
         self.forwards_run[chunk] += 1
         self.stored_microbatch += [microbatch] * (len(self.forward_data_store) - stored)
         self.total_num_tokens += num_tokens
-        if not last:
-            next_rank = self.pipeline[(self.rank + 1) % self.pp_size]
-            next_chunk = chunk if self.rank < self.pp_size - 1 else chunk + 1
-            with self.tracer.span("send", microbatch, chunk):
-                self.transport.send(
-                    next_rank, MessageKey(MessageKind.ACTIVATION, next_chunk, microbatch), output
-                )
+        self._send_output(task, output)
         if not self.forward_only:
             self.saved[(chunk, microbatch)] = (input_tensor, output)
             if not last:
@@ -279,11 +271,10 @@ class _Iteration:
 
     def _backward(self, task: Task) -> None:
         chunk, microbatch = task.chunk, task.microbatch
-        virtual = self._virtual_stage(chunk)
-        last = virtual == self.num_chunks * self.pp_size - 1
         input_tensor, output = self.saved.pop((chunk, microbatch))
         span = self.tracer.start("backward", microbatch, chunk)
-        output_grad = None if last else self.transport.take(_input_key(task))
+        output_grad = (None if self.topology.input_is_local(self.rank, task)
+                       else self.transport.take(_input_key(task)))
         self.backwards_run[chunk] += 1
         if self.backwards_run[chunk] == self.num_microbatches:
             # the chunk's last backward: let DDP start reducing its gradients
@@ -292,14 +283,7 @@ class _Iteration:
             input_tensor, output, output_grad, ModelType.encoder_or_decoder, self.config
         )
         self.tracer.stop(span)
-        if virtual > 0:
-            prev_rank = self.pipeline[(self.rank - 1) % self.pp_size]
-            prev_chunk = chunk if self.rank > 0 else chunk - 1
-            with self.tracer.span("send", microbatch, chunk):
-                self.transport.send(
-                    prev_rank, MessageKey(MessageKind.GRADIENT, prev_chunk, microbatch),
-                    input_grad,
-                )
+        self._send_output(task, input_grad)
 
 
 class _Batches:
@@ -317,6 +301,8 @@ class _Batches:
 
 
 def _input_key(task: Task) -> MessageKey:
+    """The key of the message that carries `task`'s input: the activation of a forward,
+    the output gradient of a backward."""
     kind = MessageKind.ACTIVATION if task.kind == FORWARD else MessageKind.GRADIENT
     return MessageKey(kind, task.chunk, task.microbatch)
 

@@ -1,9 +1,12 @@
 """Discrete-event simulation of pipeline schedules: static 1F1B, interleaved 1F1B, GPipe
-and DPP (the GreedyPolicy of megatron.dpp.policy, the same code the runtime uses).
+and DPP (the GreedyPolicy of megatron.dpp.policy, the same code the runtime uses), and
+replays of recorded per-rank orders.
 
-Each rank runs one task at a time. A forward of virtual stage v > 0 needs the activation
-of virtual stage v - 1; a backward of v < V - 1 needs the gradient of v + 1; both travel
-with a fixed latency. Task durations come from a cost model (see `CostModel`).
+The event loop is megatron/dpp/engine.py's: each rank runs one task at a time; a forward
+of virtual stage v > 0 needs the activation of virtual stage v - 1, a backward of v < V - 1
+the gradient of v + 1 (megatron/dpp/topology.py); both travel with a fixed latency. This
+module adds the task durations (a cost model, see `CostModel`), the comparison grid and
+the command line.
 
     python -m megatron.dpp.simulate --pp 8 --microbatches 32 --cv 0.5
     python -m megatron.dpp.simulate --grid
@@ -12,26 +15,18 @@ with a fixed latency. Task durations come from a cost model (see `CostModel`).
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
-import logging
 import math
 import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from megatron.dpp.policy import (
-    BACKWARD,
-    FORWARD,
-    GreedyPolicy,
-    StageConfig,
-    Task,
-    input_is_local,
-    static_order,
-)
-
-logger = logging.getLogger(__name__)
+from megatron.dpp.actions import BACKWARD, FORWARD, Task
+from megatron.dpp.engine import StaticReplay, run_pipeline
+from megatron.dpp.plan import StageConfig, check_plans, gpipe_order, static_order
+from megatron.dpp.policy import GreedyPolicy, microbatch_order_for
+from megatron.dpp.topology import PipelineTopology
 
 SCHEDULES = ("1f1b", "interleaved", "gpipe", "dpp")
 
@@ -86,6 +81,10 @@ class Durations:
     backward: list[list[float]]
     microbatch_factor: list[float]
 
+    def by_kind(self) -> dict[str, list[list[float]]]:
+        """The engine's view: task kind -> [virtual stage][microbatch]."""
+        return {FORWARD: self.forward, BACKWARD: self.backward}
+
 
 def sample_durations(
     cost: CostModel, pp_size: int, num_chunks: int, num_microbatches: int, seed: int
@@ -96,46 +95,15 @@ def sample_durations(
     per_microbatch = _lognormal_sampler(rng, cost.cv)
     factors = [per_microbatch() for _ in range(num_microbatches)]
     jitter = _lognormal_sampler(rng, cost.jitter)
+    topology = PipelineTopology(pp_size, num_chunks)
     forward, backward = [], []
-    for v in range(pp_size * num_chunks):
+    for v in range(topology.num_virtual_stages):
         base = cost.forward / num_chunks
-        if v % pp_size == cost.slow_stage:
+        if topology.placement(v)[0] == cost.slow_stage:
             base *= cost.slow_factor
         forward.append([base * f * jitter() for f in factors])
         backward.append([base * cost.backward_ratio * f * jitter() for f in factors])
     return Durations(forward, backward, factors)
-
-
-class StaticReplay:
-    """Runs a fixed task order, waiting for each task's input (megatron-style)."""
-
-    def __init__(self, stage: StageConfig, order: list[Task]):
-        self.stage = stage
-        self._order = order
-        self._next = 0
-
-    @property
-    def finished(self) -> bool:
-        return self._next == len(self._order)
-
-    def next_task(self, arrived, now=None):
-        if self._next == len(self._order):
-            return None
-        task = self._order[self._next]
-        if input_is_local(self.stage, task) or arrived(task):
-            return task
-        return None
-
-    def complete(self, task, duration=None):
-        self._next += 1
-
-
-def gpipe_order(stage: StageConfig) -> list[Task]:
-    """All forwards (chunk by chunk), then all backwards (last chunk first)."""
-    m, chunks = stage.num_microbatches, stage.num_chunks
-    order = [Task(FORWARD, c, i) for c in range(chunks) for i in range(m)]
-    order += [Task(BACKWARD, c, i) for c in reversed(range(chunks)) for i in range(m)]
-    return order
 
 
 @dataclass
@@ -152,14 +120,14 @@ class SimResult:
         return sum(self.bubble) / len(self.bubble)
 
 
-def _runner(schedule: str, stage: StageConfig, microbatch_costs=None, microbatch_order=None):
+def _runner(schedule: str, stage: StageConfig, topology: PipelineTopology,
+            microbatch_order: list[int] | None):
     if schedule == "dpp":
-        return GreedyPolicy(stage, microbatch_costs=microbatch_costs,
-                            microbatch_order=microbatch_order)
+        return GreedyPolicy(stage, microbatch_order=microbatch_order)
     if schedule == "gpipe":
-        return StaticReplay(stage, gpipe_order(stage))
+        return StaticReplay(stage.rank, topology, gpipe_order(stage))
     if schedule in ("1f1b", "interleaved"):
-        return StaticReplay(stage, static_order(stage))
+        return StaticReplay(stage.rank, topology, static_order(stage))
     raise ValueError(f"unknown schedule {schedule!r}; choose from {', '.join(SCHEDULES)}")
 
 
@@ -179,7 +147,7 @@ def simulate(
     """Run one schedule to completion. `record` keeps each rank's task order and a trace.
     `microbatch_costs`: what is known of each microbatch's cost before the iteration (its
     token count; in the cost models the per-microbatch factor, not the per-task jitter).
-    Only DPP uses it, to order the microbatches (policy.choose_cost_order); the static
+    Only DPP uses it, to order the microbatches (policy.microbatch_order_for); the static
     schedules keep megatron's order 0..m-1. `microbatch_order` gives DPP's order directly
     (replaying a recorded run)."""
     p, m, chunks = pp_size, num_microbatches, num_chunks
@@ -187,77 +155,46 @@ def simulate(
         raise ValueError("schedule 1f1b has one chunk per rank; use interleaved or dpp")
     if schedule == "interleaved" and chunks < 2:
         raise ValueError("schedule interleaved needs num_chunks >= 2")
+    _check_durations(durations, p, chunks, m)
+    topology = PipelineTopology(p, chunks)
+    stages = [StageConfig(r, p, chunks, m, slack=slack) for r in range(p)]
+    if schedule == "dpp" and microbatch_order is None:
+        microbatch_order = microbatch_order_for(stages[0], microbatch_costs)
+    runners = [_runner(schedule, s, topology, microbatch_order) for s in stages]
+    return _result(schedule, run_pipeline(topology, runners, durations.by_kind(), latency,
+                                          record))
+
+
+def replay(plans: list[list[Task]], durations: Durations, *, num_chunks: int = 1,
+           latency: float = 0.0, record: bool = False) -> SimResult:
+    """Run exactly these per-rank orders (e.g. what a traced run executed, read from its
+    actions CSV files), each task once its inputs are here. The plans are checked first
+    (megatron.dpp.plan.check_plans: complete, deadlock-free)."""
+    p, m = len(plans), len(durations.microbatch_factor)
+    _check_durations(durations, p, num_chunks, m)
+    topology = PipelineTopology(p, num_chunks)
+    check_plans(plans, topology, m)
+    runners = [StaticReplay(r, topology, plan) for r, plan in enumerate(plans)]
+    return _result("replay", run_pipeline(topology, runners, durations.by_kind(), latency,
+                                          record))
+
+
+def _check_durations(durations: Durations, p: int, chunks: int, m: int) -> None:
     if len(durations.forward) != p * chunks or len(durations.forward[0]) != m:
         raise ValueError("durations do not match pp_size * num_chunks x num_microbatches")
-    stages = [StageConfig(r, p, chunks, m, slack=slack) for r in range(p)]
-    runners = [_runner(schedule, s, microbatch_costs, microbatch_order) for s in stages]
-    arrived_sets = [set() for _ in range(p)]
-    arrived_fns = [s.__contains__ for s in arrived_sets]
-    busy = [0.0] * p
-    running = [None] * p
-    in_flight = [0] * p
-    peak = [0] * p
-    orders = [[] for _ in range(p)] if record else None
-    trace = [] if record else None
-    last_v = p * chunks - 1
-    events = []  # (time, seq, rank, task, is_arrival)
-    seq = 0
-    now = 0.0
-    waiting = list(range(p))
-    while True:
-        for r in waiting:
-            if running[r] is not None:
-                continue
-            task = runners[r].next_task(arrived_fns[r], now)
-            if task is None:
-                continue
-            v = task.chunk * p + r
-            if task.kind == FORWARD:
-                duration = durations.forward[v][task.microbatch]
-                in_flight[r] += 1
-                if in_flight[r] > peak[r]:
-                    peak[r] = in_flight[r]
-            else:
-                duration = durations.backward[v][task.microbatch]
-            running[r] = task
-            busy[r] += duration
-            seq += 1
-            heapq.heappush(events, (now + duration, seq, r, task, False))
-            if record:
-                orders[r].append(task)
-                trace.append(_trace_event(r, task, now, duration))
-        if not events:
-            break
-        now = events[0][0]
-        touched = set()
-        # apply every event of this instant before any rank decides
-        while events and events[0][0] == now:
-            _, _, r, task, is_arrival = heapq.heappop(events)
-            touched.add(r)
-            if is_arrival:
-                arrived_sets[r].add(task)
-                continue
-            runners[r].complete(task, None)
-            running[r] = None
-            v = task.chunk * p + r
-            if task.kind == FORWARD:
-                if v == last_v:
-                    continue
-                dst, target = (v + 1) % p, Task(FORWARD, (v + 1) // p, task.microbatch)
-            else:
-                in_flight[r] -= 1
-                if v == 0:
-                    continue
-                dst, target = (v - 1) % p, Task(BACKWARD, (v - 1) // p, task.microbatch)
-            seq += 1
-            heapq.heappush(events, (now + latency, seq, dst, target, True))
-        waiting = sorted(touched)
-    unfinished = [r for r in range(p) if not runners[r].finished]
-    if unfinished:
-        raise RuntimeError(f"{schedule}: deadlock, ranks {unfinished} did not finish")
-    makespan = now
-    bubble = [1.0 - b / makespan for b in busy]
-    return SimResult(schedule, makespan, bubble, peak, orders, trace)
+
+
+def _result(schedule: str, run) -> SimResult:
+    makespan = run.makespan
+    bubble = [1.0 - b / makespan for b in run.busy]
+    orders = trace = None
+    if run.timeline is not None:
+        orders = [[] for _ in run.busy]
+        trace = []
+        for rank, task, start, duration in run.timeline:
+            orders[rank].append(task)
+            trace.append(_trace_event(rank, task, start, duration))
+    return SimResult(schedule, makespan, bubble, run.peak_in_flight, orders, trace)
 
 
 def _trace_event(rank: int, task: Task, start: float, duration: float) -> dict:
@@ -488,7 +425,7 @@ def _single_report(args, cost: CostModel) -> dict:
             "peak_in_flight_per_stage": result.peak_in_flight,
         }
         for base in ("1f1b", "interleaved"):
-            if base in results:
+            if base in results and base != name:
                 entry[f"speedup_vs_{base}"] = results[base].makespan / result.makespan
         report["schedules"][name] = entry
     if args.trace:
@@ -570,7 +507,6 @@ def _check_args(parser, args):
 
 
 def main(argv=None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     parser = _parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)

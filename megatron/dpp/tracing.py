@@ -1,16 +1,20 @@
 """The span recorder behind --trace: each rank writes its forward, backward, send,
 receive-wait, grad-sync and optimizer-step spans, with microbatch, chunk and stage, to
 DIR/trace-rank<R>.jsonl; profiling/aggregate.py merges the ranks into one Chrome trace.
+Under DPP each rank also writes the actions it executed, in order, to
+DIR/trace-rank<R>.actions.csv (megatron/dpp/actions.py's CSV with an iteration column);
+profiling/sim_compare.py replays them in the simulator.
 
 Clocks: the host's monotonic clock on CPU; on GPU, CUDA events on the current stream,
 resolved at the end of each traced iteration (the hot path never waits for the device).
-At start every rank measures its clock's offset to rank 0's by ping-pong (best of a few
-round trips), so all spans share rank 0's time axis, across processes and nodes.
+Ranks on rank 0's host share its monotonic clock; a rank on another host measures its
+clock's offset to rank 0's at start by ping-pong (best of a few round trips), so all spans
+share rank 0's time axis, across processes and nodes.
 
 Tracing off: the trainer holds a `NullTracer`, whose spans are one shared no-op context.
 Static schedules: megatron.core reports its compute, p2p and grad-sync phases through
 `config.timers`; `MegatronTimers` turns those into spans and labels the k-th forward and
-backward of an iteration with the k-th of `megatron.dpp.policy.static_order`.
+backward of an iteration with the k-th of `megatron.dpp.plan.static_order`.
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron.dpp.actions import FORWARD, write_actions
+from megatron.dpp.config import DppOptions
+from megatron.dpp.plan import StageConfig, static_order
+
 FORMAT = "megatron-dpp-trace"
 VERSION = 1
 KINDS = ("forward", "backward", "send", "recv_wait", "grad_sync", "optimizer")
@@ -34,6 +42,11 @@ _SYNC_ROUNDS = 8
 
 def trace_path(directory: str, rank: int) -> str:
     return os.path.join(directory, f"trace-rank{rank}.jsonl")
+
+
+def actions_path(trace_file: str) -> str:
+    """The executed actions' CSV beside a rank's span file."""
+    return os.path.splitext(trace_file)[0] + ".actions.csv"
 
 
 class NullTracer:
@@ -49,6 +62,9 @@ class NullTracer:
         return None
 
     def stop(self, token) -> None:
+        pass
+
+    def record_actions(self, stage: int, actions) -> None:
         pass
 
     def begin_iteration(self, iteration: int, num_microbatches: int) -> None:
@@ -137,6 +153,9 @@ class Tracer:
         self._labels = {"forward": [], "backward": []}
         self._counts = {"forward": 0, "backward": 0}
         self._start_mark = None
+        self._actions: dict[int, list] = {}  # stage -> this iteration's executed actions
+        self._actions_path = actions_path(path)
+        self._actions_file = None  # opened at the first record (DPP only)
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self._file = open(path, "w")
         self._write({"format": FORMAT, "version": VERSION, **meta,
@@ -155,6 +174,11 @@ class Tracer:
     def stop(self, token) -> None:
         if token is not None and self.active:
             self._records.append((*token, self._clock.mark()))
+
+    def record_actions(self, stage: int, actions) -> None:
+        """The actions a DPP schedule call ran, in order; written at the iteration's end."""
+        if self.active:
+            self._actions.setdefault(stage, []).extend(actions)
 
     def next_label(self, kind: str) -> tuple[int | None, int | None]:
         """(microbatch, chunk) of this iteration's next `kind` task in the static order."""
@@ -192,22 +216,28 @@ class Tracer:
                          "start_us": start, "dur_us": round(max(0.0, end - start), 3)})
         self._file.flush()
         self._records.clear()
+        if self._actions:
+            first = self._actions_file is None
+            if first:
+                self._actions_file = open(self._actions_path, "w", newline="")
+            write_actions(self._actions_file, self._actions, self._iteration, header=first)
+            self._actions_file.flush()
+            self._actions.clear()
         self.active = False
 
     def megatron_timers(self, label_compute: bool) -> MegatronTimers:
         return MegatronTimers(self, label_compute)
 
     def close(self) -> None:
-        if not self._file.closed:
-            self._file.close()
+        for file in (self._file, self._actions_file):
+            if file is not None and not file.closed:
+                file.close()
 
     def _write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")
 
 
 def _static_labels(meta: dict, num_microbatches: int) -> dict[str, list]:
-    from megatron.dpp.policy import FORWARD, StageConfig, static_order
-
     stage = StageConfig(meta["stage"], meta["pp_size"], meta["num_chunks"], num_microbatches)
     order = static_order(stage)
     return {
@@ -293,27 +323,34 @@ def memory_line(peaks: list[int], device: torch.device) -> str:
 
 
 def _clock_offset_ns(device: torch.device) -> tuple[int, int]:
-    """(offset to rank 0's perf_counter_ns, round trip of the best sample) by ping-pong;
-    rank 0 answers each other rank in turn."""
+    """(offset to rank 0's perf_counter_ns, round trip of the best sample). Ranks on rank
+    0's host read the same system-wide monotonic clock: offset 0, exactly (a measured one
+    would only add its error, up to half a round trip, which grows with the host's load).
+    Ranks on other hosts measure it by ping-pong; rank 0 answers each in turn."""
+    hosts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    remote = [r for r in range(1, len(hosts)) if hosts[r] != hosts[0]]
     buffer = torch.zeros(1, dtype=torch.int64, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
     rank = dist.get_rank()
     if rank == 0:
-        for peer in range(1, dist.get_world_size()):
+        for peer in remote:
             for _ in range(_SYNC_ROUNDS):
                 dist.recv(buffer, peer)
                 sync(device)
                 buffer.fill_(time.perf_counter_ns())
                 dist.send(buffer, peer)
         return 0, 0
+    if rank not in remote:
+        return 0, 0
     best = None
     for _ in range(_SYNC_ROUNDS):
         sent = time.perf_counter_ns()
         dist.send(buffer, 0)
         dist.recv(buffer, 0)
-        remote = int(buffer.item())
+        remote_ns = int(buffer.item())
         received = time.perf_counter_ns()
-        sample = (received - sent, remote - (sent + received) // 2)
+        sample = (received - sent, remote_ns - (sent + received) // 2)
         best = sample if best is None or sample[0] < best[0] else best
     return best[1], best[0]
 
@@ -332,10 +369,8 @@ def open_tracer(args, device: torch.device, num_chunks: int) -> Tracer | NullTra
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     slack = None
     if args.use_dpp:
-        from megatron.dpp.schedule import DEFAULT_SLACK
-
         schedule = "dpp"
-        slack = DEFAULT_SLACK if args.dpp_max_inflight is None else args.dpp_max_inflight
+        slack = DppOptions.from_args(args).slack
     else:
         schedule = "interleaved" if num_chunks > 1 else "1f1b" if pp_size > 1 else "none"
     meta = {

@@ -10,7 +10,7 @@ import argparse
 import importlib.util
 import os
 
-from megatron.training.launch import is_ip_address
+from megatron.training.addresses import is_ip_address
 from megatron.training.tokenizer import TOKENIZER_TYPES
 
 

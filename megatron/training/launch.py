@@ -29,6 +29,8 @@ import struct
 import sys
 import time
 
+from megatron.training.addresses import is_ip_address
+
 log = logging.getLogger("megatron.training.launch")
 
 ROLES = ("single", "master", "worker")
@@ -226,14 +228,6 @@ def _check_port_free(port: int, script: str) -> None:
             f"exiting?): set MASTER_PORT to a free port, e.g. MASTER_PORT={free_port()} "
             f"{'bash ' + script if script else ''}".rstrip()
             + " (and give the workers the same)")
-
-
-def is_ip_address(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        return False
-    return True
 
 
 # (rank, world size, local rank, local world size) variables of each MPI-style launcher

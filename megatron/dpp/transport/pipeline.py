@@ -1,8 +1,9 @@
 """The channels of one rank's pipeline edges, with the backend chosen per edge.
 
-Edges: activations r -> r+1 and gradients r+1 -> r within every pipeline; with virtual
-chunks the ring closes (last rank -> rank 0 for activations, rank 0 -> last rank for
-gradients). Opening is collective over the whole job.
+Edges are the hops the topology (megatron/dpp/topology.py) sends outputs along:
+activations r -> r+1 and gradients r+1 -> r within every pipeline; with virtual chunks
+the ring closes (last rank -> rank 0 for activations, rank 0 -> last rank for gradients).
+Opening is collective over the whole job.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import threading
 import torch
 import torch.distributed as dist
 
+from megatron.dpp.actions import FORWARD
+from megatron.dpp.config import TRANSPORTS
+from megatron.dpp.topology import PipelineTopology
 from megatron.dpp.transport.channel import (
     Edge,
     MessageKey,
@@ -26,23 +30,23 @@ from megatron.dpp.transport.native import NativeInbox, make_inbox
 
 log = logging.getLogger(__name__)
 
-TRANSPORTS = ("auto", "torch", "shm", "rdma")
 # test hook: deliver each arrival after a random delay of up to this many milliseconds
 JITTER_ENV = "DPP_TEST_DELIVERY_JITTER_MS"
 
 
-def pipeline_edges(pipelines: list[list[int]], ring: bool) -> list[Edge]:
-    edges = []
+def pipeline_edges(pipelines: list[list[int]], num_chunks: int) -> list[Edge]:
+    """The edges of every pipeline (its global ranks in pipeline order), each pipeline
+    holding `num_chunks` model chunks per rank. A rank never sends to itself (DPP runs
+    with more than one pipeline rank)."""
+    edges = set()
     for ranks in pipelines:
-        p = len(ranks)
-        links = [(ranks[i], ranks[i + 1]) for i in range(p - 1)]
-        if ring and p > 1:
-            links.append((ranks[-1], ranks[0]))
-        for a, b in links:
-            edges.append(Edge(a, b, MessageKind.ACTIVATION))
-            edges.append(Edge(b, a, MessageKind.GRADIENT))
+        topology = PipelineTopology(len(ranks), num_chunks)
+        for src, dst, kind in topology.message_edges():
+            if src != dst:
+                message = MessageKind.ACTIVATION if kind == FORWARD else MessageKind.GRADIENT
+                edges.add(Edge(ranks[src], ranks[dst], message))
     # a canonical order, identical on every rank
-    return sorted(set(edges), key=lambda e: (e.src, e.dst, int(e.kind)))
+    return sorted(edges, key=lambda e: (e.src, e.dst, int(e.kind)))
 
 
 class JitterInbox(PythonInbox):
@@ -67,8 +71,8 @@ class JitterInbox(PythonInbox):
 class PipelineTransport:
     """This rank's send channels (by destination rank and kind) and its inbox."""
 
-    def __init__(self, pipeline_ranks: list[int], ring: bool, device: torch.device,
-                 transport: str = "auto", timeout: float = 60.0):
+    def __init__(self, pipeline_ranks: list[int], num_chunks: int, device: torch.device,
+                 transport: str, timeout: float):
         if transport not in TRANSPORTS:
             raise ValueError(f"--dpp-transport {transport}: choose one of {', '.join(TRANSPORTS)}")
         self.rank = dist.get_rank()
@@ -81,7 +85,7 @@ class PipelineTransport:
             group = dist.new_group(ranks, backend="gloo")
             if self.rank in ranks:
                 self.barrier_group = group
-        edges = pipeline_edges(pipelines, ring)
+        edges = pipeline_edges(pipelines, num_chunks)
         self._senders = {}
         self._receivers = {}
         native_inbox = isinstance(self.inbox, NativeInbox)

@@ -1,0 +1,44 @@
+"""The DPP settings and their defaults, in one torch-free place.
+
+The trainer (`--dpp-max-inflight`, `--dpp-transport`, `--dpp-timeout`), the runtime
+schedule, the simulator, tracing and the profiling tools all read the defaults from here,
+so none of them keeps a copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TRANSPORTS = ("auto", "torch", "shm", "rdma")
+
+
+@dataclass(frozen=True)
+class DppOptions:
+    """slack: microbatches a stage may hold in flight beyond megatron-core's schedule (2:
+    the knee of the simulator's grid, docs/benchmarks/simulator.md). transport: the
+    backend choice per pipeline edge. timeout: seconds a stage waits for a peer before it
+    raises, naming what it waited for."""
+
+    slack: int = 2
+    transport: str = "auto"
+    timeout: float = 60.0
+
+    def __post_init__(self):
+        if self.slack < 0:
+            raise ValueError(f"DPP slack must be >= 0, got {self.slack}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"DPP transport {self.transport!r}: choose one of "
+                             f"{', '.join(TRANSPORTS)}")
+        if self.timeout <= 0:
+            raise ValueError(f"DPP timeout must be > 0 seconds, got {self.timeout}")
+
+    @classmethod
+    def from_args(cls, args) -> DppOptions:
+        """From the trainer's flags; a flag left unset (None) takes the default."""
+        given = {"slack": getattr(args, "dpp_max_inflight", None),
+                 "transport": getattr(args, "dpp_transport", None),
+                 "timeout": getattr(args, "dpp_timeout", None)}
+        return cls(**{name: value for name, value in given.items() if value is not None})
+
+
+DEFAULTS = DppOptions()

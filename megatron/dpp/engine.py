@@ -1,0 +1,194 @@
+"""The one discrete-event engine: how long a pipeline takes when each rank's runner picks
+its tasks. The simulator, the plan checker and the policy's cost-order choice all run it.
+
+A runner is one rank's decision maker: `next_task(arrived)` returns the task to start now
+or None (`arrived(task)` says whether the task's input from another rank is here),
+`complete(task)` reports the end of the task it started, `finished` says it has nothing
+left. `GreedyPolicy` (the DPP rule) and `StaticReplay` (a fixed order) are runners.
+
+Each rank runs one task at a time; a task's output reaches the rank of the consuming task
+(megatron/dpp/topology.py) `latency` after the task ends. Every event of one instant is
+applied before any rank decides, so the result does not depend on the order in which
+ranks are asked.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from megatron.dpp.actions import BACKWARD, FORWARD, WEIGHT, Task
+from megatron.dpp.topology import LOCAL_PREDECESSOR, PipelineTopology
+
+
+class DeadlockError(RuntimeError):
+    """Some ranks can never run their next task; `ranks` lists them."""
+
+    def __init__(self, message: str, ranks: list[int]):
+        super().__init__(message)
+        self.ranks = ranks
+
+
+@dataclass
+class EngineResult:
+    makespan: float
+    busy: list[float]  # per rank: time spent running tasks
+    peak_in_flight: list[int]  # per rank: most microbatches between F start and release
+    # record=True: (rank, task, start, duration) of every task, in start order
+    timeline: list[tuple[int, Task, float, float]] | None = None
+
+
+@lru_cache(maxsize=64)
+def task_table(kind: str, chunk: int, num_microbatches: int) -> tuple[Task, ...]:
+    """Task(kind, chunk, i) for i in range(num_microbatches), built once: the engine and
+    the policy look tasks up instead of building them in their inner loops."""
+    return tuple(Task(kind, chunk, i) for i in range(num_microbatches))
+
+
+def run_pipeline(
+    topology: PipelineTopology,
+    runners: Sequence,
+    durations: Mapping[str, Sequence[Sequence[float]]],
+    latency: float = 0.0,
+    record: bool = False,
+) -> EngineResult:
+    """Run every rank's runner to the end. `durations[kind][v][i]`: the time of the task
+    of that kind on virtual stage v for microbatch i (a WEIGHT table when the backward is
+    split; activations are then freed by W instead of B). Raises DeadlockError when ranks
+    are left that can never run their next task."""
+    p = topology.pp_size
+    if len(runners) != p:
+        raise ValueError(f"{len(runners)} runners for {p} ranks")
+    num_microbatches = len(durations[FORWARD][0])
+    release = WEIGHT if WEIGHT in durations else BACKWARD
+    # per rank, by kind and local chunk: the durations row of the chunk's virtual stage,
+    # the destination rank of the output (-1: none) and the table of its tasks there
+    lanes = []
+    for r in range(p):
+        lane = {}
+        for kind, table in durations.items():
+            lane[kind] = []
+            for v, route in zip(topology.stage_of[r], topology.routes[r][kind], strict=True):
+                if route is None:
+                    lane[kind].append((table[v], -1, None))
+                else:
+                    lane[kind].append((table[v], route[0],
+                                       task_table(kind, route[1], num_microbatches)))
+        lanes.append(lane)
+    next_task = [runner.next_task for runner in runners]
+    complete = [runner.complete for runner in runners]
+    arrived = [set() for _ in range(p)]
+    has_arrived = [s.__contains__ for s in arrived]
+    running: list[Task | None] = [None] * p
+    running_lane: list = [None] * p  # the lane entry of the running task
+    busy = [0.0] * p
+    in_flight = [0] * p
+    peak = [0] * p
+    timeline = [] if record else None
+    # events: (time, code); code < p: the task running on rank `code` ends; code >= p: the
+    # message pending[code - p] = (rank, task) arrives (only with latency). Codes are
+    # unique, so equal times never compare anything else.
+    events: list[tuple[float, int]] = []
+    pending: list[tuple[int, Task]] = []
+    push, pop = heapq.heappush, heapq.heappop
+    now = 0.0
+    # ranks to ask for a task: a rank may appear twice (asking again changes nothing)
+    deciding = list(range(p))
+    while True:
+        for r in deciding:
+            if running[r] is not None:
+                continue
+            task = next_task[r](has_arrived[r])
+            if task is None:
+                continue
+            kind, chunk, microbatch = task
+            lane = lanes[r][kind][chunk]
+            duration = lane[0][microbatch]
+            if kind == FORWARD:
+                count = in_flight[r] + 1
+                in_flight[r] = count
+                if count > peak[r]:
+                    peak[r] = count
+            running[r] = task
+            running_lane[r] = lane
+            busy[r] += duration
+            push(events, (now + duration, r))
+            if record:
+                timeline.append((r, task, now, duration))
+        if not events:
+            break
+        now = events[0][0]
+        deciding = []
+        while events and events[0][0] == now:
+            r = pop(events)[1]
+            if r >= p:  # an arrival
+                r, task = pending[r - p]
+                arrived[r].add(task)
+                deciding.append(r)
+                continue
+            deciding.append(r)
+            task = running[r]
+            running[r] = None
+            complete[r](task)
+            if task[0] == release:
+                in_flight[r] -= 1
+            _, dst, targets = running_lane[r]
+            if dst < 0:
+                continue
+            if latency:
+                push(events, (now + latency, p + len(pending)))
+                pending.append((dst, targets[task[2]]))
+            else:
+                arrived[dst].add(targets[task[2]])
+                deciding.append(dst)
+    stuck = [r for r in range(p) if not runners[r].finished]
+    if stuck:
+        raise DeadlockError(f"deadlock: ranks {stuck} can never run their next task", stuck)
+    return EngineResult(now, busy, peak, timeline)
+
+
+class StaticReplay:
+    """Runs a fixed order of tasks, each once its inputs are here (megatron-style)."""
+
+    __slots__ = ("rank", "order", "_next", "_message", "_predecessor_at")
+
+    def __init__(self, rank: int, topology: PipelineTopology, order: Sequence[Task]):
+        self.rank = rank
+        self.order = list(order)
+        self._next = 0
+        # per position: the task whose input must have arrived (None: a local input), and
+        # the position of the task of this rank that must run first (-1: none; past the
+        # end when the order lacks it, so that it never runs)
+        self._message = [None if topology.input_is_local(rank, t) else t for t in self.order]
+        position = {task: k for k, task in enumerate(self.order)}
+        never = len(self.order)
+        self._predecessor_at = [
+            position.get((LOCAL_PREDECESSOR[kind], chunk, microbatch), never)
+            if kind in LOCAL_PREDECESSOR else -1
+            for kind, chunk, microbatch in self.order]
+
+    @property
+    def finished(self) -> bool:
+        return self._next == len(self.order)
+
+    @property
+    def position(self) -> int:
+        """Index in `order` of the next task to run."""
+        return self._next
+
+    def next_task(self, arrived) -> Task | None:
+        k = self._next
+        if k == len(self.order) or self._predecessor_at[k] >= k:
+            return None
+        message = self._message[k]
+        if message is not None and not arrived(message):
+            return None
+        return self.order[k]
+
+    def complete(self, task: Task) -> None:
+        self._next += 1
+
+    def done(self, task: Task) -> bool:
+        return task in self.order[:self._next]
