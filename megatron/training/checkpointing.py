@@ -32,7 +32,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.utils import unwrap_model
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron.dpp.transport.channel import brief
+from megatron.dpp.transport.channel import brief, peer_failure
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def save_checkpoint(root: str, model, optimizer, scheduler, state: TrainingState
         sharded = _sharded_state(model, None if no_optim else optimizer, scheduler, state, args,
                                  False)
         _keep_write_results_in_process()
-        with WRITER_CHILDREN.die_with_this_process():
+        with WRITER_CHILDREN.die_with_this_process(), _writer_errors_raised_not_logged():
             dist_checkpointing.save(sharded, staging)
         dist.barrier()
         if rank0:
@@ -260,7 +260,25 @@ def _describe(error: BaseException) -> str:
             return "the write failed on another rank (its error says why)"
         return "; ".join(f"rank {rank}: {type(e).__name__}: {brief(e)}"
                          for rank, (e, _) in sorted(error.failures.items()))
+    if peer_failure(error):
+        return f"a peer rank failed or disconnected ({brief(error)})"
     return f"{type(error).__name__}: {brief(error)}"
+
+
+@contextlib.contextmanager
+def _writer_errors_raised_not_logged():
+    """megatron.core logs a writer's error and raises it too; the CheckpointError carries
+    it (one line per rank), so below DEBUG its log stays quiet during the save."""
+    logger = logging.getLogger("megatron.core.dist_checkpointing")
+    if logger.isEnabledFor(logging.DEBUG):
+        yield
+        return
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _keep_write_results_in_process() -> None:

@@ -17,7 +17,7 @@ import traceback
 
 import torch.distributed as dist
 
-from megatron.dpp.transport.channel import TransportError, brief
+from megatron.dpp.transport.channel import TransportError, brief, peer_failure
 from megatron.training.arguments import ArgumentError
 from megatron.training.checkpointing import CheckpointError
 from megatron.training.data import DataError
@@ -39,16 +39,10 @@ def known_failure(error: BaseException) -> tuple[str, int] | None:
         return f"pipeline transport: {error}", EXIT_FAILED
     if isinstance(error, CheckpointError):
         return f"checkpoint: {error}", EXIT_FAILED
-    if _peer_failure(error):
+    if peer_failure(error):
         return (f"a peer rank failed, disconnected or timed out in a collective operation: "
                 f"{brief(error)}", EXIT_FAILED)
     return None
-
-
-def _peer_failure(error: BaseException) -> bool:
-    # NCCL's failures are DistErrors; gloo's are RuntimeErrors from its TCP transport
-    return isinstance(error, dist.DistError) or (
-        isinstance(error, RuntimeError) and "gloo/transport" in str(error))
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed
 
 
 class TransportError(RuntimeError):
@@ -79,6 +80,13 @@ def brief(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     line = _SOURCE_LOCATION.sub("", lines[0] if lines else "").split(_ADVICE)[0]
     return line or type(error).__name__
+
+
+def peer_failure(error: BaseException) -> bool:
+    """Whether a torch.distributed operation failed because a peer rank died, closed its
+    connection or did not answer in time (NCCL: a DistError; gloo: its TCP transport)."""
+    return isinstance(error, torch.distributed.DistError) or (
+        isinstance(error, RuntimeError) and "gloo/transport" in str(error))
 
 
 def dtype_code(dtype: torch.dtype) -> int:
