@@ -187,7 +187,7 @@ class Inbox(ABC):
             return " or ".join(f"a message from pipeline peer rank {edge.src} (edge {edge})"
                                for edge in self.sources)
         by_peer: dict[str, list[MessageKey]] = {}
-        for key in keys:
+        for key in dict.fromkeys(keys):
             edges = [edge for edge in self.sources if edge.kind == key.kind]
             peer = (" or ".join(f"pipeline peer rank {e.src} (edge {e.src}->{e.dst})"
                                 for e in edges) or "a pipeline peer")
