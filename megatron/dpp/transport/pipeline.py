@@ -83,9 +83,7 @@ class PipelineTransport:
         pipelines = _all_pipelines(pipeline_ranks)
         self.barrier_group = None
         for ranks in pipelines:
-            # a stage that does not arrive within the timeout is hung or dead, as on a channel
-            group = dist.new_group(ranks, backend="gloo",
-                                   timeout=datetime.timedelta(seconds=timeout))
+            group = dist.new_group(ranks, backend="gloo")
             if self.rank in ranks:
                 self.barrier_group = group
         edges = pipeline_edges(pipelines, ring)

@@ -105,12 +105,13 @@ class ShmSendChannel(SendChannel):
             if self._closed:
                 return
             self._closed = True
+            # only this rank's GPU copies: they must end before the ring goes
+            self.flush()
             if abort:
                 # Dropped, not closed: the close marker waits for a free slot, which a peer
                 # that stopped draining never gives. Dropping unmaps the ring.
                 self._sender = None
                 return
-            self.flush()
             try:
                 self._sender.close()
             except native.module().NativeTransportError as error:

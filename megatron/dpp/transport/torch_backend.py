@@ -25,6 +25,7 @@ from megatron.dpp.transport.channel import (
     RecvChannel,
     SendChannel,
     TransportError,
+    brief,
     dtype_code,
 )
 
@@ -184,7 +185,7 @@ class TorchRecvChannel(RecvChannel):
         except Exception as error:
             self.inbox.fail(TransportError(
                 f"pipeline peer rank {src} failed or disconnected (edge {self.edge}) while "
-                f"this rank waited for its {self.edge.kind.name.lower()} messages: {error}"))
+                f"this rank waited for its {self.edge.kind.name.lower()} messages: {brief(error)}"))
 
     def _receive_payload(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         numel = 1
