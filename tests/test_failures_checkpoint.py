@@ -84,6 +84,8 @@ def test_a_full_disk_then_a_crashed_resave_leave_a_loadable_checkpoint(tmp_path)
     with Job("pretrain_gpt.py", again, 1, tmp_path / "resave", KILLED_AFTER_THE_SWAP) as job:
         status = job.wait(0, RUN_S)
     assert status == -signal.SIGKILL, job.log(0)[-3000:]
+    # it loaded what the full disk left
+    assert job.lines(0, f"loaded checkpoint {root / 'iter_0000002'} (iteration 2)")
     assert _listing(root) == ["iter_0000002", "iter_0000002.tmp", POINTER]
     assert _pointer(root) == "2\n"
 

@@ -40,6 +40,11 @@ POINTER = "latest_checkpointed_iteration.txt"
 # Less free space than this after a failed write means the disk filled up (a write that
 # fails for want of space first fills the filesystem to the last block).
 FULL_DISK_BYTES = 1 << 20
+# Linux system interfaces Python's os module lacks: renameat2 and prctl
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_PR_SET_PDEATHSIG = 1
 
 
 class CheckpointError(RuntimeError):
@@ -168,10 +173,6 @@ def _publish(root: str, staging: str, final: str, iteration: int) -> None:
     _write_pointer(root, iteration)
 
 
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
 def _exchange(first: str, second: str) -> bool:
     """Swap two directories atomically (Linux renameat2); False where the C library, the
     kernel or the filesystem cannot."""
@@ -290,10 +291,6 @@ def _keep_write_results_in_process() -> None:
 
     if getattr(filesystem_async, "_results_queue", None) is None:
         filesystem_async._results_queue = queue.Queue()
-
-
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-_PR_SET_PDEATHSIG = 1
 
 
 class ForkedChildren:
