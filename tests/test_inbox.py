@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from megatron.dpp.transport import native
-from megatron.dpp.transport.channel import MessageKey, MessageKind, PythonInbox, TransportError
+from megatron.dpp.transport.channel import (
+    Edge,
+    MessageKey,
+    MessageKind,
+    PythonInbox,
+    TransportError,
+)
 
 KINDS = [PythonInbox]
 if native.available():
@@ -52,11 +58,46 @@ def test_wait_returns_the_new_version_after_an_arrival(inbox):
 
 def test_timeouts_name_what_was_waited_for(inbox):
     start = time.monotonic()
-    with pytest.raises(TransportError, match="timed out after 0 s waiting for .*microbatch=3"):
+    with pytest.raises(TransportError, match="timed out after 0.2 s waiting for ACTIVATION "
+                                             "chunk 0 microbatch 3 from a pipeline peer"):
         inbox.take(key(3), timeout=0.2)
-    with pytest.raises(TransportError, match="no message arrived from any pipeline peer"):
-        inbox.wait(inbox.version, timeout=0.2)
-    assert 0.35 < time.monotonic() - start < 5
+    assert 0.15 < time.monotonic() - start < 5
+    fresh = type(inbox)()
+    with pytest.raises(TransportError, match="waiting for a message from any pipeline peer"):
+        fresh.wait(fresh.version, timeout=0.2)
+
+
+def test_timeouts_name_the_peer_and_edge_the_message_comes_from():
+    sources = [Edge(2, 1, MessageKind.GRADIENT), Edge(0, 1, MessageKind.ACTIVATION)]
+    inbox = PythonInbox()
+    inbox.set_sources(sources)
+    with pytest.raises(TransportError) as caught:
+        inbox.wait(inbox.version, timeout=0.1)
+    assert str(caught.value) == (
+        "timed out after 0.1 s waiting for a message from pipeline peer rank 2 (edge 2->1 "
+        "GRADIENT) or a message from pipeline peer rank 0 (edge 0->1 ACTIVATION)")
+    inbox = PythonInbox()
+    inbox.set_sources(sources)
+    expecting = [MessageKey(MessageKind.GRADIENT, 0, 4), key(6), MessageKey(
+        MessageKind.GRADIENT, 1, 5)]
+    with pytest.raises(TransportError) as caught:
+        inbox.wait(inbox.version, timeout=0.1, expecting=expecting)
+    assert str(caught.value) == (
+        "timed out after 0.1 s waiting for GRADIENT chunk 0 microbatch 4, GRADIENT chunk 1 "
+        "microbatch 5 from pipeline peer rank 2 (edge 2->1) or ACTIVATION chunk 0 microbatch 6 "
+        "from pipeline peer rank 0 (edge 0->1)")
+
+
+def test_a_timeout_fails_the_inbox(inbox):
+    # the peer is hung: a later wait must not pass because the hung peer sent something
+    assert inbox.failure is None
+    with pytest.raises(TransportError, match="timed out"):
+        inbox.take(key(1), timeout=0.05)
+    assert "timed out after 0.05 s" in inbox.failure
+    seen = inbox.version
+    inbox.put(key(2), torch.zeros(1))
+    with pytest.raises(TransportError, match="timed out after 0.05 s"):
+        inbox.wait(seen, timeout=1)
 
 
 def test_a_failure_wakes_the_waiter_and_names_the_channel(inbox):

@@ -274,6 +274,10 @@ def preprocess(args: argparse.Namespace) -> Summary:
                 _account(chunk, args, summary)
                 writers.add(chunk)
                 progress.update()
+        if summary.documents == summary.empty_documents:
+            raise PreprocessError(
+                f"--input {args.input}: no documents (the file is empty, or every line was "
+                "blank, skipped or had empty text); nothing written")
         summary.outputs = writers.commit()
     except BaseException:
         writers.abort()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,8 +15,100 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.indexed_dataset import DType
 
 log = logging.getLogger(__name__)
+
+
+class DataError(ValueError):
+    """A --data-path prefix whose files are missing, inconsistent or empty."""
+
+
+def check_data_paths(args) -> None:
+    """Before anything else starts: every --data-path prefix has a .bin and a .idx whose
+    header and sizes agree and that hold at least one document. One DataError names
+    every bad prefix and what is wrong with it."""
+    if args.mock_data or not args.data_path:
+        return
+    problems = []
+    for prefix in args.data_blend[0]:
+        problem = prefix_problem(prefix)
+        if problem is not None:
+            problems.append(f"--data-path {prefix}: {problem}")
+    if problems:
+        raise DataError("; ".join(problems))
+
+
+# megatron.core's index: magic, version (u64), dtype code (u8), sequence count (u64),
+# document-index count (u64), then int32 lengths, int64 byte offsets, int64 document
+# indices (sequence numbers, starting at 0), and int8 modes in multimodal datasets
+_INDEX_MAGIC = b"MMIDIDX\x00\x00"
+_INDEX_HEADER = struct.Struct("<9sQBQQ")
+_CHECK_BLOCK = 1 << 20  # entries checked at a time: bounded memory for any index size
+
+
+def prefix_problem(prefix: str) -> str | None:
+    """What is wrong with the dataset at `prefix` (None: nothing)."""
+    bin_path, idx_path = prefix + ".bin", prefix + ".idx"
+    have_bin, have_idx = os.path.isfile(bin_path), os.path.isfile(idx_path)
+    stem, extension = os.path.splitext(prefix)
+    if extension in (".bin", ".idx") and not (have_bin and have_idx):
+        return f"give the prefix without the {extension} extension: --data-path {stem}"
+    if not have_bin or not have_idx:
+        missing = [path for path, found in ((bin_path, have_bin), (idx_path, have_idx))
+                   if not found]
+        return f"{' and '.join(missing)} not found"
+    try:
+        return _index_problem(idx_path, bin_path)
+    except OSError as error:
+        return f"cannot read it: {error}"
+
+
+def _index_problem(idx_path: str, bin_path: str) -> str | None:
+    idx_bytes, bin_bytes = os.path.getsize(idx_path), os.path.getsize(bin_path)
+    if idx_bytes < _INDEX_HEADER.size:
+        return f"{idx_path} has {idx_bytes} bytes, less than an index header"
+    with open(idx_path, "rb") as stream:
+        magic, version, code, sequences, doc_indices = _INDEX_HEADER.unpack(
+            stream.read(_INDEX_HEADER.size))
+    if magic != _INDEX_MAGIC or version != 1:
+        return f"{idx_path} is not a megatron.core index (bad magic or version)"
+    try:
+        itemsize = DType.size(code)
+    except ValueError:
+        return f"{idx_path} names an unknown token dtype (code {code})"
+    arrays = _INDEX_HEADER.size + 4 * sequences + 8 * sequences + 8 * doc_indices
+    if idx_bytes not in (arrays, arrays + sequences):
+        return (f"{idx_path} has {idx_bytes} bytes, but its header ({sequences} sequences, "
+                f"{doc_indices - 1} documents) needs {arrays}: the index is truncated or "
+                "corrupted")
+    if doc_indices < 2 or sequences == 0:
+        return f"no documents in {idx_path} (an empty dataset)"
+    index = np.memmap(idx_path, mode="r", dtype=np.uint8)
+    lengths = np.frombuffer(index, np.int32, sequences, _INDEX_HEADER.size)
+    offsets = np.frombuffer(index, np.int64, sequences, _INDEX_HEADER.size + 4 * sequences)
+    documents = np.frombuffer(index, np.int64, doc_indices,
+                              _INDEX_HEADER.size + 12 * sequences)
+    if documents[0] != 0 or documents[-1] != sequences or np.any(np.diff(documents) < 0):
+        return f"{idx_path} has a corrupted document index"
+    expected_offset = 0
+    for start in range(0, sequences, _CHECK_BLOCK):
+        block_lengths = lengths[start:start + _CHECK_BLOCK].astype(np.int64)
+        block_offsets = offsets[start:start + _CHECK_BLOCK]
+        if np.any(block_lengths < 0):
+            return f"{idx_path} has negative sequence lengths (corrupted)"
+        ends = expected_offset + np.cumsum(block_lengths * itemsize)
+        starts = np.concatenate(([expected_offset], ends[:-1]))
+        if not np.array_equal(block_offsets, starts):
+            return f"{idx_path} has corrupted sequence offsets"
+        expected_offset = int(ends[-1])
+    if expected_offset != bin_bytes:
+        cause = "truncated" if bin_bytes < expected_offset else "not the data of this index"
+        return (f"{bin_path} has {bin_bytes} bytes, but {idx_path} describes "
+                f"{expected_offset}: the .bin is {cause}")
+    if expected_offset == 0:
+        return f"no tokens in {bin_path} (an empty dataset)"
+    return None
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -25,9 +26,10 @@ from megatron.core.num_microbatches_calculator import (
 
 from megatron.dpp import tracing
 from megatron.training import checkpointing, metrics, no_apex
-from megatron.training.arguments import ArgumentError, parse_args
+from megatron.training.arguments import parse_args
 from megatron.training.cuda_graphs import install_block_graphs
-from megatron.training.data import MicroBatchIterator, microbatch_lengths
+from megatron.training.data import MicroBatchIterator, check_data_paths, microbatch_lengths
+from megatron.training.failures import exit_on_known_failures
 from megatron.training.initialize import initialize_distributed, setup_logging
 from megatron.training.manual_gc import ManualGC
 from megatron.training.models import (
@@ -77,19 +79,19 @@ class Trainer:
 
 
 def pretrain(task: ModelTask, argv=None, extra_args_provider=None) -> checkpointing.TrainingState:
-    try:
+    """The entry points' body. A known failure (flag, data, transport, checkpoint I/O,
+    Ctrl-C) ends the rank with one line naming the cause (megatron.training.failures)."""
+    setup_logging(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+    with exit_on_known_failures(sys.argv[0]):
         args = parse_args(argv, extra_args_provider)
-    except ArgumentError as error:
-        # one readable message and argparse's exit status, not a traceback
-        sys.stderr.write(f"{sys.argv[0]}: {error}\n")
-        raise SystemExit(2) from None
-    with contextlib.ExitStack() as stack:
-        trainer = setup(task, args, stack)
-        train(trainer)
-        return trainer.state
+        with contextlib.ExitStack() as stack:
+            trainer = setup(task, args, stack)
+            train(trainer)
+            return trainer.state
 
 
 def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
+    check_data_paths(args)  # before the job starts: every rank reads its own files
     device = initialize_distributed(args, stack)
     setup_logging(dist.get_rank(), dist.get_world_size())
     tokenizer = build_tokenizer(

@@ -9,12 +9,15 @@ carries its key, dtype and shape, so any dtype and variable shapes work.
 from __future__ import annotations
 
 import enum
+import re
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed
 
 
 class TransportError(RuntimeError):
@@ -35,6 +38,9 @@ class MessageKey:
     chunk: int
     microbatch: int
 
+    def __str__(self) -> str:
+        return f"{self.kind.name} chunk {self.chunk} microbatch {self.microbatch}"
+
 
 @dataclass(frozen=True)
 class Edge:
@@ -43,6 +49,9 @@ class Edge:
     src: int
     dst: int
     kind: MessageKind
+
+    def __str__(self) -> str:
+        return f"{self.src}->{self.dst} {self.kind.name}"
 
 
 # dtype <-> small integer code, shared by every backend's wire header
@@ -60,6 +69,26 @@ DTYPE_CODES = {
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
+# gloo's errors start with the C++ source location and end with advice
+_SOURCE_LOCATION = re.compile(r"^\[[^\]]+\.(?:cc|cpp|h):\d+\]\s*")
+_ADVICE = ". This is typically caused"
+
+
+def brief(error: BaseException) -> str:
+    """An error's gist for a one-line message: its first line, without the source location
+    and the advice of torch.distributed's gloo errors."""
+    lines = str(error).strip().splitlines()
+    line = _SOURCE_LOCATION.sub("", lines[0] if lines else "").split(_ADVICE)[0]
+    return line or type(error).__name__
+
+
+def peer_failure(error: BaseException) -> bool:
+    """Whether a torch.distributed operation failed because a peer rank died, closed its
+    connection or did not answer in time (NCCL: a DistError; gloo: its TCP transport)."""
+    return isinstance(error, torch.distributed.DistError) or (
+        isinstance(error, RuntimeError) and "gloo/transport" in str(error))
+
+
 def dtype_code(dtype: torch.dtype) -> int:
     try:
         return DTYPE_CODES[dtype]
@@ -72,10 +101,17 @@ class Inbox(ABC):
 
     Receive channels `put` from their own threads; the schedule `take`s by key and blocks
     in `wait` (no spinning beyond a few microseconds) when nothing it needs is here. A
-    channel that fails records its error, and every later wait raises it.
-    `PythonInbox` keeps the messages in a dict; `native.NativeInbox` in the extension,
+    channel that fails records its error, and every later wait raises it; so does a wait
+    that times out (the peer is hung: nothing that arrives later can be trusted).
+    `sources`, the receive edges that deliver here, name the peer a timed-out wait waited
+    on. `PythonInbox` keeps the messages in a dict; `native.NativeInbox` in the extension,
     where the shared-memory channels' drain threads deliver without taking the GIL.
     """
+
+    sources: tuple[Edge, ...] = ()
+
+    def set_sources(self, edges: Iterable[Edge]) -> None:
+        self.sources = tuple(edges)
 
     @abstractmethod
     def put(self, key: MessageKey, tensor: torch.Tensor) -> None:
@@ -84,6 +120,11 @@ class Inbox(ABC):
     @abstractmethod
     def fail(self, error: BaseException) -> None:
         """Record a channel's failure (the first one is kept) and wake every waiter."""
+
+    @property
+    @abstractmethod
+    def failure(self) -> str | None:
+        """The recorded failure's message; None while nothing failed."""
 
     @abstractmethod
     def has(self, key: MessageKey) -> bool: ...
@@ -119,17 +160,40 @@ class Inbox(ABC):
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 self._block(seen, 0)
-                raise TransportError(f"timed out after {timeout:.0f} s waiting for {key}")
+                raise self._timed_out(timeout, [key])
             self._block(seen, remaining)
 
-    def wait(self, seen_version: int, timeout: float | None = None) -> int:
+    def wait(self, seen_version: int, timeout: float | None = None,
+             expecting: Iterable[MessageKey] = ()) -> int:
         """Block until something arrives after `seen_version` (or a channel fails);
-        returns the new version. Raises TransportError on timeout or failure."""
+        returns the new version. Raises TransportError on timeout or failure; a timeout's
+        message names `expecting`, the messages the caller waits for, and their peers."""
         if not self._block(seen_version, timeout):
-            raise TransportError(
-                f"timed out after {timeout:.0f} s: no message arrived from any pipeline peer"
-            )
+            raise self._timed_out(timeout, list(expecting))
         return self.version
+
+    def _timed_out(self, timeout: float, keys: list[MessageKey]) -> TransportError:
+        error = TransportError(f"timed out after {timeout:g} s waiting for "
+                               f"{self.describe_wait(keys)}")
+        self.fail(error)
+        return error
+
+    def describe_wait(self, keys: list[MessageKey]) -> str:
+        """What a wait for `keys` (for any message when empty) waits for, naming each
+        peer by rank and edge where `sources` knows it."""
+        if not keys:
+            if not self.sources:
+                return "a message from any pipeline peer"
+            return " or ".join(f"a message from pipeline peer rank {edge.src} (edge {edge})"
+                               for edge in self.sources)
+        by_peer: dict[str, list[MessageKey]] = {}
+        for key in dict.fromkeys(keys):
+            edges = [edge for edge in self.sources if edge.kind == key.kind]
+            peer = (" or ".join(f"pipeline peer rank {e.src} (edge {e.src}->{e.dst})"
+                                for e in edges) or "a pipeline peer")
+            by_peer.setdefault(peer, []).append(key)
+        return " or ".join(f"{', '.join(map(str, group))} from {peer}"
+                           for peer, group in by_peer.items())
 
 
 class PythonInbox(Inbox):
@@ -156,6 +220,11 @@ class PythonInbox(Inbox):
                 self._error = error
             self._version += 1
             self._cond.notify_all()
+
+    @property
+    def failure(self) -> str | None:
+        with self._cond:
+            return None if self._error is None else str(self._error)
 
     def has(self, key: MessageKey) -> bool:
         with self._cond:
@@ -212,8 +281,10 @@ class SendChannel(ABC):
         """Wait until every queued message has left this process."""
 
     @abstractmethod
-    def close(self) -> None:
-        """Flush, tell the receiver no more messages come, release every resource."""
+    def close(self, abort: bool = False) -> None:
+        """Flush, tell the receiver no more messages come, release every resource; every
+        wait on the peer is bounded by the backend's timeout. `abort` (after a failure):
+        release at once, without flushing or waiting for the peer."""
 
 
 class RecvChannel(ABC):
@@ -222,9 +293,10 @@ class RecvChannel(ABC):
     edge: Edge
 
     @abstractmethod
-    def close(self) -> None:
-        """Stop draining (after the sender's close arrived, or at once on shutdown) and
-        release every resource."""
+    def close(self, abort: bool = False) -> None:
+        """Stop draining once the sender's close arrived (waiting at most the backend's
+        timeout for it) and release every resource. `abort` (after a failure): stop at
+        once, without waiting for the peer."""
 
 
 class Backend(ABC):

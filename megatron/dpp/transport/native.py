@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import time
 from types import ModuleType
 
 import torch
@@ -73,8 +74,9 @@ class NativeInbox(Inbox):
     into it without the GIL and wake a waiting schedule directly; a wait spins `spin_us`
     microseconds (default: `default_spin_us()`) before it sleeps on a futex."""
 
-    # Bounds a wait without a timeout (the extension's waits take seconds).
-    FOREVER_S = 1e9
+    # A wait returns to Python this often, so that Ctrl-C (a signal Python handles between
+    # bytecodes) ends a rank that waits for a peer at once.
+    SIGNAL_CHECK_S = 0.2
 
     def __init__(self, spin_us: float | None = None):
         self.mailbox = module().Mailbox(default_spin_us() if spin_us is None else spin_us)
@@ -84,6 +86,10 @@ class NativeInbox(Inbox):
 
     def fail(self, error: BaseException) -> None:
         self.mailbox.fail(str(error))
+
+    @property
+    def failure(self) -> str | None:
+        return self.mailbox.error()
 
     def has(self, key: MessageKey) -> bool:
         return self.mailbox.has(int(key.kind), key.chunk, key.microbatch)
@@ -103,11 +109,15 @@ class NativeInbox(Inbox):
         return self.mailbox.take(int(key.kind), key.chunk, key.microbatch)
 
     def _block(self, seen_version: int, timeout: float | None) -> bool:
-        ok = self.mailbox.wait(seen_version, self.FOREVER_S if timeout is None else timeout)
-        error = self.mailbox.error()
-        if error is not None:
-            raise TransportError(error)
-        return ok
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = self.SIGNAL_CHECK_S if deadline is None else deadline - time.monotonic()
+            ok = self.mailbox.wait(seen_version, max(0.0, min(remaining, self.SIGNAL_CHECK_S)))
+            error = self.mailbox.error()
+            if error is not None:
+                raise TransportError(error)
+            if ok or (deadline is not None and time.monotonic() >= deadline):
+                return ok
 
 
 def make_inbox() -> Inbox:

@@ -8,10 +8,14 @@ Opening is collective over the whole job.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import random
+import sys
 import threading
+import time
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -25,6 +29,7 @@ from megatron.dpp.transport.channel import (
     MessageKind,
     PythonInbox,
     TransportError,
+    brief,
 )
 from megatron.dpp.transport.native import NativeInbox, make_inbox
 
@@ -99,6 +104,7 @@ class PipelineTransport:
                 log.info("DPP transport %s for edges %s", backend.name,
                          ", ".join(f"{e.src}->{e.dst}:{e.kind.name[0]}" for e in mine))
         self._by_destination = {(e.dst, e.kind): ch for e, ch in self._senders.items()}
+        self.inbox.set_sources(self._receivers)
 
     def send(self, dst: int, key: MessageKey, tensor: torch.Tensor) -> None:
         try:
@@ -111,29 +117,59 @@ class PipelineTransport:
     def barrier(self) -> None:
         """Every stage of this pipeline has finished the previous schedule call: message keys
         repeat from call to call, and a stage that never waits (forward-only) must not run
-        a whole call ahead."""
-        try:
-            dist.barrier(group=self.barrier_group)
-        except RuntimeError as error:
-            ranks = dist.get_process_group_ranks(self.barrier_group)
-            raise TransportError(
-                f"a pipeline peer (ranks {ranks}) failed or disconnected before this schedule "
-                f"call: {error}") from error
+        a whole call ahead. Each stage sends every other one a token and waits for theirs,
+        so a stage that does not come within the timeout is named."""
+        peers = [r for r in dist.get_process_group_ranks(self.barrier_group) if r != self.rank]
+        deadline = time.monotonic() + self.timeout
+        token = torch.zeros(1)
+        sends = [dist.isend(token, peer, group=self.barrier_group) for peer in peers]
+        tokens = {peer: torch.zeros(1) for peer in peers}
+        receipts = {peer: dist.irecv(tokens[peer], peer, group=self.barrier_group)
+                    for peer in peers}
+        for peer, work in [*receipts.items(), *zip(peers, sends, strict=True)]:
+            remaining = max(deadline - time.monotonic(), 0.001)
+            try:
+                work.wait(datetime.timedelta(seconds=remaining))
+            except RuntimeError as error:
+                failure = TransportError(
+                    f"pipeline peer rank {peer} failed, disconnected or did not reach the start "
+                    f"of this schedule call within {self.timeout:g} s ({brief(error)})")
+                self.inbox.fail(failure)
+                raise failure from error
 
     def take(self, key: MessageKey) -> torch.Tensor:
+        """The message `key`, waiting up to the timeout; a timeout names its peer."""
         return self.inbox.take(key, self.timeout)
+
+    def wait(self, seen_version: int, expecting: Iterable[MessageKey] = ()) -> int:
+        """The inbox's `wait` with this transport's timeout; `expecting` (the messages the
+        caller can use) names what a timeout waited for."""
+        return self.inbox.wait(seen_version, self.timeout, expecting)
 
     def flush(self) -> None:
         for channel in self._senders.values():
             channel.flush(self.timeout)
 
-    def close(self) -> None:
-        for channel in self._senders.values():
-            channel.close()
-        for channel in self._receivers.values():
-            channel.close()
+    def close(self, abort: bool | None = None) -> None:
+        """Close every channel; waits on peers are bounded by the timeout. `abort` releases
+        everything at once without waiting for any peer; by default it is on when a channel
+        failed or when an exception is propagating (an ExitStack unwinding after an error),
+        for then a peer may be hung or gone."""
+        if abort is None:
+            abort = self.inbox.failure is not None or sys.exc_info()[1] is not None
+        problems = []
+        for channel in [*self._senders.values(), *self._receivers.values()]:
+            try:
+                channel.close(abort=abort)
+            except TransportError as error:
+                problems.append(error)
         self._senders.clear()
         self._receivers.clear()
+        if abort:
+            for problem in problems:
+                log.debug("closing after a failure: %s", problem)
+        elif problems:
+            raise TransportError("; ".join(map(str, problems)))
 
 
 def _gather(value) -> list:
@@ -158,7 +194,7 @@ def _assign_backends(edges, transport, device, timeout, native_inbox):
     from megatron.dpp.transport.torch_backend import TorchBackend
 
     if transport == "torch":
-        return [(TorchBackend(device), edges)]
+        return [(TorchBackend(device, timeout), edges)]
     native = _native_backend(timeout, required=transport == "shm")
     if native is not None and not native_inbox:
         if transport == "shm":
@@ -177,7 +213,7 @@ def _assign_backends(edges, transport, device, timeout, native_inbox):
         rank = next(r for r in (fallback[0].src, fallback[0].dst) if rdma_problems[r])
         log.info("DPP transport auto: torch for %d edges across hosts (e.g. rank %d on %s "
                  "cannot use RDMA: %s)", len(fallback), rank, hosts[rank], rdma_problems[rank])
-    make = {"shm": lambda: native, "torch": lambda: TorchBackend(device),
+    make = {"shm": lambda: native, "torch": lambda: TorchBackend(device, timeout),
             "rdma": lambda: RdmaBackend(device, timeout=timeout)}
     return [(make[name](), group) for name, group in plan]
 

@@ -118,11 +118,17 @@ class RdmaSendChannel(SendChannel):
         # the peer's acknowledgement of the last writes.
         pass
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            if abort:
+                # dropped, not closed: the close marker would wait for a credit from a peer
+                # that may never give one; dropping destroys the queue pair
+                self._end.interrupt()
+                self._end = None
+                return
             try:
                 self._end.close()
             except Exception as error:
@@ -177,7 +183,8 @@ class RdmaRecvChannel(RecvChannel):
                 self._inbox.put(key, self._to_device(tensor))
         except Exception as error:
             if not self._stopping.is_set():
-                logger.error("%s failed: %s", _edge_name(self.edge), error)
+                # the schedule reports it, once, from the inbox
+                logger.debug("%s failed: %s", _edge_name(self.edge), error)
                 self._inbox.fail(_as_transport_error(error, self.edge))
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -190,11 +197,11 @@ class RdmaRecvChannel(RecvChannel):
         on_device.record_stream(self._consumer_stream)
         return on_device
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
         # Let the sender's close marker arrive first: tearing the queue pair down under a
         # sender that is still closing would fail its last write. A peer that never closes
-        # (it died) costs at most `close_wait_s`.
-        if self._thread.is_alive():
+        # (it died) costs at most `close_wait_s`; after a failure (abort) nothing is awaited.
+        if self._thread.is_alive() and not abort:
             self._thread.join(self._close_wait_s)
         self._stopping.set()
         self._end.interrupt()

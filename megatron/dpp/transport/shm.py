@@ -9,6 +9,7 @@ or staged through the (host-registered) ring, when the extension was built with 
 
 from __future__ import annotations
 
+import _posixshmem
 import logging
 import secrets
 import threading
@@ -25,6 +26,7 @@ from megatron.dpp.transport.channel import (
     RecvChannel,
     SendChannel,
     TransportError,
+    brief,
 )
 from megatron.dpp.transport.native import NativeInbox
 
@@ -35,6 +37,14 @@ GPU_PATHS = ("auto", "staged", "ipc")
 
 def segment_name(token: str, edge: Edge) -> str:
     return f"/dpp-{token}-{edge.src}-{edge.dst}-{int(edge.kind)}"
+
+
+def _unlink_segment(name: str) -> None:
+    """Remove a segment's name if it is still there (its creator may have died)."""
+    try:
+        _posixshmem.shm_unlink(name)
+    except FileNotFoundError:
+        pass
 
 
 def _as_transport_error(error: Exception, edge: Edge) -> TransportError:
@@ -90,12 +100,18 @@ class ShmSendChannel(SendChannel):
         if self._cuda is not None:
             self._cuda.copy_stream.synchronize()
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            # only this rank's GPU copies: they must end before the ring goes
             self.flush()
+            if abort:
+                # Dropped, not closed: the close marker waits for a free slot, which a peer
+                # that stopped draining never gives. Dropping unmaps the ring.
+                self._sender = None
+                return
             try:
                 self._sender.close()
             except native.module().NativeTransportError as error:
@@ -122,7 +138,8 @@ class ShmRecvChannel(RecvChannel):
             0 if cuda is None else cuda.copy_stream.cuda_stream,
             0 if cuda is None else cuda.consumer_stream.cuda_stream)
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        # the drain's waits see the interrupt within a futex tick, whatever the peer does
         self._receiver.interrupt()
         if self._drain is not None:
             self._drain.join()
@@ -201,32 +218,47 @@ class ShmBackend(Backend):
         token = self._agree_token()
         receivers: dict[Edge, ShmRecvChannel] = {}
         senders: dict[Edge, ShmSendChannel] = {}
-        failure: Exception | None = None
         try:
-            for edge in edges:
-                if edge.dst == rank:
-                    receivers[edge] = self._open_receiver(extension, token, edge, inbox)
-        except Exception as error:  # still reach the barrier, or the other ranks hang there
-            failure = error
-        self._barrier()
-        try:
+            failure: Exception | None = None
+            try:
+                for edge in edges:
+                    if edge.dst == rank:
+                        receivers[edge] = self._open_receiver(extension, token, edge, inbox)
+            except Exception as error:  # still reach the barrier, or the other ranks hang there
+                failure = error
+            try:
+                self._barrier()
+            except RuntimeError as error:
+                raise TransportError(
+                    f"shm channel set-up on rank {rank}: a peer rank failed or disconnected "
+                    f"before every channel was created ({brief(error)})") from error
             if failure is not None:
                 raise failure
             for edge in edges:
                 if edge.src == rank:
                     senders[edge] = self._open_sender(extension, token, edge)
-        except Exception as error:
-            for channel in [*senders.values(), *receivers.values()]:
-                try:
-                    channel.close()
-                except TransportError:
-                    logger.exception("closing %s after a failed open", channel.edge)
-            if isinstance(error, TransportError):
+        except BaseException as error:
+            self._clean_up_failed_open(token, edges, rank, [*senders.values(),
+                                                            *receivers.values()])
+            if isinstance(error, TransportError) or not isinstance(error, Exception):
                 raise
             raise TransportError(f"ShmBackend.open on rank {rank} failed: {error}") from error
         for channel in receivers.values():
             channel.start()
         return senders, receivers
+
+    @staticmethod
+    def _clean_up_failed_open(token: str, edges: list[Edge], rank: int, channels) -> None:
+        """Release this rank's channels and remove the segment of every edge it is an end
+        of: its own, and its peers' (a peer that died in set-up cannot remove them)."""
+        for channel in channels:
+            try:
+                channel.close(abort=True)
+            except TransportError:
+                logger.debug("closing %s after a failed open", channel.edge, exc_info=True)
+        for edge in edges:
+            if rank in (edge.src, edge.dst):
+                _unlink_segment(segment_name(token, edge))
 
     def _open_receiver(self, extension, token: str, edge: Edge, inbox: Inbox) -> ShmRecvChannel:
         receiver = extension.ShmReceiver(segment_name(token, edge), self.slots, self.slot_bytes,

@@ -25,6 +25,7 @@ from megatron.dpp.transport.channel import (
     RecvChannel,
     SendChannel,
     TransportError,
+    brief,
     dtype_code,
 )
 
@@ -33,6 +34,9 @@ log = logging.getLogger(__name__)
 MAX_DIMS = 8
 HEADER_LEN = 6 + MAX_DIMS  # flag, kind, chunk, microbatch, dtype, ndim, dims...
 _DATA, _CLOSE = 0, 1
+# After a failure, how long a send thread may take to hand the close header over before
+# it is left behind (it may be blocked on a peer that is stopped).
+ABORT_GRACE_S = 0.5
 
 
 def encode_header(key: MessageKey, tensor: torch.Tensor) -> torch.Tensor:
@@ -64,8 +68,8 @@ class _Groups:
 
 
 class TorchSendChannel(SendChannel):
-    def __init__(self, edge: Edge, groups: _Groups, device: torch.device):
-        self.edge, self.groups, self.device = edge, groups, device
+    def __init__(self, edge: Edge, groups: _Groups, device: torch.device, timeout: float):
+        self.edge, self.groups, self.device, self.timeout = edge, groups, device, timeout
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -93,9 +97,15 @@ class TorchSendChannel(SendChannel):
         if self._error is not None:
             raise TransportError(f"send to rank {self.edge.dst} failed: {self._error}")
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        # torch.distributed cannot interrupt a send: a thread still blocked on a hung peer
+        # is left behind (a daemon; it ends with the process)
         self._queue.put(None)
-        self._thread.join()
+        self._thread.join(ABORT_GRACE_S if abort else self.timeout)
+        if self._thread.is_alive() and not abort:
+            raise TransportError(
+                f"closing edge {self.edge}: pipeline peer rank {self.edge.dst} did not take "
+                f"this rank's messages within {self.timeout:g} s")
 
     def _run(self) -> None:
         dst = self.edge.dst
@@ -111,9 +121,9 @@ class TorchSendChannel(SendChannel):
                     dist.send(closing, dst, group=self.groups.header)
                     return
                 self._send_one(*item)
-            except Exception as error:  # the peer is gone: report on the next send/flush
+            except Exception as error:  # the peer is gone: reported by the next send/flush
                 self._error = error
-                log.error("DPP channel %d->%d: %s", self.edge.src, dst, error)
+                log.debug("DPP channel %s: %s", self.edge, error)
                 if item is None:
                     return
 
@@ -140,17 +150,27 @@ class TorchSendChannel(SendChannel):
 
 
 class TorchRecvChannel(RecvChannel):
-    def __init__(self, edge: Edge, groups: _Groups, device: torch.device, inbox: Inbox):
+    def __init__(self, edge: Edge, groups: _Groups, device: torch.device, inbox: Inbox,
+                 timeout: float):
         self.edge, self.groups, self.device, self.inbox = edge, groups, device, inbox
+        self.timeout = timeout
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._thread = threading.Thread(
             target=self._run, name=f"dpp-recv-{edge.src}->{edge.dst}", daemon=True
         )
         self._thread.start()
 
-    def close(self) -> None:
-        # the sender's close header ends the thread; a dead sender ends it with an error
-        self._thread.join()
+    def close(self, abort: bool = False) -> None:
+        # The sender's close header ends the thread, a dead sender an error. A receive on a
+        # hung peer cannot be interrupted: after a failure the thread is left behind (a
+        # daemon, it ends with the process), otherwise it gets the timeout.
+        if abort:
+            return
+        self._thread.join(self.timeout)
+        if self._thread.is_alive():
+            raise TransportError(
+                f"closing edge {self.edge}: pipeline peer rank {self.edge.src} did not close "
+                f"it within {self.timeout:g} s")
 
     def _run(self) -> None:
         src = self.edge.src
@@ -164,8 +184,8 @@ class TorchRecvChannel(RecvChannel):
                 self.inbox.put(key, self._receive_payload(dtype, shape))
         except Exception as error:
             self.inbox.fail(TransportError(
-                f"pipeline peer rank {src} failed or disconnected while this rank waited for "
-                f"its {self.edge.kind.name.lower()} messages: {error}"))
+                f"pipeline peer rank {src} failed or disconnected (edge {self.edge}) while "
+                f"this rank waited for its {self.edge.kind.name.lower()} messages: {brief(error)}"))
 
     def _receive_payload(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         numel = 1
@@ -188,10 +208,14 @@ class TorchRecvChannel(RecvChannel):
 
 
 class TorchBackend(Backend):
+    """`timeout` bounds a normal close's wait for the peer's side; the receive threads'
+    idle waits for the next message have none (the schedule's own waits do)."""
+
     name = "torch"
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, timeout: float = 60.0):
         self.device = device
+        self.timeout = timeout
 
     def open(self, edges: list[Edge], rank: int, inbox: Inbox):
         senders, receivers = {}, {}
@@ -202,7 +226,8 @@ class TorchBackend(Backend):
             payload = dist.new_group([edge.src, edge.dst], backend="nccl") if gpu else header
             groups = _Groups(header, payload)
             if rank == edge.src:
-                senders[edge] = TorchSendChannel(edge, groups, self.device)
+                senders[edge] = TorchSendChannel(edge, groups, self.device, self.timeout)
             elif rank == edge.dst:
-                receivers[edge] = TorchRecvChannel(edge, groups, self.device, inbox)
+                receivers[edge] = TorchRecvChannel(edge, groups, self.device, inbox,
+                                                   self.timeout)
         return senders, receivers

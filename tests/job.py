@@ -1,0 +1,135 @@
+"""An entry point run as a job of rank processes, as torchrun starts them (its environment
+variables, without its agent), so that a test can stop, kill or interrupt one rank, watch
+how the others end, and find every process the job left behind.
+
+Each rank runs in a session of its own (children it forks or spawns stay in it) and writes
+its output to `rank{r}.log`. `prelude` is Python run in every rank before the entry point,
+to inject a fault (it sees the rank in os.environ["RANK"]).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.distributed import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+POLL_S = 0.1
+
+
+class Job:
+    def __init__(self, entry: str, flags: list[str], world_size: int, workdir: Path,
+                 prelude: str = "", env: dict[str, str] | None = None):
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        port = str(free_port())
+        run = f"import runpy; runpy.run_path({str(REPO / entry)!r}, run_name='__main__')"
+        self.ranks: list[subprocess.Popen] = []
+        try:
+            for rank in range(world_size):
+                rank_env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank),
+                                WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                                MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                                OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+                                PYTHONPATH=str(REPO), **(env or {}))
+                with open(self.log_path(rank), "w") as log:
+                    self.ranks.append(subprocess.Popen(
+                        [sys.executable, "-c", f"{prelude}\n{run}", *flags], cwd=REPO,
+                        env=rank_env, stdout=log, stderr=subprocess.STDOUT,
+                        start_new_session=True))
+        except BaseException:
+            self.kill()
+            raise
+
+    def log_path(self, rank: int) -> Path:
+        return self.workdir / f"rank{rank}.log"
+
+    def log(self, rank: int) -> str:
+        return self.log_path(rank).read_text(errors="replace")
+
+    def lines(self, rank: int, containing: str) -> list[str]:
+        return [line for line in self.log(rank).splitlines() if containing in line]
+
+    def wait_for(self, rank: int, text: str, timeout: float) -> None:
+        """Until `text` is in the rank's output; fails if the rank ends or time runs out."""
+        deadline = time.monotonic() + timeout
+        while text not in self.log(rank):
+            if self.ranks[rank].poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"rank {rank} never printed {text!r}:\n"
+                                     f"{self.log(rank)[-3000:]}")
+            time.sleep(POLL_S)
+
+    def wait(self, rank: int, timeout: float) -> int | None:
+        """The rank's exit status, or None if it still runs after `timeout` seconds."""
+        try:
+            return self.ranks[rank].wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def signal(self, rank: int, signum: int) -> None:
+        os.kill(self.ranks[rank].pid, signum)
+
+    def wait_stopped(self, rank: int, timeout: float) -> None:
+        """Until the rank is stopped (SIGSTOP, from itself or another process)."""
+        deadline = time.monotonic() + timeout
+        stat = Path(f"/proc/{self.ranks[rank].pid}/stat")
+        while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
+            if self.ranks[rank].poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"rank {rank} did not stop:\n{self.log(rank)[-3000:]}")
+            time.sleep(POLL_S)
+
+    def processes(self) -> list[int]:
+        """Live processes of the job: its ranks and everything they started."""
+        sessions = {str(rank.pid) for rank in self.ranks}
+        alive = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            state, _, _, session = stat.rsplit(")", 1)[1].split()[:4]
+            if session in sessions and state not in ("Z", "X"):
+                alive.append(int(entry))
+        return alive
+
+    def wait_until_gone(self, timeout: float) -> list[int]:
+        """Waits until no process of the job is alive; returns those alive at the end."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for rank in self.ranks:
+                rank.poll()  # reap the ranks that ended
+            alive = self.processes()
+            if not alive or time.monotonic() > deadline:
+                return alive
+            time.sleep(POLL_S)
+
+    def kill(self) -> None:
+        """SIGKILL every process of the job (stopped ones too)."""
+        for pid in self.processes():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for rank in self.ranks:
+            rank.wait()
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+
+
+TINY_GPT = [
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+    "--global-batch-size", "8", "--lr", "1e-3", "--mock-data", "--tokenizer-type",
+    "NullTokenizer", "--vocab-size", "128", "--eval-iters", "0", "--log-interval", "1",
+]
