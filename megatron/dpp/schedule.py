@@ -210,17 +210,26 @@ class _Iteration:
                 return self.coordinator.share(None)
         inbox = self.transport.inbox
         version = inbox.version
-        task = self.policy.next_task(self._arrived)
+        task = self._ready_task()
         if task is None:
             with self.tracer.span("recv_wait"):
                 while task is None:
-                    inbox.wait(version, self.transport.timeout)
+                    # a timeout names the inputs the policy looked for, and their peers
+                    self.transport.wait(version, self._missing)
                     version = inbox.version
-                    task = self.policy.next_task(self._arrived)
+                    task = self._ready_task()
         return self.coordinator.share(task)
 
+    def _ready_task(self) -> Task | None:
+        self._missing: list[MessageKey] = []
+        return self.policy.next_task(self._arrived)
+
     def _arrived(self, task: Task) -> bool:
-        return self.transport.inbox.has(_input_key(task))
+        key = _input_key(task)
+        if self.transport.inbox.has(key):
+            return True
+        self._missing.append(key)
+        return False
 
     def _send_output(self, task: Task, tensor) -> None:
         """To the rank of the task that consumes `task`'s output (none: nothing to send)."""
