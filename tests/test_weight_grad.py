@@ -95,6 +95,36 @@ def test_backward_outside_deferring_is_unchanged(store):
     assert store.pending() == []
 
 
+def test_each_chunk_reduces_after_its_last_w_and_never_during_b(store):
+    """DDP's hooks, as megatron-core's schedules hand them over in the config: B runs under
+    the chunk's no_sync; the chunk's grad_sync follows its last W, not its last B."""
+    events = []
+
+    @contextlib.contextmanager
+    def no_sync(chunk):
+        events.append(("no_sync on", chunk))
+        yield
+        events.append(("no_sync off", chunk))
+
+    config = SimpleNamespace(
+        gradient_accumulation_fusion=True,
+        no_sync_func=[lambda: no_sync(0), lambda: no_sync(1)],
+        grad_sync_func=[lambda: events.append(("sync", 0)), lambda: events.append(("sync", 1))])
+    store.begin_iteration(config, num_chunks=2, num_microbatches=2)
+    for key in ((0, 0), (1, 0), (0, 1), (1, 1)):
+        with store.deferring(key):
+            events.append(("B", key))
+    assert events[:3] == [("no_sync on", 0), ("B", (0, 0)), ("no_sync off", 0)]
+    assert all(kind != "sync" for kind, _ in events)
+    events.clear()
+    for key in ((1, 1), (0, 0), (1, 0), (0, 1)):
+        store.run(key)
+        events.append(("W", key))
+    assert events == [("W", (1, 1)), ("W", (0, 0)), ("sync", 1), ("W", (1, 0)), ("sync", 0),
+                      ("W", (0, 1))]
+    store.end_iteration()
+
+
 def test_a_model_without_the_fusion_path_is_refused():
     config = SimpleNamespace(**{**vars(PLAIN_CONFIG), "gradient_accumulation_fusion": False})
     with pytest.raises(WeightGradError, match="without gradient_accumulation_fusion"):

@@ -25,9 +25,11 @@ gradient T·V/t. `held_bytes` counts it.
 
 Sequence parallelism: megatron-core's backward all-gathers the layer's input again for its
 weight gradient, into a buffer shared by all layers (the next layer's gather overwrites
-it). The store keeps a copy of the gathered input (t times the local input) rather than
-gathering once more in W: W then needs no collective, so it can fill any bubble without its
-tensor-parallel peers, and megatron-core's B-time gather is not wasted.
+it). The store keeps a copy of the gathered input rather than gathering once more in W:
+per GPT layer that holds the qkv and fc1 inputs whole, 2·T·h elements, where the local
+slices autograd keeps are 2·T·h/t; re-gathering instead would cost W two all-gathers of
+T·h per layer, tie every W to its tensor-parallel peers (a bubble filler that waits for
+them), and waste the gather megatron-core's B does anyway.
 
 Data parallelism (megatron-core DDP): the per-parameter hooks run during B, when the
 placeholder gradient arrives; with --overlap-grad-reduce the chunk's last B would start the
