@@ -95,6 +95,11 @@ CONFIGS |= {
     # one GPU (--pp 1): the trainer's defaults, and the fastest flags known
     "one-default": [],
     "one-fast": [*FUSED[:1], *XENT, *GRAPHS],
+    # one GPU (--gpus 1 --pp 1): the B/W split's own cost, each W right after its B
+    "pp1-xent": [*FUSED[:1], *XENT],
+    "pp1-xent-split": [*FUSED[:1], *XENT, "--dpp-split-backward"],
+    "pp1-xent-graphs": [*FUSED[:1], *XENT, *GRAPHS],
+    "pp1-xent-graphs-split": [*FUSED[:1], *XENT, *GRAPHS, "--dpp-split-backward"],
 }
 
 # (a, b): print a's tokens/s over b's when both ran
@@ -116,12 +121,14 @@ RATIOS = (
     ("xent-graphs-m64", "wgrad-graphs-m64"), ("xent-graphs-m64", "sdpa-only"),
     ("xent-graphs-m64-dpp-torch", "xent-graphs-m64"), ("xent-graphs-m64-dpp-shm", "xent-graphs-m64"),
     ("xent-graphs-m64-dpp-shm", "xent-graphs-m64-dpp-torch"), ("one-fast", "one-default"),
+    ("pp1-xent-split", "pp1-xent"), ("pp1-xent-graphs-split", "pp1-xent-graphs"),
 )
 
 LINE = re.compile(
     r"iteration\s+(\d+)/.*elapsed time per iteration \(ms\): ([\d.]+).*"
     r"throughput per GPU \(TFLOP/s/GPU\): ([\d.]+)(?:.*MFU: ([\d.]+)%)?.*tokens/s: (\d+)"
 )
+MEMORY = re.compile(r"memory per rank \(max allocated, MB\): (.*)")
 
 
 def observer_flags(name: str, args, out: Path) -> list[str]:
@@ -172,13 +179,16 @@ def run(name: str, flags: list[str], args, out: Path) -> dict:
         return {"name": name, "error": f"exit {returncode}", "tail": text[-3000:]}
     measured = [r for r in rows if int(r[0]) > args.warmup]
     ms = statistics.median(float(r[1]) for r in measured)
+    # the last report covers the whole run: the largest rank's peak
+    memory = MEMORY.findall(text)
+    peak_mb = max(float(entry.split(":")[1]) for entry in memory[-1].split("|")) if memory else None
     tokens = statistics.median(float(r[4]) for r in measured)
     return {
         "name": name, "flags": " ".join(flags), "ms_per_iter": ms,
         "tokens_per_s": tokens,
         "tflops_per_gpu": statistics.median(float(r[2]) for r in measured),
         "mfu_percent": statistics.median(float(r[3]) for r in measured) if measured[0][3] else None,
-        "iterations": len(measured), "wall_s": round(time.time() - started, 1),
+        "peak_mb": peak_mb, "iterations": len(measured), "wall_s": round(time.time() - started, 1),
     }
 
 
@@ -210,14 +220,16 @@ def main() -> None:
         log.info(json.dumps(results[-1]))
         (out / "results.json").write_text(json.dumps(results, indent=1))
     base = {r["name"]: r for r in results if "error" not in r}
-    header = f"{'config':16s} {'ms/iter':>9s} {'tokens/s':>10s} {'TFLOP/s/GPU':>12s} {'MFU%':>6s}"
+    header = (f"{'config':16s} {'ms/iter':>9s} {'tokens/s':>10s} {'TFLOP/s/GPU':>12s} "
+              f"{'MFU%':>6s} {'peak MB':>9s}")
     lines = [header]
     for r in results:
         if "error" in r:
             lines.append(f"{r['name']:16s} FAILED ({r['error']})")
             continue
         lines.append(f"{r['name']:16s} {r['ms_per_iter']:9.1f} {r['tokens_per_s']:10.0f} "
-                     f"{r['tflops_per_gpu']:12.1f} {r['mfu_percent'] or 0:6.1f}")
+                     f"{r['tflops_per_gpu']:12.1f} {r['mfu_percent'] or 0:6.1f} "
+                     f"{r['peak_mb'] or 0:9.0f}")
     for a, b in RATIOS:
         if a in base and b in base:
             lines.append(f"{a} / {b}: {base[a]['tokens_per_s'] / base[b]['tokens_per_s']:.3f}x")

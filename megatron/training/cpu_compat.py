@@ -45,12 +45,26 @@ class _CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _backward_in_mode(apply):
+    """The autograd engine runs backward without the caller's function modes: megatron.core's
+    custom backwards (the linear layers' placeholder weight gradient, sequence parallelism's
+    reduce-scatter buffer) would still ask for CUDA tensors."""
+
+    def backward_apply(ctx, *grads):
+        with _CudaToCpuMode():
+            return apply(ctx, *grads)
+
+    return backward_apply
+
+
 class CpuCompat(contextlib.ExitStack):
     """Enter in every CPU rank (the function mode is thread-local)."""
 
     def __enter__(self):
         super().__enter__()
         self.enter_context(_CudaToCpuMode())
+        backward = torch.autograd.function.BackwardCFunction
+        self.enter_context(_patched(backward, "apply", _backward_in_mode(backward.apply)))
         for name, value in (
             ("current_device", lambda: 0),
             ("synchronize", lambda *a, **k: None),

@@ -17,16 +17,26 @@ another slot's. Its backward graph adds the weight gradients into megatron-core 
 `main_grad` buffers itself (what DDP's per-parameter hooks do eagerly; with the
 gradient-accumulation fusion the linear layers' GEMMs do it), so parameters are not inputs
 of the replay and no per-parameter hook runs for the block.
+
+With --dpp-split-backward a slot records two backward graphs: B (input, bias and layer-norm
+gradients) with the linear layers' weight-gradient GEMMs deferred, and W, those GEMMs. A
+backward inside `WeightGradStore.deferring` replays B and leaves W (the replay of the W
+graph, then the slot's release) to the store: the slot's saved inputs and recorded output
+gradients must stay until W, so the slot is not free before it. Any other backward replays
+both. Graphing W rather than running its GEMMs eagerly keeps W one launch, as B is.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 
 import torch
 from megatron.core.transformer.transformer_block import TransformerBlock
+
+from megatron.dpp.weight_grad import WeightGradStore, weight_grads_deferred
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +57,7 @@ class _Slot:
     grad_input: torch.Tensor
     forward_graph: torch.cuda.CUDAGraph
     backward_graph: torch.cuda.CUDAGraph
+    weight_graph: torch.cuda.CUDAGraph | None  # the deferred weight gradients (B/W split)
 
 
 class _ReplayBlock(torch.autograd.Function):
@@ -63,7 +74,13 @@ class _ReplayBlock(torch.autograd.Function):
         slot = ctx.slot
         slot.grad_output.copy_(grad_output)
         slot.backward_graph.replay()
-        ctx.graphs.release(slot)
+        graphs = ctx.graphs
+        if slot.weight_graph is None:
+            graphs.release(slot)
+        elif graphs.weight_grads.is_deferring:
+            graphs.weight_grads.defer(functools.partial(graphs.finish_weight_grads, slot))
+        else:
+            graphs.finish_weight_grads(slot)
         # the slot's next forward may reuse this memory while the gradient is still in a send
         return None, None, slot.grad_input.clone()
 
@@ -71,8 +88,10 @@ class _ReplayBlock(torch.autograd.Function):
 class BlockGraphs:
     """Replaces one TransformerBlock's forward by slot replays where the call allows it."""
 
-    def __init__(self, block: TransformerBlock, shape: tuple[int, ...], dtype: torch.dtype):
+    def __init__(self, block: TransformerBlock, shape: tuple[int, ...], dtype: torch.dtype,
+                 weight_grads: WeightGradStore | None = None):
         self.block = block
+        self.weight_grads = weight_grads
         self.shape, self.dtype = torch.Size(shape), dtype
         self.eager_forward = block.forward
         # replays read the parameters' storage: updates must stay in place (megatron-core's
@@ -95,6 +114,11 @@ class BlockGraphs:
 
     def release(self, slot: _Slot) -> None:
         self.free.append(slot)
+
+    def finish_weight_grads(self, slot: _Slot) -> None:
+        """The slot's W: its weight-gradient GEMMs, then the slot is free again."""
+        slot.weight_graph.replay()
+        self.release(slot)
 
     def _replayable(self, x, attention_mask, args, kwargs) -> bool:
         # training passes of the configured shape, with nothing but the hidden states
@@ -151,14 +175,27 @@ class BlockGraphs:
                 with _capture(forward_graph, pool):
                     output = self._run(static_input)
                 grad_output = torch.empty_like(output)
-                with _capture(backward_graph, pool):
+                # B/W split: the weight-gradient GEMMs are recorded, not captured, in B
+                deferred: list = []
+                split = (contextlib.nullcontext() if self.weight_grads is None
+                         else weight_grads_deferred(deferred.append))
+                with _capture(backward_graph, pool), split:
                     grads = torch.autograd.grad(output, inputs, grad_output, allow_unused=True)
                     for (_, param), grad in zip(added_here, grads[1:], strict=True):
                         if grad is not None:
                             param.main_grad.add_(grad)
+                weight_graph = None
+                if self.weight_grads is not None:
+                    # in the slot's pool: the tensors W reads were kept alive through B's
+                    # capture, so no allocation of B aliases them
+                    weight_graph = torch.cuda.CUDAGraph()
+                    with _capture(weight_graph, pool), torch.no_grad():
+                        for work in deferred:
+                            work()
+                del deferred, split
         torch.cuda.current_stream().wait_stream(side)
         slot = _Slot(static_input, output.detach(), grad_output, grads[0],
-                     forward_graph, backward_graph)
+                     forward_graph, backward_graph, weight_graph)
         del grads, output
         self.slots.append(slot)
         log.info("CUDA graphs: recorded slot %d of a %d-layer block for shape %s",
@@ -202,8 +239,10 @@ def _capture(graph: torch.cuda.CUDAGraph, pool):
         graph.capture_end()
 
 
-def install_block_graphs(model_chunks, args, device: torch.device) -> list[BlockGraphs]:
-    """Give every chunk's transformer block slot-recorded CUDA graphs."""
+def install_block_graphs(model_chunks, args, device: torch.device,
+                         weight_grads: WeightGradStore | None = None) -> list[BlockGraphs]:
+    """Give every chunk's transformer block slot-recorded CUDA graphs (B and W apart when
+    `weight_grads`, the schedule's store, is given)."""
     if device.type != "cuda":
         raise CudaGraphError("--cuda-graph-impl block needs a CUDA device; this run is on "
                              f"{device.type}")
@@ -213,7 +252,7 @@ def install_block_graphs(model_chunks, args, device: torch.device) -> list[Block
     for chunk in model_chunks:
         for module in chunk.modules():
             if isinstance(module, TransformerBlock) and len(module.layers) > 0:
-                graphs = BlockGraphs(module, shape, dtype)
+                graphs = BlockGraphs(module, shape, dtype, weight_grads)
                 module.forward = graphs.forward
                 installed.append(graphs)
     return installed

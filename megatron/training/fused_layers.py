@@ -20,6 +20,7 @@ import functools
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
+from megatron.core.tensor_parallel import layers as core_layers
 
 from megatron.training.no_apex import WeightGradAccumulation
 
@@ -37,6 +38,16 @@ def _dummy_weight_grad(weight: torch.nn.Parameter, dtype: torch.dtype) -> torch.
     return torch.empty(weight.shape, dtype=dtype, device=weight.device)
 
 
+def _accumulate_weight_grad(input, grad_output, main_grad) -> None:
+    """main_grad += grad_output^T @ input through the kernels megatron-core's linear layers
+    call (apex's, no_apex's, or a WeightGradStore deferring them to a W task)."""
+    kernels = getattr(core_layers, "fused_weight_gradient_mlp_cuda", WeightGradAccumulation)
+    if main_grad.dtype == torch.float32:
+        kernels.wgrad_gemm_accum_fp32(input, grad_output, main_grad)
+    else:
+        kernels.wgrad_gemm_accum_fp16(input, grad_output, main_grad)
+
+
 class _BiasInEpilogueLinear(torch.autograd.Function):
     """output = input @ weight^T + bias on 2-D input, the bias added by the GEMM."""
 
@@ -52,11 +63,7 @@ class _BiasInEpilogueLinear(torch.autograd.Function):
         grad_input = grad_output.matmul(weight)
         grad_bias = grad_output.sum(dim=0)
         if ctx.accumulate:
-            main_grad = weight.main_grad
-            if main_grad.dtype == torch.float32:
-                WeightGradAccumulation.wgrad_gemm_accum_fp32(input, grad_output, main_grad)
-            else:
-                WeightGradAccumulation.wgrad_gemm_accum_fp16(input, grad_output, main_grad)
+            _accumulate_weight_grad(input, grad_output, weight.main_grad)
             grad_weight = _dummy_weight_grad(weight, input.dtype)
         else:
             grad_weight = grad_output.t().matmul(input)

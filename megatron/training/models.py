@@ -45,6 +45,9 @@ def use_transformer_engine(args) -> bool:
 
 def transformer_config_from_args(args) -> TransformerConfig:
     te = use_transformer_engine(args)
+    if te and args.dpp_split_backward:
+        raise RuntimeError("--dpp-split-backward: Transformer Engine's layers compute their "
+                           "weight gradients in their own backward; use --transformer-impl local")
     on_gpu = torch.cuda.is_available()
     kwargs = dict(
         num_layers=args.num_layers,
@@ -100,9 +103,11 @@ def transformer_config_from_args(args) -> TransformerConfig:
         perform_initialization=True,
         use_cpu_initialization=not torch.cuda.is_available(),
         attention_backend=AttnBackend.auto if te else AttnBackend.local,
-        # the weight-gradient GEMM adds into the fp32 main_grad (no_apex.WeightGradAccumulation;
-        # torch's mixed-dtype GEMM exists on CUDA only)
-        gradient_accumulation_fusion=args.gradient_accumulation_fusion and on_gpu,
+        # the weight-gradient GEMM adds into the fp32 main_grad (no_apex.WeightGradAccumulation).
+        # On GPU only (it saves a kernel there), unless the B/W split needs the path: it
+        # defers exactly those GEMMs (megatron/dpp/weight_grad.py)
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion and (
+            on_gpu or args.dpp_split_backward),
     )
     if args.seq_length_cv > 0:
         # megatron-core's validation asks for this whenever variable_seq_lengths is on

@@ -10,7 +10,8 @@ floating-point summation order (the grad norm) and Adam's fused arithmetic (last
 
 Megatron's gradient-accumulation fusion (the weight-gradient GEMM adds into the fp32
 main_grad itself) needs apex's fused_weight_gradient_mlp_cuda; `WeightGradAccumulation`
-provides its two functions with torch's GEMMs on GPU.
+provides its two functions with torch's GEMMs (on CPU too, where the B/W split of
+--dpp-split-backward needs the path).
 """
 
 from __future__ import annotations
@@ -78,9 +79,11 @@ class WeightGradAccumulation:
     def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad):
         if total_input.dtype == torch.float32:
             main_grad.addmm_(grad_output.t(), total_input)
-        else:
+        elif main_grad.is_cuda:
             torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=torch.float32,
                         out=main_grad)
+        else:  # torch's mixed-dtype GEMM is CUDA-only: fp32 copies of the operands
+            main_grad.addmm_(grad_output.t().float(), total_input.float())
 
     @staticmethod
     def wgrad_gemm_accum_fp16(total_input, grad_output, main_grad):

@@ -25,6 +25,7 @@ from megatron.core.num_microbatches_calculator import (
 )
 
 from megatron.dpp import tracing
+from megatron.dpp.weight_grad import SplitBackwardNoPipelining, WeightGradStore
 from megatron.training import checkpointing, metrics, no_apex
 from megatron.training.arguments import parse_args
 from megatron.training.cuda_graphs import install_block_graphs
@@ -104,8 +105,10 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
         stack.enter_context(no_apex.weight_grad_accumulation_fusion())
     chunks = build_model_chunks(args, config, task.build_stage)
     model = wrap_model_chunks(chunks, args, config, device)
+    # --dpp-split-backward: the schedule's B/W split, which the CUDA-graph blocks follow
+    weight_grads = WeightGradStore() if args.dpp_split_backward else None
     if args.cuda_graph_impl == "block":
-        install_block_graphs(model, args, device)
+        install_block_graphs(model, args, device, weight_grads)
     if not args.megatron_optimizer_fallbacks:
         stack.enter_context(no_apex.foreach_multi_tensor_ops())
     optimizer = build_optimizer(model, args)
@@ -119,9 +122,10 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     datasets = task.build_datasets(args, tokenizer)
     log.info("%s: %d parameters on this rank, %d model chunk(s), schedule %s, layers %s",
              task.name, sum(p.numel() for c in model for p in c.parameters()), len(model),
-             "DPP" if args.use_dpp else "megatron-core",
+             "DPP" if args.use_dpp else "megatron-core" + (
+                 ", each backward split into B and W" if weight_grads is not None else ""),
              "Transformer Engine" if use_transformer_engine(args) else "megatron.core + SDPA")
-    schedule = forward_backward_func(args)
+    schedule = forward_backward_func(args, weight_grads)
     if hasattr(schedule, "close"):
         stack.callback(schedule.close)
     collector = stack.enter_context(
@@ -155,11 +159,13 @@ def _install_schedule_hooks(config, model, optimizer, args) -> None:
     config.timers = None
 
 
-def forward_backward_func(args):
+def forward_backward_func(args, weight_grads: WeightGradStore | None = None):
     if args.use_dpp:
         from megatron.dpp import get_forward_backward_func
 
         return get_forward_backward_func(args)
+    if weight_grads is not None:
+        return SplitBackwardNoPipelining(weight_grads)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     return get_forward_backward_func()
