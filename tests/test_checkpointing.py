@@ -117,3 +117,14 @@ def test_save_without_psutil_fails_fast(tmp_path, monkeypatch):
         checkpointing.save_checkpoint(str(tmp_path), [], None, None,
                                       checkpointing.TrainingState(), None)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("optimizer", [[], ["--use-distributed-optimizer"]], ids=["adam", "distopt"])
+@pytest.mark.parametrize("schedule", [[], ["--use-dpp", "--dpp-transport", "torch"]],
+                         ids=["core", "dpp"])
+def test_resume_virtual_stages(tmp_path, schedule, optimizer):
+    """PP=2 x VPP=2: every chunk's parameters and optimizer state are saved under their own
+    key (the chunks' local names repeat) and come back; under DPP the resume is exact too."""
+    flags = with_flags(BASE, pipeline_model_parallel_size=2,
+                       virtual_pipeline_model_parallel_size=2) + schedule + optimizer
+    _save_resume_and_compare(tmp_path, flags, 2)

@@ -175,7 +175,8 @@ def _parallel_args(g):
     g.add_argument("--distributed-timeout-minutes", type=float, default=10)
     g.add_argument("--local-rank", "--local_rank", type=int, default=None)
     g.add_argument("--no-batch-p2p-comm", action="store_true",
-                   help="megatron-core schedules: unbatched p2p (needed for PP=2 with VPP)")
+                   help="megatron-core schedules: unbatched p2p (chosen automatically at PP=2 with "
+                        "virtual stages, where batched p2p gives wrong gradients)")
     g.add_argument("--batch-p2p-sync", action="store_true",
                    help="megatron-core schedules: synchronise the device after each batched "
                         "p2p exchange (an old PyTorch workaround; it stalls the host each time)")

@@ -37,6 +37,7 @@ from megatron.training.models import (
 )
 from megatron.training.optimizer import build_optimizer, build_scheduler, wrap_model_chunks
 from megatron.training.profiler import StepProfiler
+from megatron.training.rng import ForwardRng
 from megatron.training.tokenizer import build_tokenizer
 
 log = logging.getLogger("megatron.training")
@@ -67,6 +68,7 @@ class Trainer:
     datasets: tuple
     state: checkpointing.TrainingState
     schedule: Callable
+    rng: ForwardRng
     tracer: object = field(default_factory=tracing.NullTracer)  # --trace: see start_tracing
     collector: ManualGC = field(default_factory=lambda: ManualGC(enabled=False))
 
@@ -74,6 +76,11 @@ class Trainer:
     def reporting(self) -> bool:
         """The last rank reports losses (it is on the last pipeline stage)."""
         return dist.get_rank() == dist.get_world_size() - 1
+
+    def forward_step_func(self, iteration: int) -> Callable:
+        """The model's forward step for one schedule call of `iteration`, its random draws
+        keyed by (seed, iteration, microbatch, virtual stage)."""
+        return self.rng.keyed(self.task.make_forward_step(self.args, self.device), iteration)
 
 
 def pretrain(task: ModelTask, argv=None, extra_args_provider=None) -> checkpointing.TrainingState:
@@ -125,7 +132,8 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     collector = stack.enter_context(
         ManualGC(args.manual_gc, args.manual_gc_interval, args.manual_gc_eval))
     return Trainer(args, task, device, model, optimizer, scheduler, config,
-                   _batch_calculator(args), datasets, state, schedule, collector=collector)
+                   _batch_calculator(args), datasets, state, schedule,
+                   ForwardRng(args.seed, device), collector=collector)
 
 
 def _padded_vocab_size(vocab_size: int, args) -> int:
@@ -205,7 +213,7 @@ def train_step(trainer: Trainer, iterator) -> dict:
         # the microbatches' token counts are known before the step: DPP orders by them
         trainer.schedule.set_microbatch_costs(lengths)
     losses = trainer.schedule(
-        forward_step_func=trainer.task.make_forward_step(args, trainer.device),
+        forward_step_func=trainer.forward_step_func(trainer.state.iteration + 1),
         data_iterator=iterator,
         model=trainer.model,
         num_microbatches=num_microbatches,
@@ -252,7 +260,7 @@ def evaluate(trainer: Trainer, dataset, consumed: int) -> dict[str, float]:
     with torch.no_grad():
         for _ in range(args.eval_iters):
             gathered += trainer.schedule(
-                forward_step_func=trainer.task.make_forward_step(args, trainer.device),
+                forward_step_func=trainer.forward_step_func(trainer.state.iteration),
                 data_iterator=iterator,
                 model=trainer.model,
                 num_microbatches=trainer.batch_calculator.get(),
