@@ -37,8 +37,8 @@ def named_grads(trainer) -> dict:
 
 def one_step(trainer, schedule, num_microbatches: int, forward_only: bool = False,
              forward_step_func=None):
-    """Losses ([loss sum, tokens] per microbatch on the last stage) and gradients of one
-    forward/backward over the first global batch (as iteration 1)."""
+    """Losses (per microbatch on the last stage, [loss sum, tokens] of each loss) and
+    gradients of one forward/backward over the first global batch (as iteration 1)."""
     import torch
 
     from megatron.training.training import data_iterators
@@ -54,7 +54,9 @@ def one_step(trainer, schedule, num_microbatches: int, forward_only: bool = Fals
             seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
             decoder_seq_length=args.seq_length, forward_only=forward_only,
         )
-    losses = [[float(v) for v in entry["lm loss"]] for entry in out]
+    # per microbatch: [loss sum, tokens] of each of the task's losses
+    names = trainer.task.loss_names
+    losses = [[float(v) for name in names for v in entry[name]] for entry in out]
     return losses, ({} if forward_only else named_grads(trainer))
 
 

@@ -14,10 +14,10 @@ from tests.pipeline_runs import TINY_GPT, compare_schedules, repeated_dpp_runs
 ATOL = 2e-6
 
 
-def _reference(num_layers: int, global_batch: int):
+def _reference(num_layers: int, global_batch: int, task: str = "gpt"):
     """Losses and full gradients without pipelining, from one process."""
     flags = _flags(num_layers, global_batch)
-    (result,) = run_ranks(1, compare_schedules, flags, 1)
+    (result,) = run_ranks(1, compare_schedules, flags, 1, task)
     losses, grads = result["core"]
     return losses, {name: grad for name, (grad, _) in grads.items()}
 
@@ -28,18 +28,23 @@ def _flags(num_layers: int, global_batch: int, *extra):
     return flags + ["--global-batch-size", str(global_batch), *extra]
 
 
-def _mean_loss(losses):
-    total = torch.tensor(losses).sum(dim=0)
-    return float(total[0] / total[1])
-
-
 def _check_against_reference(results, reference, key):
     ref_losses, ref_grads = reference
-    pipeline_losses = [r[key][0] for r in results if r[key][0]]
-    # data-parallel replicas each hold their share of the microbatches
-    assert pipeline_losses, "no rank reported losses"
-    merged = [pair for losses in pipeline_losses[: len(pipeline_losses)] for pair in losses]
-    assert _mean_loss(merged) == pytest.approx(_mean_loss(ref_losses), abs=1e-6)
+    # the last stage's ranks report; its tensor-parallel ranks report the same losses
+    reporting = [r for r in results if r[key][0]]
+    assert reporting, "no rank reported losses"
+    replicas = {r["dp_rank"]: r[key][0] for r in reporting if r["tp_rank"] == 0}
+    for r in reporting:
+        assert r[key][0] == replicas[r["dp_rank"]]
+    # data-parallel rank d's microbatch j holds the samples of the reference's microbatch
+    # j * dp + d (data.MicroBatchIterator)
+    dp = len(replicas)
+    assert sorted(replicas) == list(range(dp))
+    for dp_rank, losses in replicas.items():
+        expected = ref_losses[dp_rank::dp]
+        assert len(losses) == len(expected) > 0
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected),
+                                   atol=1e-5, rtol=1e-6)
     seen = set()
     for r in results:
         for name, (grad, split) in r[key][1].items():
@@ -102,6 +107,15 @@ def test_dpp_equals_core_and_no_pipelining(case):
         assert held == STAGE_LAYERS[case]
     _check_dpp_matches_core(results)
     _check_against_reference(results, _reference(layers, batch), "dpp")
+
+
+def test_bert_dpp_equals_core_and_no_pipelining():
+    """BERT (every stage reads the batch for its padding mask; two losses) at PP=2."""
+    flags = _flags(4, 8, "--pipeline-model-parallel-size", "2", "--dpp-transport", "torch")
+    results = run_ranks(2, compare_schedules, flags, 2, "bert")
+    assert len(results[-1]["dpp"][0][0]) == 4  # [lm loss, tokens, sop loss, tokens]
+    _check_dpp_matches_core(results)
+    _check_against_reference(results, _reference(4, 8, "bert"), "dpp")
 
 
 def test_dpp_orders_variable_length_microbatches_and_matches_core():

@@ -127,3 +127,19 @@ def test_bf16_two_iterations(gpt_pp2):
     fp32_first = _losses(gpt_pp2[0])[0]
     assert losses[0] == pytest.approx(fp32_first, abs=2e-2)
     assert losses[0] != fp32_first
+
+
+def test_dpp_with_distributed_optimizer_overlapped_reduce_and_rampup():
+    """DP=2 x PP=2 with the distributed optimizer, overlapped gradient reduction (DPP
+    starts each chunk's reduction after its last backward) and a batch ramping up from 8 to
+    16 samples: DPP trains exactly as megatron-core's schedule does."""
+    flags = with_flags(PP2, global_batch_size=16, rampup_batch_size=[8, 8, 16], train_iters=3,
+                       use_distributed_optimizer=True, overlap_grad_reduce=True)
+    core, dpp = run_ranks(4, train_runs, [flags, flags + ["--use-dpp", "--dpp-transport",
+                                                           "torch"]], 4, "gpt", BATCH)[-1]
+    assert core["batches"] == dpp["batches"] == [8, 8, 16]
+    core_losses = [step["lm loss"] for step in core["losses"]]
+    assert [step["lm loss"] for step in dpp["losses"]] == pytest.approx(core_losses, abs=1e-6)
+    assert dpp["grad_norms"] == pytest.approx(core["grad_norms"], rel=1e-6)
+    assert core_losses[-1] < core_losses[0]  # the optimizer steps reached the parameters
+    assert any("schedule DPP" in m for _, m in dpp["logs"])

@@ -153,7 +153,9 @@ def _install_schedule_hooks(config, model, optimizer, args) -> None:
     """The callbacks megatron.core's schedules (and DPP's) expect on the config."""
     no_sync = [chunk.no_sync for chunk in model]
     config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-    if args.overlap_grad_reduce:
+    # DPP re-enables each chunk's reduction before that chunk's last backward, whose hooks
+    # then start it; a grad_sync_func would start it a second time
+    if args.overlap_grad_reduce and not args.use_dpp:
         sync = [chunk.start_grad_sync for chunk in model]
         config.grad_sync_func = sync[0] if len(sync) == 1 else sync
     config.finalize_model_grads_func = finalize_model_grads
