@@ -274,6 +274,11 @@ def test_all_problems_in_one_message():
     message = _error(with_flags(BASE, num_layers=5, pipeline_model_parallel_size=2,
                                 global_batch_size=3), world_size=2)
     assert "--num-layers 5" in message and "--global-batch-size 3" in message
+    # the microbatch constraints of virtual stages come with the others
+    message = _error(with_flags(BASE, pipeline_model_parallel_size=2, global_batch_size=14,
+                                virtual_pipeline_model_parallel_size=2, fp16=True, bf16=True),
+                     world_size=2)
+    assert "--fp16 and --bf16" in message and "gives 7 microbatches" in message
 
 
 def test_derived_values():

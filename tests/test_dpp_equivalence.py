@@ -139,26 +139,28 @@ def test_dpp_with_random_delivery_delays():
     _check_dpp_matches_core(results)
 
 
-@pytest.mark.parametrize("extra", [[], ["--recompute-activations"]], ids=["plain", "recompute"])
-def test_dropout_keyed_by_microbatch_not_by_order(extra):
+def test_dropout_keyed_by_microbatch_not_by_order():
     """Dropout 0.1 at PP=2 x VPP=2: DPP steps that interleave each rank's two chunks'
     forwards differently (megatron's order at slack 0; at slack 2 more warm-up forwards,
     and arrivals delayed at random) give bit-identical losses and gradients, equal to
-    megatron-core's. Recomputation replays the same masks."""
+    megatron-core's; also with recomputation, which must replay the same masks."""
     world, layers, batch, layout = CASES["pp2_vpp2"]
-    flags = _flags(layers, batch, *layout, "--hidden-dropout", "0.1",
-                   "--attention-dropout", "0.1", *extra)
+    flags = _flags(layers, batch, *layout, "--hidden-dropout", "0.1", "--attention-dropout",
+                   "0.1")
     runs = [(0, 0), (2, 20), (2, 20)]  # (slack, delivery jitter in ms)
-    results = run_ranks(world, repeated_dpp_runs, flags, world, runs)
-    assert results[0]["orders"][0] != results[0]["orders"][1], \
-        "the first stage ran its forwards in one order: the test shows nothing"
-    for r in results:
-        first_losses, first_grads = r["dpp"][0]
-        for losses, grads in r["dpp"][1:]:
-            assert losses == first_losses
-            for name, (grad, _) in grads.items():
-                assert torch.equal(grad, first_grads[name][0]), name
-        _check_dpp_matches_core([{"core": r["core"], "dpp": r["dpp"][0]}])
+    flag_sets = {"plain": flags, "recompute": flags + ["--recompute-activations"]}
+    per_rank = run_ranks(world, repeated_dpp_runs, list(flag_sets.values()), world, runs)
+    for index, name in enumerate(flag_sets):
+        results = [rank[index] for rank in per_rank]
+        assert results[0]["orders"][0] != results[0]["orders"][1], \
+            f"{name}: the first stage ran its forwards in one order: the test shows nothing"
+        for r in results:
+            first_losses, first_grads = r["dpp"][0]
+            for losses, grads in r["dpp"][1:]:
+                assert losses == first_losses, name
+                for grad_name, (grad, _) in grads.items():
+                    assert torch.equal(grad, first_grads[grad_name][0]), (name, grad_name)
+            _check_dpp_matches_core([{"core": r["core"], "dpp": r["dpp"][0]}])
 
 
 @pytest.mark.skipif(not native.available(), reason="native extension not built")

@@ -63,9 +63,11 @@ def test_pp1_and_pp2_same_first_loss(gpt_pp2, pp1_first_loss):
 
 def test_vpp2_with_core_schedule_and_dpp(pp1_first_loss):
     vpp = with_flags(PP2, virtual_pipeline_model_parallel_size=2, exit_interval=2)
-    core = vpp + ["--no-batch-p2p-comm"]
+    core = vpp  # as a user runs it: the trainer picks unbatched p2p itself
     dpp = vpp + ["--use-dpp", "--dpp-transport", "torch"]
     core_run, dpp_run = run_ranks(2, train_runs, [core, dpp], 2)[-1]
+    assert sum("unbatched p2p" in m for _, m in core_run["logs"]) == 1
+    assert not any("unbatched p2p" in m for _, m in dpp_run["logs"])
     core_losses = [step["lm loss"] for step in core_run["losses"]]
     dpp_losses = [step["lm loss"] for step in dpp_run["losses"]]
     assert len(core_losses) == 2 and core_run["state"]["iteration"] == 2

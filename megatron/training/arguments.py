@@ -312,10 +312,10 @@ def validate_args(args, world_size: int) -> None:
          f"{args.max_position_embeddings}")
 
     _validate_virtual_pipeline(args, need)
-    _validate_batch(args, need)
+    ramp_sound = _validate_batch(args, need)
     _validate_precision(args, need)
     _validate_schedule(args, need)
-    if not problems:  # the batch sizes and the iteration count are sound
+    if ramp_sound and args.train_iters is not None:
         _validate_microbatches(args, need)
     _validate_data(args, need)
     _validate_dpp(args, need)
@@ -422,7 +422,8 @@ def _validate_uneven_split(args, need, uneven: dict, vpp):
              f"--virtual-pipeline-model-parallel-size {vpp}")
 
 
-def _validate_batch(args, need):
+def _validate_batch(args, need) -> bool:
+    """False where the ramp-up cannot be followed (its batch sizes are unknown)."""
     dp, mbs = args.data_parallel_size, args.micro_batch_size
     if args.global_batch_size is None:
         args.global_batch_size = mbs * dp
@@ -431,14 +432,16 @@ def _validate_batch(args, need):
          f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x "
          f"data-parallel size {dp}")
     args.num_microbatches = max(1, gbs // (mbs * dp))
-    if args.rampup_batch_size is not None:
-        start, increment, _ = args.rampup_batch_size
-        ramp = "--rampup-batch-size " + " ".join(map(str, args.rampup_batch_size))
-        # megatron-core's ramp-up divides by the number of increments
-        need(start < gbs, f"{ramp}: the start must be below --global-batch-size {gbs}")
-        need((gbs - start) % increment == 0,
-             f"{ramp}: --global-batch-size {gbs} minus the start is not a multiple of the "
-             "increment")
+    if args.rampup_batch_size is None:
+        return True
+    start, increment, _ = args.rampup_batch_size
+    ramp = "--rampup-batch-size " + " ".join(map(str, args.rampup_batch_size))
+    # megatron-core's ramp-up divides by the number of increments
+    need(start < gbs, f"{ramp}: the start must be below --global-batch-size {gbs}")
+    need((gbs - start) % increment == 0,
+         f"{ramp}: --global-batch-size {gbs} minus the start is not a multiple of the "
+         "increment")
+    return start < gbs and (gbs - start) % increment == 0
 
 
 def _validate_microbatches(args, need):
@@ -455,20 +458,15 @@ def _validate_microbatches(args, need):
             what = (f"--rampup-batch-size {' '.join(map(str, args.rampup_batch_size))}: global "
                     f"batch size {size} (from iteration {iteration})")
         if size % (mbs * dp) != 0:
-            need(False, f"{what} is not divisible by --micro-batch-size {mbs} x data-parallel "
-                 f"size {dp}")
+            # the full --global-batch-size has been named already (_validate_batch)
+            need(size == args.global_batch_size, f"{what} is not divisible by "
+                 f"--micro-batch-size {mbs} x data-parallel size {dp}")
             continue
         count = size // (mbs * dp)
         need(not interleaved or count % pp == 0,
              f"{what} gives {count} microbatches (--micro-batch-size {mbs} x data-parallel size "
              f"{dp}); with virtual pipeline stages megatron-core's interleaved schedule and "
              f"--use-dpp both need a multiple of --pipeline-model-parallel-size {pp}")
-    # megatron-core exchanges the shapes of variable-length microbatches in one batched p2p
-    # call, which at PP=2 with virtual stages swaps the activation's and the gradient's
-    need(args.seq_length_cv == 0 or args.use_dpp or not interleaved or pp != 2,
-         f"--seq-length-cv {args.seq_length_cv} with megatron-core's interleaved schedule at "
-         "--pipeline-model-parallel-size 2: its batched shape exchange with the one neighbour "
-         "mixes up activation and gradient shapes; use --use-dpp (or more pipeline stages)")
 
 
 def _global_batch_sizes(args) -> dict[int, int]:
@@ -595,6 +593,13 @@ def _validate_data(args, need):
     if args.data_path:
         _parse_blend(args, need)
     need(args.seq_length_cv >= 0, f"--seq-length-cv {args.seq_length_cv} must be >= 0")
+    # megatron-core exchanges the shapes of variable-length microbatches in one batched p2p
+    # call, which at PP=2 with virtual stages swaps the activation's and the gradient's
+    need(args.seq_length_cv == 0 or args.use_dpp or args.pipeline_model_parallel_size != 2
+         or args.virtual_pipeline_model_parallel_size is None,
+         f"--seq-length-cv {args.seq_length_cv} with megatron-core's interleaved schedule at "
+         "--pipeline-model-parallel-size 2: its batched shape exchange with the one neighbour "
+         "mixes up activation and gradient shapes; use --use-dpp (or more pipeline stages)")
 
 
 def _parse_blend(args, need):
