@@ -129,6 +129,9 @@ BAD_VALUES = {
                 "--hidden-dropout 1.0 must be in [0, 1)", "--adam-beta2 1.5 must be in [0, 1)",
                 "--distributed-timeout-minutes 0.0 must be > 0",
                 "--log-interval 0 must be >= 1"]),
+    "virtual_stages_without_pipeline": (dict(virtual_pipeline_model_parallel_size=2), 1,
+                                        ["--virtual-pipeline-model-parallel-size 2 needs "
+                                         "--pipeline-model-parallel-size > 1"]),
     "seed_beyond_numpy": (dict(seed=2**32 - 150, pipeline_model_parallel_size=2), 2,
                           [f"--seed {2**32 - 150} must be below {2**32 - 200}"]),
     "train_samples_below_one_batch": (dict(train_iters=None, train_samples=4,

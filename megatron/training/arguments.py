@@ -347,6 +347,9 @@ def _validate_virtual_pipeline(args, need):
     if per_stage is not None:
         need(pp > 1, "--num-layers-per-virtual-pipeline-stage needs "
              "--pipeline-model-parallel-size > 1")
+    if vpp is not None and vpp > 1:
+        need(pp > 1, f"--virtual-pipeline-model-parallel-size {vpp} needs "
+             "--pipeline-model-parallel-size > 1")
     if uneven:
         need(per_stage is None,
              f"--num-layers-per-virtual-pipeline-stage {per_stage} cannot be combined with "
