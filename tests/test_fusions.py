@@ -348,3 +348,58 @@ def test_biased_linear_output_may_be_modified_in_place():
     (pairs,) = run_ranks(1, _cross_entropy_on_biased_logits)
     for mine, theirs in pairs:
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+def _fused_layer_paths(rank):
+    """One step of a GPT with the project's layers (fused_layers.install_fused_layers) and
+    one with megatron-core's own, counting the calls of the project's biased linear."""
+    import contextlib
+
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    from megatron.training import fused_layers, initialize, models
+    from megatron.training.arguments import parse_args
+    from megatron.training.gpt import GPT_TASK
+    from megatron.training.training import setup
+    from tests.pipeline_runs import TINY_GPT, one_step
+    from tests.trainer_runs import _destroy_model_parallel_only
+
+    initialize._shutdown = _destroy_model_parallel_only  # two set-ups in one process
+    calls = []
+    project_linear = fused_layers.biased_linear
+
+    def counting_linear(*args, **kwargs):
+        calls.append(1)
+        return project_linear(*args, **kwargs)
+
+    fused_layers.biased_linear = counting_linear
+    results = {}
+    for patched in (True, False):
+        if not patched:
+            models.install_fused_layers = lambda model, config: None
+        args = parse_args(TINY_GPT + ["--global-batch-size", "4"], world_size=1)
+        with contextlib.ExitStack() as stack:
+            trainer = setup(GPT_TASK, args, stack)
+            # the layers that add their own bias (not fc1, whose bias goes with the GeLU)
+            biased = sum(isinstance(m, ColumnParallelLinear) and m.bias is not None
+                         and not m.skip_bias_add for m in trainer.model[0].modules())
+            calls.clear()
+            losses, grads = one_step(trainer, trainer.schedule, args.num_microbatches)
+            results[patched] = (losses, grads, len(calls), biased * args.num_microbatches)
+    return results
+
+
+def test_column_parallel_linears_take_the_bias_in_epilogue_path():
+    """install_fused_layers really reroutes every ColumnParallelLinear of a built GPT that
+    adds its own bias (the qkv projections) through biased_linear, and the step equals
+    megatron-core's path."""
+    (results,) = run_ranks(1, _fused_layer_paths)
+    (losses, grads, calls, forwards), (stock_losses, stock_grads, stock_calls, _) = (
+        results[True], results[False])
+    assert forwards > 0 and calls == forwards
+    assert stock_calls == 0
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(stock_losses),
+                               rtol=1e-6, atol=1e-5)
+    assert grads.keys() == stock_grads.keys()
+    for name, (grad, _) in grads.items():
+        torch.testing.assert_close(grad, stock_grads[name][0], rtol=1e-5, atol=1e-6, msg=name)
