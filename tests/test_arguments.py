@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from megatron.training.arguments import ArgumentError, parse_args
+from megatron.trainer.arguments import ArgumentError, parse_args
 from tests.distributed import run_ranks
 from tests.trainer_runs import TINY, train_run, with_flags
 
@@ -212,8 +212,8 @@ AT_START = {
 
 @pytest.mark.parametrize("case", list(AT_START))
 def test_entry_point_reports_configuration_errors_in_one_message(case, capsys, monkeypatch):
-    from megatron.training.gpt import GPT_TASK
-    from megatron.training.training import pretrain
+    from megatron.trainer.gpt import GPT_TASK
+    from megatron.trainer.training import pretrain
 
     overrides, world, message = AT_START[case]
     monkeypatch.setenv("WORLD_SIZE", str(world))
@@ -341,7 +341,7 @@ def test_uneven_pipeline_split_accepted(case):
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from megatron.training.models import transformer_config_from_args
+    from megatron.trainer.models import transformer_config_from_args
 
     overrides, world, vpp = UNEVEN_ACCEPTED[case]
     args = parse_args(with_flags(BASE, **overrides), world_size=world)
@@ -388,7 +388,7 @@ def _megatron_lm_gpt_flags(tmp_path):
 
 
 def test_megatron_lm_gpt_flags_accepted(tmp_path):
-    from megatron.training.arguments import _global_batch_sizes
+    from megatron.trainer.arguments import _global_batch_sizes
 
     args = parse_args(_megatron_lm_gpt_flags(tmp_path), world_size=2)
     assert args.tokenizer_type == "GPT2BPETokenizer"  # from --vocab-file and --merge-file

@@ -31,9 +31,9 @@ def _dying_forward_step(forward_step, after: int):
 
 def _train_then_lose_a_peer(rank, transport, mid_iteration):
     from megatron.dpp.transport.channel import TransportError
-    from megatron.training.arguments import parse_args
-    from megatron.training.gpt import GPT_TASK
-    from megatron.training.training import setup
+    from megatron.trainer.arguments import parse_args
+    from megatron.trainer.gpt import GPT_TASK
+    from megatron.trainer.training import setup
 
     flags = TINY_GPT + ["--global-batch-size", "8", "--pipeline-model-parallel-size", "2",
                         "--use-dpp", "--dpp-transport", transport, "--dpp-timeout", "20"]

@@ -10,8 +10,8 @@ import argparse
 import importlib.util
 import os
 
-from megatron.training.addresses import is_ip_address
-from megatron.training.tokenizer import TOKENIZER_TYPES
+from megatron.trainer.addresses import is_ip_address
+from megatron.trainer.tokenizer import TOKENIZER_TYPES
 
 
 class ArgumentError(ValueError):

@@ -19,9 +19,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron.training.attention import SDPAttention
-from megatron.training.cross_entropy import vocab_parallel_cross_entropy
-from megatron.training.fused_layers import install_fused_layers
+from megatron.trainer.attention import SDPAttention
+from megatron.trainer.cross_entropy import vocab_parallel_cross_entropy
+from megatron.trainer.fused_layers import install_fused_layers
 
 log = logging.getLogger(__name__)
 

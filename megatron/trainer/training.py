@@ -26,24 +26,24 @@ from megatron.core.num_microbatches_calculator import (
 
 from megatron.dpp import tracing
 from megatron.dpp.weight_grad import SplitBackwardNoPipelining, WeightGradStore
-from megatron.training import checkpointing, metrics, no_apex
-from megatron.training.arguments import parse_args
-from megatron.training.cuda_graphs import install_block_graphs
-from megatron.training.data import MicroBatchIterator, check_data_paths, microbatch_lengths
-from megatron.training.failures import exit_on_known_failures
-from megatron.training.initialize import initialize_distributed, setup_logging
-from megatron.training.manual_gc import ManualGC
-from megatron.training.models import (
+from megatron.trainer import checkpointing, metrics, no_apex
+from megatron.trainer.arguments import parse_args
+from megatron.trainer.cuda_graphs import install_block_graphs
+from megatron.trainer.data import MicroBatchIterator, check_data_paths, microbatch_lengths
+from megatron.trainer.failures import exit_on_known_failures
+from megatron.trainer.initialize import initialize_distributed, setup_logging
+from megatron.trainer.manual_gc import ManualGC
+from megatron.trainer.models import (
     build_model_chunks,
     transformer_config_from_args,
     use_transformer_engine,
 )
-from megatron.training.optimizer import build_optimizer, build_scheduler, wrap_model_chunks
-from megatron.training.profiler import StepProfiler
-from megatron.training.rng import ForwardRng
-from megatron.training.tokenizer import build_tokenizer
+from megatron.trainer.optimizer import build_optimizer, build_scheduler, wrap_model_chunks
+from megatron.trainer.profiler import StepProfiler
+from megatron.trainer.rng import ForwardRng
+from megatron.trainer.tokenizer import build_tokenizer
 
-log = logging.getLogger("megatron.training")
+log = logging.getLogger("megatron.trainer")
 
 
 @dataclass
@@ -88,7 +88,7 @@ class Trainer:
 
 def pretrain(task: ModelTask, argv=None, extra_args_provider=None) -> checkpointing.TrainingState:
     """The entry points' body. A known failure (flag, data, transport, checkpoint I/O,
-    Ctrl-C) ends the rank with one line naming the cause (megatron.training.failures)."""
+    Ctrl-C) ends the rank with one line naming the cause (megatron.trainer.failures)."""
     setup_logging(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
     with exit_on_known_failures(sys.argv[0]):
         args = parse_args(argv, extra_args_provider)
