@@ -122,7 +122,7 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     datasets = task.build_datasets(args, tokenizer)
     log.info("%s: %d parameters on this rank, %d model chunk(s), schedule %s, layers %s",
              task.name, sum(p.numel() for c in model for p in c.parameters()), len(model),
-             "DPP" if args.use_dpp else "megatron-core" + (
+             ("DPP" if args.use_dpp else "megatron-core") + (
                  ", each backward split into B and W" if weight_grads is not None else ""),
              "Transformer Engine" if use_transformer_engine(args) else "megatron.core + SDPA")
     schedule = forward_backward_func(args, weight_grads)
@@ -163,7 +163,7 @@ def forward_backward_func(args, weight_grads: WeightGradStore | None = None):
     if args.use_dpp:
         from megatron.dpp import get_forward_backward_func
 
-        return get_forward_backward_func(args)
+        return get_forward_backward_func(args, weight_grads)
     if weight_grads is not None:
         return SplitBackwardNoPipelining(weight_grads)
     from megatron.core.pipeline_parallel import get_forward_backward_func
