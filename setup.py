@@ -55,7 +55,7 @@ setup(
     name="megatron-dpp",
     version="0.1.0",
     description="Megatron-style LLM training with a dynamic pipeline-parallel schedule",
-    packages=find_namespace_packages(include=["megatron.training*", "megatron.dpp*"]),
+    packages=find_namespace_packages(include=["megatron.trainer*", "megatron.dpp*"]),
     py_modules=["pretrain_gpt", "pretrain_bert"],
     python_requires=">=3.10",
     install_requires=[

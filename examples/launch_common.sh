@@ -202,7 +202,7 @@ dpp_launch() {
     # node settings: checked here so that mistakes do not end in a rendezvous timeout
     local exports
     exports=$(PYTHONPATH="$DPP_REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m \
-        megatron.training.launch preflight --role "$DPP_ROLE" --script "$DPP_SCRIPT") || exit 2
+        megatron.trainer.launch preflight --role "$DPP_ROLE" --script "$DPP_SCRIPT") || exit 2
     eval "$exports"
 
     RUN_DIR=${RUN_DIR:-$DPP_REPO/runs/${RUN_NAME:-$DPP_MODEL-$DPP_ROLE}}
@@ -237,7 +237,7 @@ dpp_launch() {
     if [[ $DPP_ROLE == worker && ${DATA_PATH:-sample} != mock ]]; then
         # megatron.core writes the dataset index files on rank 0 (the master's node) only
         dpp_say "building this node's dataset index cache in $RUN_DIR/data_cache"
-        PYTHONPATH="$DPP_REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m megatron.training.launch \
+        PYTHONPATH="$DPP_REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m megatron.trainer.launch \
             prepare-data --model "$DPP_MODEL" --world-size $(( NNODES * GPUS_PER_NODE )) -- \
             "${TRAIN_FLAGS[@]}" "${node_flags[@]}" "${DPP_EXTRA[@]}" >"$RUN_DIR/prepare_data.log" 2>&1 ||
             { cat "$RUN_DIR/prepare_data.log" >&2; dpp_die "could not build the dataset index cache"; }
@@ -252,7 +252,7 @@ dpp_launch() {
         exit "$status"
     fi
     if grep -q "tokens/s:" "$logfile"; then
-        PYTHONPATH="$DPP_REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m megatron.training.launch \
+        PYTHONPATH="$DPP_REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m megatron.trainer.launch \
             summarize "$logfile" | sed "s/^/[$DPP_SCRIPT] /"
     else
         dpp_say "finished; the last pipeline stage (node $(( NNODES - 1 ))) logs the iterations"

@@ -65,7 +65,7 @@ CONFIGS = {
     "fast-m32-gc-dpp-torch": [*FUSED, *M32, "--manual-gc", "--use-dpp", "--dpp-transport",
                               "torch"],
     "fast-m32-gc-dpp-shm": [*FUSED, *M32, "--manual-gc", "--use-dpp", "--dpp-transport", "shm"],
-    # CUDA graphs of the transformer blocks (megatron/training/cuda_graphs.py)
+    # CUDA graphs of the transformer blocks (megatron/trainer/cuda_graphs.py)
     "graphs": [*FUSED, *GRAPHS],
     "graphs-m32": [*FUSED, *M32, *GRAPHS],
     "graphs-m32-dpp-torch": [*FUSED, *M32, *GRAPHS, "--use-dpp", "--dpp-transport", "torch"],
@@ -85,7 +85,7 @@ CONFIGS |= {
     "wgrad-graphs-m64-dpp-torch": [*FUSED, *M64, *GRAPHS, "--use-dpp", "--dpp-transport",
                                    "torch"],
     "wgrad-graphs-m64-dpp-shm": [*FUSED, *M64, *GRAPHS, "--use-dpp", "--dpp-transport", "shm"],
-    # + the single-pass cross-entropy (megatron/training/cross_entropy.py)
+    # + the single-pass cross-entropy (megatron/trainer/cross_entropy.py)
     "xent-graphs-m32": [*FUSED, *XENT, *M32, *GRAPHS],
     "xent-graphs-m64": [*FUSED, *XENT, *M64, *GRAPHS],
     "xent-graphs-m64-dpp-torch": [*FUSED, *XENT, *M64, *GRAPHS, "--use-dpp", "--dpp-transport",

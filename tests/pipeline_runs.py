@@ -24,7 +24,7 @@ def unwrap(module):
 
 def named_grads(trainer) -> dict:
     """Canonical parameter name -> (gradient, tensor-parallel split dim or -1)."""
-    from megatron.training.models import _canonical_names
+    from megatron.trainer.models import _canonical_names
 
     tied = not trainer.args.untie_embeddings_and_output_weights
     grads = {}
@@ -37,12 +37,13 @@ def named_grads(trainer) -> dict:
     return grads
 
 
-def one_step(trainer, schedule, num_microbatches: int, forward_only: bool = False):
-    """Losses ([loss sum, tokens] per microbatch on the last stage) and gradients of one
-    forward/backward over the first global batch."""
+def one_step(trainer, schedule, num_microbatches: int, forward_only: bool = False,
+             forward_step_func=None):
+    """Losses (per microbatch on the last stage, [loss sum, tokens] of each loss) and
+    gradients of one forward/backward over the first global batch (as iteration 1)."""
     import torch
 
-    from megatron.training.training import data_iterators
+    from megatron.trainer.training import data_iterators
 
     for chunk in trainer.model:
         chunk.zero_grad_buffer()
@@ -50,12 +51,14 @@ def one_step(trainer, schedule, num_microbatches: int, forward_only: bool = Fals
     args = trainer.args
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         out = schedule(
-            forward_step_func=trainer.task.make_forward_step(args, trainer.device),
+            forward_step_func=forward_step_func or trainer.forward_step_func(1),
             data_iterator=iterator, model=trainer.model, num_microbatches=num_microbatches,
             seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
             decoder_seq_length=args.seq_length, forward_only=forward_only,
         )
-    losses = [[float(v) for v in entry["lm loss"]] for entry in out]
+    # per microbatch: [loss sum, tokens] of each of the task's losses
+    names = trainer.task.loss_names
+    losses = [[float(v) for name in names for v in entry[name]] for entry in out]
     return losses, ({} if forward_only else named_grads(trainer))
 
 
@@ -84,9 +87,9 @@ def compare_schedules(rank, flags, world_size, task_name="gpt"):
 
     from megatron.dpp.config import DppOptions
     from megatron.dpp.schedule import DppSchedule
-    from megatron.training.arguments import parse_args
-    from megatron.training.data import microbatch_lengths
-    from megatron.training.training import setup
+    from megatron.trainer.arguments import parse_args
+    from megatron.trainer.data import microbatch_lengths
+    from megatron.trainer.training import setup
 
     args = parse_args(flags, world_size=world_size)
     with contextlib.ExitStack() as stack:
@@ -119,9 +122,57 @@ def compare_schedules(rank, flags, world_size, task_name="gpt"):
 
 def _task(name):
     if name == "gpt":
-        from megatron.training.gpt import GPT_TASK
+        from megatron.trainer.gpt import GPT_TASK
 
         return GPT_TASK
-    from megatron.training.bert import BERT_TASK
+    from megatron.trainer.bert import BERT_TASK
 
     return BERT_TASK
+
+
+def repeated_dpp_runs(rank, flag_sets, world_size, runs):
+    """Rank function: for each flag list, megatron-core's schedule once, then one DPP step
+    per (slack, jitter) of `runs` (each with its own transport, arrivals delayed by up to
+    `jitter` milliseconds), all on the same model and batch, as iteration 1. Also returns
+    the order in which this rank ran its forwards, as (chunk, microbatch), in each DPP step.
+    One result per flag list."""
+    import os
+
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron.dpp.schedule import DppOptions, DppSchedule
+    from megatron.dpp.transport.pipeline import JITTER_ENV
+    from megatron.trainer import initialize
+    from megatron.trainer.arguments import parse_args
+    from megatron.trainer.gpt import GPT_TASK
+    from megatron.trainer.training import setup
+    from tests.trainer_runs import _destroy_model_parallel_only
+
+    initialize._shutdown = _destroy_model_parallel_only  # several set-ups in one process
+    results = []
+    for flags in flag_sets:
+        args = parse_args(flags, world_size=world_size)
+        with contextlib.ExitStack() as stack:
+            trainer = setup(GPT_TASK, args, stack)
+            m = args.num_microbatches
+            result = {"core": one_step(trainer, get_forward_backward_func(), m), "dpp": [],
+                      "orders": []}
+            for slack, jitter in runs:
+                os.environ[JITTER_ENV] = str(jitter)
+                forward_step, order = trainer.forward_step_func(1), []
+
+                def recording(data_iterator, model, *rest, forward_step=forward_step,
+                              order=order):
+                    output = forward_step(data_iterator, model, *rest)
+                    order.append((unwrap(model).vp_stage,
+                                  unwrap(model).decoder.layers[0].current_microbatch))
+                    return output
+
+                dpp = DppSchedule(DppOptions(slack=slack, transport="torch"))
+                try:
+                    result["dpp"].append(one_step(trainer, dpp, m, forward_step_func=recording))
+                finally:
+                    dpp.close()
+                result["orders"].append(order)
+            results.append(result)
+    return results

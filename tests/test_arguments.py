@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 
-from megatron.training.arguments import ArgumentError, parse_args
+from megatron.trainer.arguments import ArgumentError, parse_args
 from tests.distributed import run_ranks
 from tests.trainer_runs import TINY, train_run, with_flags
 
@@ -117,6 +119,59 @@ BAD_VALUES = {
         ["--num-layers 4 + 1 (--account-for-embedding-in-pipeline-split) + 1 "
          "(--account-for-loss-in-pipeline-split) is not divisible by "
          "--pipeline-model-parallel-size 2 x --virtual-pipeline-model-parallel-size 2"]),
+    # numbers out of range, all named before anything divides by them
+    "ranges": (dict(train_iters=0, micro_batch_size=0, lr=-0.01, dpp_timeout=0,
+                    global_batch_size=0, eval_iters=-1, hidden_dropout=1.0, adam_beta2=1.5,
+                    distributed_timeout_minutes=0, log_interval=0), 1,
+               ["--train-iters 0 must be >= 1", "--micro-batch-size 0 must be >= 1",
+                "--lr -0.01 must be >= 0", "--dpp-timeout 0.0 must be > 0",
+                "--global-batch-size 0 must be >= 1", "--eval-iters -1 must be >= 0",
+                "--hidden-dropout 1.0 must be in [0, 1)", "--adam-beta2 1.5 must be in [0, 1)",
+                "--distributed-timeout-minutes 0.0 must be > 0",
+                "--log-interval 0 must be >= 1"]),
+    "virtual_stages_without_pipeline": (dict(virtual_pipeline_model_parallel_size=2), 1,
+                                        ["--virtual-pipeline-model-parallel-size 2 needs "
+                                         "--pipeline-model-parallel-size > 1"]),
+    "seed_beyond_numpy": (dict(seed=2**32 - 150, pipeline_model_parallel_size=2), 2,
+                          [f"--seed {2**32 - 150} must be below {2**32 - 200}"]),
+    "train_samples_below_one_batch": (dict(train_iters=None, train_samples=4,
+                                           global_batch_size=8), 1,
+                                      ["--train-samples 4 is less than one global batch"]),
+    # virtual stages: megatron-core's interleaved schedule and DPP's policy run the
+    # microbatches in groups of the pipeline size
+    "vpp_microbatches_not_multiple_of_pp": (
+        dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+             global_batch_size=14), 2,
+        ["--global-batch-size 14 gives 7 microbatches", "--use-dpp both need a multiple of "
+         "--pipeline-model-parallel-size 2"]),
+    "vpp_microbatches_under_dpp": (
+        dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+             global_batch_size=2, use_dpp=True), 2,
+        ["--global-batch-size 2 gives 1 microbatches"]),
+    "rampup_sizes_not_divisible": (
+        dict(rampup_batch_size=[2, 1, 40], global_batch_size=8, train_iters=40), 1,
+        ["--rampup-batch-size 2 1 40: global batch size 3 (from iteration 5) is not divisible "
+         "by --micro-batch-size 2 x data-parallel size 1"]),
+    "rampup_sizes_vs_virtual_stages": (
+        dict(rampup_batch_size=[4, 2, 24], global_batch_size=8, train_iters=40,
+             pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), 2,
+        ["--rampup-batch-size 4 2 24: global batch size 6 (from iteration 4) gives 3 "
+         "microbatches"]),
+    "rampup_start_not_below_global": (
+        dict(rampup_batch_size=[8, 2, 16], global_batch_size=8), 1,
+        ["--rampup-batch-size 8 2 16: the start must be below --global-batch-size 8"]),
+    "rampup_increment_does_not_reach_global": (
+        dict(rampup_batch_size=[2, 4, 16], global_batch_size=8), 1,
+        ["--rampup-batch-size 2 4 16: --global-batch-size 8 minus the start is not a "
+         "multiple of the increment"]),
+    "rampup_zero_samples": (dict(rampup_batch_size=[2, 2, 0], global_batch_size=8), 1,
+                            ["--rampup-batch-size 2 2 0: start, increment and samples must "
+                             "be >= 1"]),
+    "seq_length_cv_with_core_interleaved_at_pp2": (
+        dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+             global_batch_size=8, seq_length_cv=0.5), 2,
+        ["--seq-length-cv 0.5 with megatron-core's interleaved schedule at "
+         "--pipeline-model-parallel-size 2", "--use-dpp"]),
 }
 
 
@@ -128,6 +183,60 @@ def test_bad_value_names_flags_and_values(case):
         assert fragment in message, f"{fragment!r} not in: {message}"
 
 
+# the configuration errors a user met at run time before (issue 21), as the entry point
+# reports them: one message naming the flag, argparse's exit status, no traceback
+AT_START = {
+    "train_iters_zero": (dict(train_iters=0), 1, "--train-iters 0 must be >= 1"),
+    "micro_batch_size_zero": (dict(micro_batch_size=0), 1, "--micro-batch-size 0 must be >= 1"),
+    "negative_lr": (dict(lr=-0.01), 1, "--lr -0.01 must be >= 0"),
+    "dpp_timeout_zero": (dict(dpp_timeout=0, use_dpp=True, pipeline_model_parallel_size=2), 2,
+                         "--dpp-timeout 0.0 must be > 0"),
+    "seven_microbatches_with_virtual_stages": (
+        dict(global_batch_size=14, pipeline_model_parallel_size=2,
+             num_layers_per_virtual_pipeline_stage=1), 2,
+        "--global-batch-size 14 gives 7 microbatches (--micro-batch-size 2 x data-parallel "
+        "size 1); with virtual pipeline stages megatron-core's interleaved schedule and "
+        "--use-dpp both need a multiple of --pipeline-model-parallel-size 2"),
+    "rampup_size_breaks_late": (
+        dict(rampup_batch_size=[2, 1, 40], micro_batch_size=1, global_batch_size=8,
+             train_iters=40, pipeline_model_parallel_size=2,
+             num_layers_per_virtual_pipeline_stage=1), 2,
+        "--rampup-batch-size 2 1 40: global batch size 3 (from iteration 5) gives 3 "
+        "microbatches"),
+    "seq_length_cv_with_core_interleaved": (
+        dict(seq_length_cv=0.5, global_batch_size=8, pipeline_model_parallel_size=2,
+             num_layers_per_virtual_pipeline_stage=1), 2,
+        "--seq-length-cv 0.5 with megatron-core's interleaved schedule"),
+}
+
+
+@pytest.mark.parametrize("case", list(AT_START))
+def test_entry_point_reports_configuration_errors_in_one_message(case, capsys, monkeypatch):
+    from megatron.trainer.gpt import GPT_TASK
+    from megatron.trainer.training import pretrain
+
+    overrides, world, message = AT_START[case]
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(SystemExit) as exited:
+        pretrain(GPT_TASK, with_flags(BASE, **overrides))
+    assert exited.value.code == 2
+    header, *problems = capsys.readouterr().err.splitlines()
+    assert header.endswith(": invalid arguments:")
+    assert problems and all(line.startswith("  --") for line in problems), problems
+    assert message in problems[0], problems
+
+
+def test_entry_point_script_exits_without_traceback():
+    """The real script, as torchrun starts it: the message on stderr and nothing else."""
+    flags = with_flags(BASE, train_iters=0)
+    done = subprocess.run([sys.executable, "pretrain_gpt.py", *flags], cwd=REPO,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "WORLD_SIZE": "1"})
+    assert done.returncode == 2
+    assert done.stderr == "pretrain_gpt.py: invalid arguments:\n  --train-iters 0 must be >= 1\n"
+    assert done.stdout == ""
+
+
 def test_unknown_flag_is_named():
     message = _error(BASE + ["--num-layer", "4", "--no-such-flag"])
     assert "--num-layer" in message and "--no-such-flag" in message
@@ -137,20 +246,16 @@ def test_fp16_with_bf16():
     assert "--fp16 and --bf16" in _error(BASE + ["--fp16", "--bf16"])
 
 
-def test_fused_cross_entropy_needs_bf16():
-    for precision in ([], ["--fp16"]):
-        message = _error(BASE + precision + ["--cross-entropy-loss-fusion"])
-        assert "--cross-entropy-loss-fusion (native) needs --bf16" in message
-    assert parse_args(BASE + ["--bf16", "--cross-entropy-loss-fusion"], world_size=1)
-
-
-def test_single_pass_cross_entropy_takes_any_precision():
-    # its gradient keeps the logits' dtype (megatron/training/cross_entropy.py)
-    for precision in ([], ["--fp16"], ["--bf16"]):
-        args = parse_args(BASE + precision + ["--cross-entropy-loss-fusion",
-                                              "--cross-entropy-fusion-impl", "triton"],
-                          world_size=1)
-        assert args.cross_entropy_fusion_impl == "triton"
+@pytest.mark.parametrize("impl", ["native", "triton"])
+@pytest.mark.parametrize("precision", [[], ["--fp16"], ["--bf16"]], ids=["fp32", "fp16", "bf16"])
+def test_cross_entropy_fusion_precision(impl, precision):
+    """megatron-core's native fusion rounds the gradient to bf16: --bf16 only. The project's
+    single pass keeps the logits' dtype: any precision."""
+    flags = BASE + precision + ["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", impl]
+    if impl == "native" and precision != ["--bf16"]:
+        assert "--cross-entropy-loss-fusion (native) needs --bf16" in _error(flags)
+    else:
+        parse_args(flags, world_size=1)  # accepted
 
 
 def test_node_ips_count_must_match_nodes(monkeypatch):
@@ -158,22 +263,25 @@ def test_node_ips_count_must_match_nodes(monkeypatch):
     flags = with_flags(BASE, pipeline_model_parallel_size=2)
     message = _error(with_flags(flags, node_ips=["10.0.0.1", "10.0.0.2"]), world_size=2)
     assert "--node-ips lists 2 addresses" in message and "1 nodes" in message
-    args = parse_args(with_flags(flags, node_ips=["10.0.0.1"]), world_size=2)
-    assert args.node_ips == ["10.0.0.1"]
+    parse_args(with_flags(flags, node_ips=["10.0.0.1"]), world_size=2)  # one node: accepted
 
 
 def test_dpp_over_rdma_across_nodes_accepted(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    args = parse_args(with_flags(BASE, use_dpp=True, pipeline_model_parallel_size=2,
-                                 dpp_transport="rdma", multi_node=True,
-                                 node_ips=["10.0.0.1", "10.0.0.2"]), world_size=2)
-    assert args.dpp_transport == "rdma" and args.node_ips == ["10.0.0.1", "10.0.0.2"]
+    parse_args(with_flags(BASE, use_dpp=True, pipeline_model_parallel_size=2,
+                          dpp_transport="rdma", multi_node=True,
+                          node_ips=["10.0.0.1", "10.0.0.2"]), world_size=2)
 
 
 def test_all_problems_in_one_message():
     message = _error(with_flags(BASE, num_layers=5, pipeline_model_parallel_size=2,
                                 global_batch_size=3), world_size=2)
     assert "--num-layers 5" in message and "--global-batch-size 3" in message
+    # the microbatch constraints of virtual stages come with the others
+    message = _error(with_flags(BASE, pipeline_model_parallel_size=2, global_batch_size=14,
+                                virtual_pipeline_model_parallel_size=2, fp16=True, bf16=True),
+                     world_size=2)
+    assert "--fp16 and --bf16" in message and "gives 7 microbatches" in message
 
 
 def test_derived_values():
@@ -184,6 +292,16 @@ def test_derived_values():
     assert args.num_microbatches == 4
     assert args.virtual_pipeline_model_parallel_size == 2
     assert args.ffn_hidden_size == 4 * 32 and args.kv_channels == 8
+
+
+def test_variable_lengths_with_virtual_stages_accepted_where_they_work():
+    """Only megatron-core's interleaved schedule at PP=2 mixes up the shapes."""
+    for overrides, world in (
+        (dict(use_dpp=True, pipeline_model_parallel_size=2, global_batch_size=8), 2),
+        (dict(pipeline_model_parallel_size=4, num_layers=8, global_batch_size=16), 4),
+    ):
+        parse_args(with_flags(BASE, seq_length_cv=0.5, virtual_pipeline_model_parallel_size=2,
+                              **overrides), world_size=world)
 
 
 UNEVEN_ACCEPTED = {
@@ -223,7 +341,7 @@ def test_uneven_pipeline_split_accepted(case):
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from megatron.training.models import transformer_config_from_args
+    from megatron.trainer.models import transformer_config_from_args
 
     overrides, world, vpp = UNEVEN_ACCEPTED[case]
     args = parse_args(with_flags(BASE, **overrides), world_size=world)
@@ -270,10 +388,13 @@ def _megatron_lm_gpt_flags(tmp_path):
 
 
 def test_megatron_lm_gpt_flags_accepted(tmp_path):
+    from megatron.trainer.arguments import _global_batch_sizes
+
     args = parse_args(_megatron_lm_gpt_flags(tmp_path), world_size=2)
-    assert args.tokenizer_type == "GPT2BPETokenizer"
-    assert args.rampup_batch_size == [4, 4, 4]
+    assert args.tokenizer_type == "GPT2BPETokenizer"  # from --vocab-file and --merge-file
     assert args.num_microbatches == 8
+    # the ramp-up: 4 samples at iteration 1, the full batch once 4 samples are consumed
+    assert _global_batch_sizes(args) == {4: 1, 8: 2}
 
 
 def test_megatron_lm_gpt_flags_train(tmp_path):

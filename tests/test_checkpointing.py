@@ -11,12 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron.training import checkpointing
+from megatron.trainer import checkpointing
 from tests.distributed import run_ranks
 from tests.trainer_runs import TINY, train_runs, with_flags
 
 ITERS, SAVE_AT, BATCH = 4, 2, 8
-# dropout on, so that resuming must also restore every rank's RNG state
+# dropout on: its draws are keyed by the iteration, which a resumed run must continue
 BASE = with_flags(TINY, global_batch_size=BATCH, train_iters=ITERS, hidden_dropout=0.1,
                   attention_dropout=0.1, save_interval=SAVE_AT)
 
@@ -32,17 +32,28 @@ def _leftovers(root):
 
 def _save_resume_and_compare(tmp_path, flags, world_size):
     """Uninterrupted run; run stopped after the save at SAVE_AT; resumed run. The resumed
-    losses must equal the uninterrupted run's from SAVE_AT on."""
-    whole, parts = str(tmp_path / "whole"), str(tmp_path / "parts")
-    # a staging directory left by an earlier crash at the same iteration is replaced
-    os.makedirs(os.path.join(parts, f"iter_{SAVE_AT:07d}.tmp"))
-    open(os.path.join(parts, f"iter_{SAVE_AT:07d}.tmp", "junk"), "w").close()
-    runs = [
-        with_flags(flags, save=whole, load=whole),
-        with_flags(flags, save=parts, exit_interval=SAVE_AT),
-        with_flags(flags, save=parts, load=parts),
-    ]
+    losses must equal the uninterrupted run's from SAVE_AT on. `flags` may be a list of
+    flag lists, checked one after the other in the same processes."""
+    flag_sets = flags if isinstance(flags[0], list) else [flags]
+    runs = []
+    for index, flags in enumerate(flag_sets):
+        whole, parts = str(tmp_path / f"whole{index}"), str(tmp_path / f"parts{index}")
+        # a staging directory left by an earlier crash at the same iteration is replaced
+        os.makedirs(os.path.join(parts, f"iter_{SAVE_AT:07d}.tmp"))
+        open(os.path.join(parts, f"iter_{SAVE_AT:07d}.tmp", "junk"), "w").close()
+        runs += [
+            with_flags(flags, save=whole, load=whole),
+            with_flags(flags, save=parts, exit_interval=SAVE_AT),
+            with_flags(flags, save=parts, load=parts),
+        ]
     results = run_ranks(world_size, train_runs, runs, world_size)
+    for index in range(len(flag_sets)):
+        _check_resumed([rank[3 * index: 3 * index + 3] for rank in results],
+                       str(tmp_path / f"whole{index}"), str(tmp_path / f"parts{index}"))
+    return results
+
+
+def _check_resumed(results, whole, parts):
     uninterrupted, stopped, resumed = results[-1]
     assert len(_losses(uninterrupted)) == ITERS
     assert _losses(stopped) == _losses(uninterrupted)[:SAVE_AT]
@@ -62,7 +73,6 @@ def _save_resume_and_compare(tmp_path, flags, world_size):
         assert any(f"no checkpoint under {whole}" in m for m in first_run_warnings)
     for rank in (results[0], results[-1]):  # the ranks that log at INFO
         assert any(f"loaded checkpoint {parts}/iter_0000002" in m for _, m in rank[2]["logs"])
-    return results
 
 
 @pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
@@ -80,7 +90,7 @@ def test_resume_distributed_optimizer_dp2(tmp_path):
 
 
 def test_load_empty_directory_starts_fresh(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="megatron.training.checkpointing"):
+    with caplog.at_level(logging.WARNING, logger="megatron.trainer.checkpointing"):
         state = checkpointing.load_checkpoint(str(tmp_path), None, None, None, None)
     assert state == checkpointing.TrainingState()
     assert f"no checkpoint under {tmp_path}" in caplog.text
@@ -117,3 +127,15 @@ def test_save_without_psutil_fails_fast(tmp_path, monkeypatch):
         checkpointing.save_checkpoint(str(tmp_path), [], None, None,
                                       checkpointing.TrainingState(), None)
     assert os.listdir(tmp_path) == []
+
+
+def test_resume_virtual_stages_under_both_schedules(tmp_path):
+    """PP=2 x VPP=2: every chunk's parameters and optimizer state are saved under their own
+    key (the chunks' local names repeat) and come back; megatron-core's schedule and DPP,
+    with torch's Adam and with the distributed optimizer, resume exactly."""
+    flags = with_flags(BASE, pipeline_model_parallel_size=2,
+                       virtual_pipeline_model_parallel_size=2)
+    dpp = ["--use-dpp", "--dpp-transport", "torch"]
+    distributed = ["--use-distributed-optimizer"]
+    _save_resume_and_compare(tmp_path, [flags, flags + dpp, flags + distributed,
+                                        flags + dpp + distributed], 2)

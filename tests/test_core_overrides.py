@@ -1,12 +1,12 @@
-"""megatron/training/core_overrides.py: the installed megatron-core has every internal the
+"""megatron/trainer/core_overrides.py: the installed megatron-core has every internal the
 trainer relies on, and a moved or changed one stops start-up with a message naming it."""
 
 import importlib
 
 import pytest
 
-from megatron.training import core_overrides
-from megatron.training.core_overrides import INTERNALS, CoreInternalsError, Internal, verify
+from megatron.trainer import core_overrides
+from megatron.trainer.core_overrides import INTERNALS, CoreInternalsError, Internal, verify
 
 
 def test_installed_megatron_core_has_every_declared_internal():
@@ -73,12 +73,12 @@ def test_megatron_core_no_longer_reading_a_name_is_reported():
 
 
 def test_a_stand_in_whose_parameters_drift_from_megatron_cores_is_reported(monkeypatch):
-    from megatron.training.attention import SDPAttention
+    from megatron.trainer.attention import SDPAttention
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None):
         """lacks attention_bias and packed_seq_params, which megatron.core passes"""
 
     monkeypatch.setattr(SDPAttention, "forward", forward)
-    with pytest.raises(CoreInternalsError, match="its stand-in megatron.training.attention:"
+    with pytest.raises(CoreInternalsError, match="its stand-in megatron.trainer.attention:"
                                                  "SDPAttention.forward takes"):
         verify()

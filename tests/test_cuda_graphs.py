@@ -9,8 +9,8 @@ import contextlib
 import pytest
 import torch
 
-from megatron.training.arguments import ArgumentError, parse_args
-from megatron.training.cuda_graphs import CudaGraphError, install_block_graphs
+from megatron.trainer.arguments import ArgumentError, parse_args
+from megatron.trainer.cuda_graphs import CudaGraphError, install_block_graphs
 from tests.distributed import run_ranks
 
 TINY_GPT = [
@@ -49,14 +49,14 @@ def test_cpu_device_is_refused_with_the_device_named():
 
 
 def _eager_vs_graphs(rank, dtype_flags, order):
-    from megatron.training import no_apex
-    from megatron.training.initialize import initialize_distributed
-    from megatron.training.models import (
+    from megatron.trainer import no_apex
+    from megatron.trainer.initialize import initialize_distributed
+    from megatron.trainer.models import (
         build_gpt_stage,
         build_model_chunks,
         transformer_config_from_args,
     )
-    from megatron.training.optimizer import wrap_model_chunks
+    from megatron.trainer.optimizer import wrap_model_chunks
 
     flags = [*TINY_GPT, *dtype_flags, "--distributed-backend", "nccl"]
     results = {}
@@ -109,3 +109,71 @@ def test_graph_replays_equal_eager_in_any_backward_order(dtype_flags):
         for eager_grad, graph_grad in zip(eager_grads, graph_grads, strict=True):
             torch.testing.assert_close(graph_grad, eager_grad, rtol=0, atol=0)
     torch.testing.assert_close(graphs["evaluation"], eager["evaluation"], rtol=0, atol=0)
+
+
+def _graphs_with_dropout(rank, runs):
+    """Per run (graphs?, forward order): two steps of three microbatches with dropout 0.1,
+    each forward after ForwardRng.reseed(step, microbatch, 0) as the schedules do it."""
+    from megatron.trainer import no_apex
+    from megatron.trainer.initialize import initialize_distributed
+    from megatron.trainer.models import (
+        build_gpt_stage,
+        build_model_chunks,
+        transformer_config_from_args,
+    )
+    from megatron.trainer.optimizer import wrap_model_chunks
+    from megatron.trainer.rng import ForwardRng
+
+    flags = [*TINY_GPT, "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+             "--distributed-backend", "nccl"]
+    results = []
+    with contextlib.ExitStack() as stack:
+        device = initialize_distributed(parse_args(flags, world_size=1), stack)
+        stack.enter_context(no_apex.weight_grad_accumulation_fusion())
+        generator = torch.Generator().manual_seed(3)
+        batches = [torch.randint(0, 128, (2, 32), generator=generator).to(device)
+                   for _ in range(3)]
+        positions = torch.arange(32, device=device).expand(2, 32)
+        for graphs, order, key_offset in runs:
+            args = parse_args(flags, world_size=1)
+            args.padded_vocab_size = args.vocab_size
+            rng = ForwardRng(args.seed, device)
+            config = transformer_config_from_args(args)
+            (model,) = wrap_model_chunks(build_model_chunks(args, config, build_gpt_stage),
+                                         args, config, device)
+            if graphs:
+                install_block_graphs([model], args, device)
+            steps = []
+            for step in (1, 2):
+                losses = {}
+                for index in order:
+                    rng.reseed(step, index + key_offset, 0)
+                    tokens = batches[index]
+                    losses[index] = model(tokens, positions, None, labels=tokens).float().mean()
+                for index in reversed(order):
+                    losses[index].backward()
+                main_grads = [p.main_grad.clone() for p in model.parameters()]
+                steps.append(([losses[i].item() for i in range(3)],
+                              [g.cpu() for g in main_grads]))
+                with torch.no_grad():
+                    for param, grad in zip(model.parameters(), main_grads, strict=True):
+                        param.add_(grad.to(param.dtype), alpha=-0.5)
+                model.zero_grad_buffer()
+            results.append(steps)
+    return results
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_graph_replays_draw_the_keyed_dropout_masks():
+    """Dropout inside the graphs draws from the generator state ForwardRng sets before each
+    forward: graphed runs in two forward orders agree with each other and with eager, and
+    other keys give other masks (the dropout is on)."""
+    runs = [(False, [0, 1, 2], 0), (True, [0, 1, 2], 0), (True, [2, 0, 1], 0),
+            (False, [0, 1, 2], 10)]
+    (eager, graphs, reordered, other_keys), = run_ranks(1, _graphs_with_dropout, runs)
+    for run in (graphs, reordered):
+        for (losses, grads), (eager_losses, eager_grads) in zip(run, eager, strict=True):
+            assert losses == eager_losses
+            for grad, eager_grad in zip(grads, eager_grads, strict=True):
+                torch.testing.assert_close(grad, eager_grad, rtol=0, atol=0)
+    assert other_keys[0][0] != eager[0][0]

@@ -1,4 +1,4 @@
-"""Variable-length data (megatron/training/documents.py, microbatches.py): one document per
+"""Variable-length data (megatron/trainer/documents.py, microbatches.py): one document per
 sample, Megatron's --split on documents, a resumable shuffled order, blending, padding that
 the loss ignores, grouping by length, token counts, and the reordering iterator."""
 
@@ -13,7 +13,7 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
 )
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
-from megatron.training.documents import (
+from megatron.trainer.documents import (
     BlendedDocuments,
     DocumentDataConfig,
     DocumentDataset,
@@ -21,7 +21,7 @@ from megatron.training.documents import (
     length_statistics,
     split_document_ranges,
 )
-from megatron.training.microbatches import (
+from megatron.trainer.microbatches import (
     BatchLayout,
     DocumentMicrobatches,
     ReorderedMicrobatches,
@@ -291,15 +291,15 @@ def _padded_and_alone(rank, directory):
     import contextlib
     import copy
 
-    from megatron.training.arguments import parse_args
-    from megatron.training.gpt import gpt_loss
-    from megatron.training.initialize import initialize_distributed
-    from megatron.training.models import (
+    from megatron.trainer.arguments import parse_args
+    from megatron.trainer.gpt import gpt_loss
+    from megatron.trainer.initialize import initialize_distributed
+    from megatron.trainer.models import (
         build_gpt_stage,
         build_model_chunks,
         transformer_config_from_args,
     )
-    from megatron.training.optimizer import wrap_model_chunks
+    from megatron.trainer.optimizer import wrap_model_chunks
 
     rng = np.random.default_rng(3)
     builder = IndexedDatasetBuilder(f"{directory}/gpt.bin", dtype=np.int32)

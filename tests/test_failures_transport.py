@@ -74,7 +74,7 @@ def test_ctrl_c_ends_every_rank_with_one_line(tmp_path):
         assert statuses[rank] == 130, log[-3000:]
         errors = job.lines(rank, "ERROR")
         assert len(errors) == 1 and errors[0].endswith(
-            "megatron.training.failures: interrupted (SIGINT)"), log[-3000:]
+            "megatron.trainer.failures: interrupted (SIGINT)"), log[-3000:]
         assert "Traceback" not in log
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
 
-from megatron.training import no_apex
+from megatron.trainer import no_apex
 from tests.distributed import run_ranks
 
 
@@ -77,15 +77,15 @@ def test_fused_cross_entropy_matches_unfused_in_bf16_only():
 def _main_grads(rank, fused: bool, extra_flags=()):
     import contextlib
 
-    from megatron.training import no_apex
-    from megatron.training.arguments import parse_args
-    from megatron.training.initialize import initialize_distributed
-    from megatron.training.models import (
+    from megatron.trainer import no_apex
+    from megatron.trainer.arguments import parse_args
+    from megatron.trainer.initialize import initialize_distributed
+    from megatron.trainer.models import (
         build_gpt_stage,
         build_model_chunks,
         transformer_config_from_args,
     )
-    from megatron.training.optimizer import wrap_model_chunks
+    from megatron.trainer.optimizer import wrap_model_chunks
 
     flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
              "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size",
@@ -168,7 +168,7 @@ def _single_pass_cross_entropies(rank):
     """Each of two tensor-parallel ranks holds half of a 160-entry vocabulary."""
     from megatron.core import parallel_state, tensor_parallel
 
-    from megatron.training.cross_entropy import vocab_parallel_cross_entropy
+    from megatron.trainer.cross_entropy import vocab_parallel_cross_entropy
 
     torch.distributed.init_process_group("gloo")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
@@ -221,7 +221,7 @@ def test_single_pass_cross_entropy_in_a_gpt_equals_the_unfused_loss():
 
 
 def test_bias_in_the_gemm_epilogue_gives_linear_and_its_gradients():
-    from megatron.training.fused_layers import biased_linear
+    from megatron.trainer.fused_layers import biased_linear
 
     generator = torch.Generator().manual_seed(9)
     x, weight, bias = (torch.randn(shape, generator=generator).requires_grad_()
@@ -238,7 +238,7 @@ def test_bias_in_the_gemm_epilogue_gives_linear_and_its_gradients():
 
 
 def test_bias_in_the_gemm_epilogue_accumulates_into_main_grad():
-    from megatron.training.fused_layers import biased_linear
+    from megatron.trainer.fused_layers import biased_linear
 
     generator = torch.Generator().manual_seed(10)
     weight = torch.nn.Parameter(torch.randn(24, 16, generator=generator))
@@ -253,7 +253,7 @@ def test_bias_in_the_gemm_epilogue_accumulates_into_main_grad():
 
 
 def test_word_embedding_accumulates_rows_into_main_grad():
-    from megatron.training.fused_layers import _EmbeddingIntoMainGrad
+    from megatron.trainer.fused_layers import _EmbeddingIntoMainGrad
 
     generator = torch.Generator().manual_seed(11)
     weight = torch.nn.Parameter(torch.randn(50, 16, generator=generator))
@@ -275,7 +275,7 @@ def test_word_embedding_accumulates_rows_into_main_grad():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels need a CUDA GPU")
 @pytest.mark.parametrize("vocab", [50304, 1000])
 def test_triton_cross_entropy_matches_the_torch_passes(vocab):
-    from megatron.training.cross_entropy import (
+    from megatron.trainer.cross_entropy import (
         VocabParallelCrossEntropy,
         _TorchPasses,
         _TritonPasses,
@@ -303,7 +303,7 @@ def test_triton_cross_entropy_matches_the_torch_passes(vocab):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="checks CUDA's index_put_ kernel")
 def test_word_embedding_accumulation_is_deterministic_on_gpu():
-    from megatron.training.fused_layers import _EmbeddingIntoMainGrad
+    from megatron.trainer.fused_layers import _EmbeddingIntoMainGrad
 
     generator = torch.Generator().manual_seed(13)
     ids = torch.randint(0, 512, (2, 2048), generator=generator).cuda()  # many repeats
@@ -324,7 +324,7 @@ def test_word_embedding_accumulation_is_deterministic_on_gpu():
 def _cross_entropy_on_biased_logits(rank):
     from megatron.core import parallel_state, tensor_parallel
 
-    from megatron.training.fused_layers import biased_linear
+    from megatron.trainer.fused_layers import biased_linear
 
     torch.distributed.init_process_group("gloo")
     parallel_state.initialize_model_parallel()
@@ -348,3 +348,58 @@ def test_biased_linear_output_may_be_modified_in_place():
     (pairs,) = run_ranks(1, _cross_entropy_on_biased_logits)
     for mine, theirs in pairs:
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+
+
+def _fused_layer_paths(rank):
+    """One step of a GPT with the project's layers (fused_layers.install_fused_layers) and
+    one with megatron-core's own, counting the calls of the project's biased linear."""
+    import contextlib
+
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    from megatron.trainer import fused_layers, initialize, models
+    from megatron.trainer.arguments import parse_args
+    from megatron.trainer.gpt import GPT_TASK
+    from megatron.trainer.training import setup
+    from tests.pipeline_runs import TINY_GPT, one_step
+    from tests.trainer_runs import _destroy_model_parallel_only
+
+    initialize._shutdown = _destroy_model_parallel_only  # two set-ups in one process
+    calls = []
+    project_linear = fused_layers.biased_linear
+
+    def counting_linear(*args, **kwargs):
+        calls.append(1)
+        return project_linear(*args, **kwargs)
+
+    fused_layers.biased_linear = counting_linear
+    results = {}
+    for patched in (True, False):
+        if not patched:
+            models.install_fused_layers = lambda model, config: None
+        args = parse_args(TINY_GPT + ["--global-batch-size", "4"], world_size=1)
+        with contextlib.ExitStack() as stack:
+            trainer = setup(GPT_TASK, args, stack)
+            # the layers that add their own bias (not fc1, whose bias goes with the GeLU)
+            biased = sum(isinstance(m, ColumnParallelLinear) and m.bias is not None
+                         and not m.skip_bias_add for m in trainer.model[0].modules())
+            calls.clear()
+            losses, grads = one_step(trainer, trainer.schedule, args.num_microbatches)
+            results[patched] = (losses, grads, len(calls), biased * args.num_microbatches)
+    return results
+
+
+def test_column_parallel_linears_take_the_bias_in_epilogue_path():
+    """install_fused_layers really reroutes every ColumnParallelLinear of a built GPT that
+    adds its own bias (the qkv projections) through biased_linear, and the step equals
+    megatron-core's path."""
+    (results,) = run_ranks(1, _fused_layer_paths)
+    (losses, grads, calls, forwards), (stock_losses, stock_grads, stock_calls, _) = (
+        results[True], results[False])
+    assert forwards > 0 and calls == forwards
+    assert stock_calls == 0
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(stock_losses),
+                               rtol=1e-6, atol=1e-5)
+    assert grads.keys() == stock_grads.keys()
+    for name, (grad, _) in grads.items():
+        torch.testing.assert_close(grad, stock_grads[name][0], rtol=1e-5, atol=1e-6, msg=name)

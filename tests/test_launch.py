@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron.training import launch
-from megatron.training.metrics import IterationStats
+from megatron.trainer import launch
+from megatron.trainer.metrics import IterationStats
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted(REPO.glob("run_*_*.sh")) + sorted((REPO / "examples").rglob("*.sh")) + [
@@ -139,7 +139,7 @@ def test_mpi_exec_runs_the_command_with_torch_variables():
     env = {**os.environ, **MASTER, "PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1",
            "MPI_LOCALNRANKS": "2", "PYTHONPATH": str(REPO)}
     probe = "import os; print(*(os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK')))"
-    result = subprocess.run([sys.executable, "-m", "megatron.training.launch", "mpi-exec", "--",
+    result = subprocess.run([sys.executable, "-m", "megatron.trainer.launch", "mpi-exec", "--",
                              sys.executable, "-c", probe], env=env, capture_output=True,
                             text=True, timeout=30)
     assert result.returncode == 0, result.stderr

@@ -7,9 +7,9 @@ import gc
 
 import pytest
 
-from megatron.training import manual_gc
-from megatron.training.arguments import ArgumentError, parse_args
-from megatron.training.manual_gc import ManualGC
+from megatron.trainer import manual_gc
+from megatron.trainer.arguments import ArgumentError, parse_args
+from megatron.trainer.manual_gc import ManualGC
 from tests.pipeline_runs import TINY_GPT
 
 

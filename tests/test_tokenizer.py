@@ -1,4 +1,4 @@
-"""megatron.training.tokenizer: shipped vocabularies, every tokenizer type, file errors."""
+"""megatron.trainer.tokenizer: shipped vocabularies, every tokenizer type, file errors."""
 
 import importlib.util
 import json
@@ -10,7 +10,7 @@ import pytest
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
-from megatron.training.tokenizer import (  # noqa: E402
+from megatron.trainer.tokenizer import (  # noqa: E402
     TOKENIZER_TYPES,
     GPT2BPETokenizer,
     TokenizerFileError,
@@ -120,9 +120,33 @@ def test_huggingface_tokenizer_json(tmp_path):
         build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "missing.json"))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("sentencepiece") is not None,
-                    reason="sentencepiece is installed, so there is no missing-package error")
-def test_sentencepiece_missing_package_says_how_to_install(tmp_path):
+def test_sentencepiece_model(tmp_path):
+    """A model trained here on the sample text: ids round-trip, EOD is its </s>, a piece
+    it lacks (padding) is an error naming it, a file that is no model is named."""
+    import sentencepiece
+
+    model = tmp_path / "m.model"
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(sample_texts(os.path.join(GPT_DIR, "dataset.json"), 200)),
+        model_prefix=str(tmp_path / "m"), vocab_size=300, model_type="bpe", minloglevel=2)
+    tokenizer = build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(model))
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(model))
+    assert tokenizer.vocab_size == len(tokenizer.vocab) == 300
+    assert tokenizer.eod == tokenizer.vocab["</s>"] == processor.eos_id()
+    assert tokenizer.bos == tokenizer.vocab["<s>"]
+    text = "The Devil's Dictionary, by Ambrose Bierce."  # no runs of spaces to normalise
+    ids = tokenizer.tokenize(text)
+    assert ids == processor.encode(text) and len(ids) > 3
+    assert tokenizer.detokenize(ids) == text
+    with pytest.raises(NotImplementedError, match="padding"):
+        tokenizer.pad  # noqa: B018
+    (tmp_path / "bad.model").write_bytes(b"not a model")
+    with pytest.raises(TokenizerFileError, match="bad.model: cannot load"):
+        build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(tmp_path / "bad.model"))
+
+
+def test_sentencepiece_missing_package_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "sentencepiece", None)  # as if not installed
     with pytest.raises(ImportError, match="pip install sentencepiece"):
         build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(tmp_path / "m.model"))
 

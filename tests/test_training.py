@@ -63,10 +63,12 @@ def test_pp1_and_pp2_same_first_loss(gpt_pp2, pp1_first_loss):
 
 def test_vpp2_with_core_schedule_and_dpp(pp1_first_loss):
     vpp = with_flags(PP2, virtual_pipeline_model_parallel_size=2, exit_interval=2)
-    core = vpp + ["--no-batch-p2p-comm"]
+    core = vpp  # as a user runs it: the trainer picks unbatched p2p itself
     dpp = vpp + ["--use-dpp", "--dpp-transport", "torch"]
     split = dpp + ["--dpp-split-backward"]  # the trainer hands DPP its WeightGradStore
     core_run, dpp_run, split_run = run_ranks(2, train_runs, [core, dpp, split], 2)[-1]
+    assert sum("unbatched p2p" in m for _, m in core_run["logs"]) == 1
+    assert not any("unbatched p2p" in m for _, m in dpp_run["logs"])
     core_losses = [step["lm loss"] for step in core_run["losses"]]
     assert len(core_losses) == 2 and core_run["state"]["iteration"] == 2
     assert core_losses[0] == pytest.approx(pp1_first_loss, abs=1e-6)
@@ -131,3 +133,19 @@ def test_bf16_two_iterations(gpt_pp2):
     fp32_first = _losses(gpt_pp2[0])[0]
     assert losses[0] == pytest.approx(fp32_first, abs=2e-2)
     assert losses[0] != fp32_first
+
+
+def test_dpp_with_distributed_optimizer_overlapped_reduce_and_rampup():
+    """DP=2 x PP=2 with the distributed optimizer, overlapped gradient reduction (DPP
+    starts each chunk's reduction after its last backward) and a batch ramping up from 8 to
+    16 samples: DPP trains exactly as megatron-core's schedule does."""
+    flags = with_flags(PP2, global_batch_size=16, rampup_batch_size=[8, 8, 16], train_iters=3,
+                       use_distributed_optimizer=True, overlap_grad_reduce=True)
+    core, dpp = run_ranks(4, train_runs, [flags, flags + ["--use-dpp", "--dpp-transport",
+                                                           "torch"]], 4, "gpt", BATCH)[-1]
+    assert core["batches"] == dpp["batches"] == [8, 8, 16]
+    core_losses = [step["lm loss"] for step in core["losses"]]
+    assert [step["lm loss"] for step in dpp["losses"]] == pytest.approx(core_losses, abs=1e-6)
+    assert dpp["grad_norms"] == pytest.approx(core["grad_norms"], rel=1e-6)
+    assert core_losses[-1] < core_losses[0]  # the optimizer steps reached the parameters
+    assert any("schedule DPP" in m for _, m in dpp["logs"])

@@ -1,4 +1,4 @@
-"""Rank functions for the trainer tests: run megatron.training's real loop (`setup` +
+"""Rank functions for the trainer tests: run megatron.trainer's real loop (`setup` +
 `train`) and record what each iteration produced, plus the trainer's log records.
 
 Several runs can share one process (`train_runs`): they share the default process group
@@ -52,10 +52,10 @@ class _Records(logging.Handler):
 
 def task_by_name(name: str):
     if name == "gpt":
-        from megatron.training.gpt import GPT_TASK
+        from megatron.trainer.gpt import GPT_TASK
 
         return GPT_TASK
-    from megatron.training.bert import BERT_TASK
+    from megatron.trainer.bert import BERT_TASK
 
     return BERT_TASK
 
@@ -81,11 +81,11 @@ def train_runs(rank, runs, world_size, task_name="gpt", repeat=None):
     """Rank function: for each flag list, set up and train as `pretrain` does (on a training
     set of `repeat` samples when given). Returns one dict per run: `losses` (per iteration,
     this rank's reduced losses; empty off the last stage), `grad_norms`, `batches`, `logs`
-    ((level, message) of megatron.training), `state`."""
+    ((level, message) of megatron.trainer), `state`."""
     import torch.distributed as dist
 
-    from megatron.training import initialize, training
-    from megatron.training.arguments import parse_args
+    from megatron.trainer import initialize, training
+    from megatron.trainer.arguments import parse_args
 
     original_step = training.train_step
     # keep the default process group between runs (re-creating it in one process hangs in
@@ -107,7 +107,7 @@ def train_runs(rank, runs, world_size, task_name="gpt", repeat=None):
 
         training.train_step = recording_step
         handler = _Records()
-        logger = logging.getLogger("megatron.training")
+        logger = logging.getLogger("megatron.trainer")
         logger.addHandler(handler)
         try:
             args = parse_args(flags, world_size=world_size)

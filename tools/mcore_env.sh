@@ -14,8 +14,8 @@
 #   NO_NATIVE=1  skip the native extension (the shm / RDMA tests then skip, saying why)
 #
 # The project is not pip-installed into the venv: since 0.17 the megatron-core wheel ships
-# Megatron-LM's own `megatron/training` package, which has this project's package name.
-# Run from the checkout's root, where `megatron/training` is found first:
+# Megatron-LM's own `megatron/trainer` package, which has this project's package name.
+# Run from the checkout's root, where `megatron/trainer` is found first:
 #   cd <checkout> && OMP_NUM_THREADS=1 VENV/bin/python -m pytest -q tests
 #   cd <checkout> && OMP_NUM_THREADS=1 VENV/bin/torchrun --nproc_per_node 2 pretrain_gpt.py ...
 # The native extension is built in VENV/native-build and its .so (named for this Python's
@@ -69,10 +69,10 @@ fi
 
 (cd "$ROOT" && "$VENV/bin/python" -W ignore - 2>/dev/null <<'EOF'
 import megatron.core.package_info as info
-import megatron.training
+import megatron.trainer
 import torch
 print(f"megatron-core {info.__version__}, torch {torch.__version__}; "
-      f"megatron.training from {megatron.training.__file__}")
+      f"megatron.trainer from {megatron.trainer.__file__}")
 EOF
 )
 echo "ready: cd $ROOT && OMP_NUM_THREADS=1 $VENV/bin/python -m pytest -q tests"

@@ -35,7 +35,7 @@ from tools.document_encoder import (  # noqa: E402
 
 logger = logging.getLogger("preprocess_data")
 
-# The same names as megatron.training.tokenizer.TOKENIZER_TYPES (a test checks), listed here
+# The same names as megatron.trainer.tokenizer.TOKENIZER_TYPES (a test checks), listed here
 # so that --help needs no megatron.core import.
 TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
@@ -161,7 +161,7 @@ class IndexedDatasetWriters:
 
 
 def _build_tokenizer(args):
-    from megatron.training.tokenizer import build_tokenizer
+    from megatron.trainer.tokenizer import build_tokenizer
 
     try:
         return build_tokenizer(

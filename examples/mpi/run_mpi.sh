@@ -2,7 +2,7 @@
 # MegatronDPP under mpiexec (e.g. ALCF Polaris with PBS and Cray PALS, or OpenMPI/MPICH):
 # one MPI rank per GPU; each rank maps its MPI variables (PALS_*, PMI_*, OMPI_COMM_WORLD_*,
 # SLURM_*) to torch.distributed's RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE with
-# `python -m megatron.training.launch mpi-exec` and runs the trainer; no torchrun needed.
+# `python -m megatron.trainer.launch mpi-exec` and runs the trainer; no torchrun needed.
 #   qsub -l select=2 ... -- bash examples/mpi/run_mpi.sh gpt [extra trainer flags]
 #   MPIEXEC_PPN_FLAG=-npernode bash examples/mpi/run_mpi.sh gpt      # OpenMPI
 # Settings: those of the run scripts (docs/launching.md), plus
@@ -52,9 +52,9 @@ if [[ -n $hostfile ]]; then cmd+=(--hostfile "$hostfile"); fi
 cmd+=(${MPIEXEC_ARGS:-}
       env MASTER_ADDR="${MASTER_ADDR:-${ips[0]}}" MASTER_PORT="${MASTER_PORT:-29500}"
       GPUS_PER_NODE="$GPUS_PER_NODE" PYTHONPATH="$DPP_REPO${PYTHONPATH:+:$PYTHONPATH}"
-      "$PYTHON" -m megatron.training.launch mpi-exec --
+      "$PYTHON" -m megatron.trainer.launch mpi-exec --
       "$PYTHON" "$DPP_REPO/$MODEL_ENTRY" "${TRAIN_FLAGS[@]}" "${node_flags[@]}" "$@")
 printf '%q ' "${cmd[@]}" >"$RUN_DIR/command.txt"
 dpp_say "running: $(cat "$RUN_DIR/command.txt")"
 "${cmd[@]}" 2>&1 | tee "$RUN_DIR/train.log"
-PYTHONPATH=$DPP_REPO "$PYTHON" -m megatron.training.launch summarize "$RUN_DIR/train.log"
+PYTHONPATH=$DPP_REPO "$PYTHON" -m megatron.trainer.launch summarize "$RUN_DIR/train.log"

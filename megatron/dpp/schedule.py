@@ -174,6 +174,8 @@ class _Iteration:
         self.policy = GreedyPolicy(self.stage,
                                    microbatch_order=microbatch_order_for(self.stage, costs))
         self.executed: list[Task] = []  # the actions in the order they ran
+        # inputs the policy found missing at its last look (a timeout names them)
+        self._missing: list[MessageKey] = []
         order = self.policy.microbatch_order
         if order != sorted(order):
             # the plan runs microbatch i out of turn: each forward reads batch i
@@ -238,7 +240,7 @@ class _Iteration:
         return self.coordinator.share(task)
 
     def _ready_task(self) -> Task | None:
-        self._missing: list[MessageKey] = []
+        self._missing = []
         return self.policy.next_task(self._arrived)
 
     def _arrived(self, task: Task) -> bool:

@@ -106,12 +106,12 @@ def _owned(total_input: torch.Tensor) -> torch.Tensor:
 def weight_grads_deferred(collect: Callable[[Callable[[], None]], None]) -> Iterator[None]:
     """While open, the linear layers' weight-gradient accumulations are not run but handed
     to `collect` as callables that run them. Needs the gradient-accumulation fusion path:
-    `megatron.training.no_apex.weight_grad_accumulation_fusion()` (or apex) installed."""
+    `megatron.trainer.no_apex.weight_grad_accumulation_fusion()` (or apex) installed."""
     kernels = getattr(core_layers, _KERNELS, None)
     if kernels is None:
         raise WeightGradError(
             "deferring weight gradients needs the gradient-accumulation fusion path "
-            "(megatron.training.no_apex.weight_grad_accumulation_fusion() or apex's "
+            "(megatron.trainer.no_apex.weight_grad_accumulation_fusion() or apex's "
             f"{_KERNELS}); neither is installed")
     if isinstance(kernels, _RecordingKernels):
         raise WeightGradError("weight gradients are already being deferred (nested deferral)")

@@ -8,9 +8,9 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.utils import get_attr_wrapped_model
 
-from megatron.training.data import build_gpt_datasets
-from megatron.training.models import build_gpt_stage
-from megatron.training.training import ModelTask
+from megatron.trainer.data import build_gpt_datasets
+from megatron.trainer.models import build_gpt_stage
+from megatron.trainer.training import ModelTask
 
 
 def gpt_loss(loss_mask: torch.Tensor, output: torch.Tensor):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-log = logging.getLogger("megatron.training")
+log = logging.getLogger("megatron.trainer")
 
 # dense bf16/fp16 peak of the GPUs we measure on, for MFU
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}

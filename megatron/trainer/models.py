@@ -23,10 +23,10 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron.training.attention import SDPAttention
-from megatron.training.cross_entropy import vocab_parallel_cross_entropy
-from megatron.training.fused_layers import install_fused_layers
-from megatron.training.norms import SequenceParallelNorm
+from megatron.trainer.attention import SDPAttention
+from megatron.trainer.cross_entropy import vocab_parallel_cross_entropy
+from megatron.trainer.fused_layers import install_fused_layers
+from megatron.trainer.norms import SequenceParallelNorm
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,10 @@ def transformer_config_from_args(args) -> TransformerConfig:
         raise RuntimeError("--dpp-split-backward: Transformer Engine's layers compute their "
                            "weight gradients in their own backward; use --transformer-impl local")
     on_gpu = torch.cuda.is_available()
+    if not batch_p2p_comm(args) and not args.no_batch_p2p_comm and not args.use_dpp:
+        log.info("megatron-core's schedule at --pipeline-model-parallel-size 2 with virtual "
+                 "stages: unbatched p2p (as --no-batch-p2p-comm); batched p2p to the one "
+                 "neighbour would swap activations and gradients")
     kwargs = dict(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -95,7 +99,7 @@ def transformer_config_from_args(args) -> TransformerConfig:
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
-        batch_p2p_comm=not args.no_batch_p2p_comm,
+        batch_p2p_comm=batch_p2p_comm(args),
         batch_p2p_sync=args.batch_p2p_sync,
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
         # megatron-core knows native and te; the project's triton passes replace its loss
@@ -118,6 +122,17 @@ def transformer_config_from_args(args) -> TransformerConfig:
         # megatron-core's validation asks for this whenever variable_seq_lengths is on
         kwargs["moe_token_dispatcher_type"] = "alltoall"
     return TransformerConfig(**kwargs)
+
+
+def batch_p2p_comm(args) -> bool:
+    """Whether megatron-core's schedules batch their p2p exchanges. A batched exchange pairs
+    sends and receives between two ranks by their order; at PP=2 with virtual stages the
+    previous and the next rank are the same peer, which then receives a gradient into the
+    activation's buffer and the reverse (same shape: silently wrong gradients). Unbatched
+    p2p there; any other layout keeps the flag's choice."""
+    one_neighbour = (args.pipeline_model_parallel_size == 2
+                     and args.virtual_pipeline_model_parallel_size is not None)
+    return not args.no_batch_p2p_comm and not one_neighbour
 
 
 def _fused_softmax_available() -> bool:
@@ -208,7 +223,11 @@ class ProjectGPTModel(LanguageModelLoss, GPTModel):
 
 
 class ProjectBertModel(LanguageModelLoss, BertModel):
-    pass
+    @property
+    def decoder(self):
+        """BERT's transformer block is its encoder; megatron-core's schedules tell a chunk's
+        layers their microbatch through `decoder.layers` (rng.ForwardRng reads it)."""
+        return self.encoder
 
 
 class SDPABertModel(ProjectBertModel):

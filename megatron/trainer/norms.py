@@ -6,7 +6,7 @@ so its norm weights get a partial gradient, and megatron-core sums those over th
 tensor-parallel group only for parameters tagged `sequence_parallel = True`
 (finalize_model_grads), which apex's and TE's norms set and torch's do not.
 `SequenceParallelNorm` is torch's LayerNorm / RMSNorm with that tag, used by the local
-layer specs under --sequence-parallel (megatron/training/models.py).
+layer specs under --sequence-parallel (megatron/trainer/models.py).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ import argparse
 import importlib.util
 import os
 
-from megatron.training.addresses import is_ip_address
-from megatron.training.tokenizer import TOKENIZER_TYPES
+from megatron.trainer.addresses import is_ip_address
+from megatron.trainer.tokenizer import TOKENIZER_TYPES
 
 
 class ArgumentError(ValueError):
@@ -175,7 +175,8 @@ def _parallel_args(g):
     g.add_argument("--distributed-timeout-minutes", type=float, default=10)
     g.add_argument("--local-rank", "--local_rank", type=int, default=None)
     g.add_argument("--no-batch-p2p-comm", action="store_true",
-                   help="megatron-core schedules: unbatched p2p (needed for PP=2 with VPP)")
+                   help="megatron-core schedules: unbatched p2p (chosen automatically at PP=2 with "
+                        "virtual stages, where batched p2p gives wrong gradients)")
     g.add_argument("--batch-p2p-sync", action="store_true",
                    help="megatron-core schedules: synchronise the device after each batched "
                         "p2p exchange (an old PyTorch workaround; it stalls the host each time)")
@@ -271,6 +272,7 @@ def parse_args(argv=None, extra_args_provider=None, world_size=None) -> argparse
 
 def validate_args(args, world_size: int) -> None:
     """Fill derived values; raise ArgumentError listing every problem found."""
+    _check_ranges(args)
     problems: list[str] = []
 
     def need(ok: bool, message: str):
@@ -314,9 +316,11 @@ def validate_args(args, world_size: int) -> None:
          f"{args.max_position_embeddings}")
 
     _validate_virtual_pipeline(args, need)
-    _validate_batch(args, need)
+    ramp_sound = _validate_batch(args, need)
     _validate_precision(args, need)
     _validate_schedule(args, need)
+    if ramp_sound and args.train_iters is not None:
+        _validate_microbatches(args, need)
     _validate_data(args, need)
     _validate_dpp(args, need)
     _validate_trace(args, need)
@@ -346,6 +350,9 @@ def _validate_virtual_pipeline(args, need):
     ) if value is not None}
     if per_stage is not None:
         need(pp > 1, "--num-layers-per-virtual-pipeline-stage needs "
+             "--pipeline-model-parallel-size > 1")
+    if vpp is not None and vpp > 1:
+        need(pp > 1, f"--virtual-pipeline-model-parallel-size {vpp} needs "
              "--pipeline-model-parallel-size > 1")
     if uneven:
         need(per_stage is None,
@@ -422,7 +429,8 @@ def _validate_uneven_split(args, need, uneven: dict, vpp):
              f"--virtual-pipeline-model-parallel-size {vpp}")
 
 
-def _validate_batch(args, need):
+def _validate_batch(args, need) -> bool:
+    """False where the ramp-up cannot be followed (its batch sizes are unknown)."""
     dp, mbs = args.data_parallel_size, args.micro_batch_size
     if args.global_batch_size is None:
         args.global_batch_size = mbs * dp
@@ -431,13 +439,113 @@ def _validate_batch(args, need):
          f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x "
          f"data-parallel size {dp}")
     args.num_microbatches = max(1, gbs // (mbs * dp))
-    vpp = args.virtual_pipeline_model_parallel_size
-    pp = args.pipeline_model_parallel_size
-    if vpp and not args.use_dpp:
-        need(args.num_microbatches >= pp,
-             f"megatron-core's interleaved schedule needs at least --pipeline-model-parallel-size "
-             f"{pp} microbatches, got {args.num_microbatches} (global batch {gbs}); "
-             "--use-dpp has no such limit")
+    if args.rampup_batch_size is None:
+        return True
+    start, increment, _ = args.rampup_batch_size
+    ramp = "--rampup-batch-size " + " ".join(map(str, args.rampup_batch_size))
+    # megatron-core's ramp-up divides by the number of increments
+    need(start < gbs, f"{ramp}: the start must be below --global-batch-size {gbs}")
+    need((gbs - start) % increment == 0,
+         f"{ramp}: --global-batch-size {gbs} minus the start is not a multiple of the "
+         "increment")
+    return start < gbs and (gbs - start) % increment == 0
+
+
+def _validate_microbatches(args, need):
+    """Every global batch size the run uses (the ramp-up's included) must split into
+    micro-batches over the data-parallel ranks; with virtual stages, megatron-core's
+    interleaved schedule and the DPP policy (StageConfig) both run the microbatches in
+    groups of --pipeline-model-parallel-size and need a multiple of it."""
+    dp, mbs, pp = args.data_parallel_size, args.micro_batch_size, args.pipeline_model_parallel_size
+    interleaved = args.virtual_pipeline_model_parallel_size is not None
+    for size, iteration in _global_batch_sizes(args).items():
+        if args.rampup_batch_size is None:
+            what = f"--global-batch-size {size}"
+        else:
+            what = (f"--rampup-batch-size {' '.join(map(str, args.rampup_batch_size))}: global "
+                    f"batch size {size} (from iteration {iteration})")
+        if size % (mbs * dp) != 0:
+            # the full --global-batch-size has been named already (_validate_batch)
+            need(size == args.global_batch_size, f"{what} is not divisible by "
+                 f"--micro-batch-size {mbs} x data-parallel size {dp}")
+            continue
+        count = size // (mbs * dp)
+        need(not interleaved or count % pp == 0,
+             f"{what} gives {count} microbatches (--micro-batch-size {mbs} x data-parallel size "
+             f"{dp}); with virtual pipeline stages megatron-core's interleaved schedule and "
+             f"--use-dpp both need a multiple of --pipeline-model-parallel-size {pp}")
+
+
+def _global_batch_sizes(args) -> dict[int, int]:
+    """Each global batch size the run uses -> the first iteration (from 1) that uses it,
+    following megatron-core's RampupBatchsizeNumMicroBatchesCalculator."""
+    gbs = args.global_batch_size
+    if args.rampup_batch_size is None:
+        return {gbs: 1}
+    start, increment, samples = args.rampup_batch_size
+    samples_per_increment = samples / ((gbs - start) // increment)
+    sizes, consumed = {}, 0
+    for iteration in range(1, args.train_iters + 1):
+        if consumed > samples:
+            size = gbs
+        else:
+            size = start + int(consumed / samples_per_increment) * increment
+        sizes.setdefault(size, iteration)
+        if size == gbs:
+            break
+        consumed += size
+    return sizes
+
+
+# flags that take numbers within a range (None, not given, passes)
+_AT_LEAST_ONE = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
+    "num_query_groups", "seq_length", "max_position_embeddings", "vocab_size",
+    "make_vocab_size_divisible_by", "micro_batch_size", "global_batch_size", "train_iters",
+    "train_samples", "lr_decay_iters", "lr_decay_samples", "tensor_model_parallel_size",
+    "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+    "num_layers_per_virtual_pipeline_stage", "context_parallel_size", "recompute_num_layers",
+    "log_interval", "save_interval", "exit_interval", "hysteresis", "rotary_base",
+)
+_AT_LEAST_ZERO = (
+    "lr", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "lr_warmup_init", "weight_decay",
+    "start_weight_decay", "end_weight_decay", "clip_grad", "sgd_momentum", "seed",
+    "eval_iters", "eval_interval", "num_workers", "min_loss_scale", "num_tokentypes",
+)
+_ABOVE_ZERO = (
+    "dpp_timeout", "distributed_timeout_minutes", "adam_eps", "norm_epsilon",
+    "init_method_std", "initial_loss_scale", "loss_scale", "loss_scale_window",
+)
+_FROM_ZERO_BELOW_ONE = ("hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2")
+_FROM_ZERO_TO_ONE = ("lr_warmup_fraction", "mask_prob", "short_seq_prob")
+
+
+def _check_ranges(args) -> None:
+    """Numbers outside their range, all named at once, before anything divides by them."""
+    problems = []
+    for names, ok, wanted in (
+        (_AT_LEAST_ONE, lambda v: v >= 1, "must be >= 1"),
+        (_AT_LEAST_ZERO, lambda v: v >= 0, "must be >= 0"),
+        (_ABOVE_ZERO, lambda v: v > 0, "must be > 0"),
+        (_FROM_ZERO_BELOW_ONE, lambda v: 0 <= v < 1, "must be in [0, 1)"),
+        (_FROM_ZERO_TO_ONE, lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    ):
+        for name in names:
+            value = getattr(args, name)
+            if value is not None and not ok(value):
+                problems.append(f"--{name.replace('_', '-')} {value} {wanted}")
+    if not 0 < args.rotary_percent <= 1:
+        problems.append(f"--rotary-percent {args.rotary_percent} must be in (0, 1]")
+    if args.rampup_batch_size is not None and min(args.rampup_batch_size) < 1:
+        problems.append(f"--rampup-batch-size {' '.join(map(str, args.rampup_batch_size))}: "
+                        "start, increment and samples must be >= 1")
+    # numpy seeds each pipeline stage with --seed + 100 x its rank (initialize.set_seeds)
+    top = 2**32 - 100 * args.pipeline_model_parallel_size
+    if args.seed >= top:
+        problems.append(f"--seed {args.seed} must be below {top} (numpy's seeds are 32-bit, and "
+                        "each pipeline stage adds 100 x its rank)")
+    if problems:
+        raise ArgumentError("invalid arguments:\n  " + "\n  ".join(problems))
 
 
 def _validate_precision(args, need):
@@ -463,6 +571,8 @@ def _validate_schedule(args, need):
          "exactly one of --train-iters and --train-samples is needed")
     if args.train_iters is None and args.train_samples is not None:
         args.train_iters = args.train_samples // args.global_batch_size
+        need(args.train_iters > 0, f"--train-samples {args.train_samples} is less than one "
+             f"global batch (--global-batch-size {args.global_batch_size})")
     need(args.lr is not None, "--lr is required")
     need(args.lr_warmup_fraction is None or args.lr_warmup_iters == 0,
          f"--lr-warmup-fraction {args.lr_warmup_fraction} and --lr-warmup-iters "
@@ -490,6 +600,13 @@ def _validate_data(args, need):
     if args.data_path:
         _parse_blend(args, need)
     need(args.seq_length_cv >= 0, f"--seq-length-cv {args.seq_length_cv} must be >= 0")
+    # megatron-core exchanges the shapes of variable-length microbatches in one batched p2p
+    # call, which at PP=2 with virtual stages swaps the activation's and the gradient's
+    need(args.seq_length_cv == 0 or args.use_dpp or args.pipeline_model_parallel_size != 2
+         or args.virtual_pipeline_model_parallel_size is None,
+         f"--seq-length-cv {args.seq_length_cv} with megatron-core's interleaved schedule at "
+         "--pipeline-model-parallel-size 2: its batched shape exchange with the one neighbour "
+         "mixes up activation and gradient shapes; use --use-dpp (or more pipeline stages)")
 
 
 def _parse_blend(args, need):

@@ -66,19 +66,22 @@ def _optimizer_metadata(args) -> dict:
     return {"distrib_optim_sharding_type": "dp_reshardable"} if args.use_distributed_optimizer else {}
 
 
+def _chunk_keys(model) -> list[str]:
+    """The checkpoint's key of each model chunk (Megatron-LM's names)."""
+    return ["model"] if len(model) == 1 else [f"model{index}" for index in range(len(model))]
+
+
 def _sharded_state(model, optimizer, scheduler, state, args, loading: bool) -> dict:
     # the bare models (no DDP / Float16Module wrapper): their keys are what load_state_dict
     # expects and do not change with the precision
     model = unwrap_model(model)
     sharded = {}
-    for index, chunk in enumerate(model):
-        key = "model" if len(model) == 1 else f"model{index}"
+    for key, chunk in zip(_chunk_keys(model), model, strict=True):
         sharded[key] = chunk.sharded_state_dict()
-    model_sharded = {}
-    for index in range(len(model)):
-        key = "model" if len(model) == 1 else f"model{index}"
-        model_sharded.update(sharded[key])
     if optimizer is not None:
+        # the optimizer finds its parameters among the chunks' sharded tensors; each chunk
+        # keeps its own dict (their local names repeat: every chunk numbers its layers from 0)
+        model_sharded = {key: sharded[key] for key in _chunk_keys(model)}
         sharded["optimizer"] = optimizer.sharded_state_dict(
             model_sharded, is_loading=loading, metadata=_optimizer_metadata(args)
         )
@@ -372,8 +375,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args) -> TrainingSta
             model, optimizer if load_optim else None, scheduler, TrainingState(), args, True
         )
         loaded = dist_checkpointing.load(sharded, path)
-        for index, chunk in enumerate(unwrap_model(model)):
-            key = "model" if len(model) == 1 else f"model{index}"
+        for key, chunk in zip(_chunk_keys(model), unwrap_model(model), strict=True):
             chunk.load_state_dict(loaded[key])
         # in no_grad: the distributed optimizer copies into views of the parameters
         if load_optim:

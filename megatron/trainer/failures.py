@@ -18,11 +18,11 @@ import traceback
 import torch.distributed as dist
 
 from megatron.dpp.transport.channel import TransportError, brief, peer_failure
-from megatron.training.arguments import ArgumentError
-from megatron.training.checkpointing import CheckpointError
-from megatron.training.data import DataError
+from megatron.trainer.arguments import ArgumentError
+from megatron.trainer.checkpointing import CheckpointError
+from megatron.trainer.data import DataError
 
-log = logging.getLogger("megatron.training.failures")
+log = logging.getLogger("megatron.trainer.failures")
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2  # argparse's

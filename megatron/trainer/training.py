@@ -26,23 +26,24 @@ from megatron.core.num_microbatches_calculator import (
 
 from megatron.dpp import tracing
 from megatron.dpp.weight_grad import SplitBackwardNoPipelining, WeightGradStore
-from megatron.training import checkpointing, metrics, no_apex
-from megatron.training.arguments import parse_args
-from megatron.training.cuda_graphs import install_block_graphs
-from megatron.training.data import MicroBatchIterator, check_data_paths, microbatch_lengths
-from megatron.training.failures import exit_on_known_failures
-from megatron.training.initialize import initialize_distributed, setup_logging
-from megatron.training.manual_gc import ManualGC
-from megatron.training.models import (
+from megatron.trainer import checkpointing, metrics, no_apex
+from megatron.trainer.arguments import parse_args
+from megatron.trainer.cuda_graphs import install_block_graphs
+from megatron.trainer.data import MicroBatchIterator, check_data_paths, microbatch_lengths
+from megatron.trainer.failures import exit_on_known_failures
+from megatron.trainer.initialize import initialize_distributed, setup_logging
+from megatron.trainer.manual_gc import ManualGC
+from megatron.trainer.models import (
     build_model_chunks,
     transformer_config_from_args,
     use_transformer_engine,
 )
-from megatron.training.optimizer import build_optimizer, build_scheduler, wrap_model_chunks
-from megatron.training.profiler import StepProfiler
-from megatron.training.tokenizer import build_tokenizer
+from megatron.trainer.optimizer import build_optimizer, build_scheduler, wrap_model_chunks
+from megatron.trainer.profiler import StepProfiler
+from megatron.trainer.rng import ForwardRng
+from megatron.trainer.tokenizer import build_tokenizer
 
-log = logging.getLogger("megatron.training")
+log = logging.getLogger("megatron.trainer")
 
 
 @dataclass
@@ -70,6 +71,7 @@ class Trainer:
     datasets: tuple
     state: checkpointing.TrainingState
     schedule: Callable
+    rng: ForwardRng
     tracer: object = field(default_factory=tracing.NullTracer)  # --trace: see start_tracing
     collector: ManualGC = field(default_factory=lambda: ManualGC(enabled=False))
 
@@ -78,10 +80,15 @@ class Trainer:
         """The last rank reports losses (it is on the last pipeline stage)."""
         return dist.get_rank() == dist.get_world_size() - 1
 
+    def forward_step_func(self, iteration: int) -> Callable:
+        """The model's forward step for one schedule call of `iteration`, its random draws
+        keyed by (seed, iteration, microbatch, virtual stage)."""
+        return self.rng.keyed(self.task.make_forward_step(self.args, self.device), iteration)
+
 
 def pretrain(task: ModelTask, argv=None, extra_args_provider=None) -> checkpointing.TrainingState:
     """The entry points' body. A known failure (flag, data, transport, checkpoint I/O,
-    Ctrl-C) ends the rank with one line naming the cause (megatron.training.failures)."""
+    Ctrl-C) ends the rank with one line naming the cause (megatron.trainer.failures)."""
     setup_logging(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
     with exit_on_known_failures(sys.argv[0]):
         args = parse_args(argv, extra_args_provider)
@@ -131,7 +138,8 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     collector = stack.enter_context(
         ManualGC(args.manual_gc, args.manual_gc_interval, args.manual_gc_eval))
     return Trainer(args, task, device, model, optimizer, scheduler, config,
-                   _batch_calculator(args), datasets, state, schedule, collector=collector)
+                   _batch_calculator(args), datasets, state, schedule,
+                   ForwardRng(args.seed, device), collector=collector)
 
 
 def _padded_vocab_size(vocab_size: int, args) -> int:
@@ -151,7 +159,9 @@ def _install_schedule_hooks(config, model, optimizer, args) -> None:
     """The callbacks megatron.core's schedules (and DPP's) expect on the config."""
     no_sync = [chunk.no_sync for chunk in model]
     config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-    if args.overlap_grad_reduce:
+    # DPP re-enables each chunk's reduction before that chunk's last backward, whose hooks
+    # then start it; a grad_sync_func would start it a second time
+    if args.overlap_grad_reduce and not args.use_dpp:
         sync = [chunk.start_grad_sync for chunk in model]
         config.grad_sync_func = sync[0] if len(sync) == 1 else sync
     config.finalize_model_grads_func = finalize_model_grads
@@ -213,7 +223,7 @@ def train_step(trainer: Trainer, iterator) -> dict:
         # the microbatches' token counts are known before the step: DPP orders by them
         trainer.schedule.set_microbatch_costs(lengths)
     losses = trainer.schedule(
-        forward_step_func=trainer.task.make_forward_step(args, trainer.device),
+        forward_step_func=trainer.forward_step_func(trainer.state.iteration + 1),
         data_iterator=iterator,
         model=trainer.model,
         num_microbatches=num_microbatches,
@@ -260,7 +270,7 @@ def evaluate(trainer: Trainer, dataset, consumed: int) -> dict[str, float]:
     with torch.no_grad():
         for _ in range(args.eval_iters):
             gathered += trainer.schedule(
-                forward_step_func=trainer.task.make_forward_step(args, trainer.device),
+                forward_step_func=trainer.forward_step_func(trainer.state.iteration),
                 data_iterator=iterator,
                 model=trainer.model,
                 num_microbatches=trainer.batch_calculator.get(),

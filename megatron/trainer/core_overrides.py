@@ -189,10 +189,10 @@ INTERNALS = (
              positional=(("self", "labels", "logits"),)),
     Internal("megatron.core.transformer.dot_product_attention:DotProductAttention.__init__",
              "stand-in", "training/attention.py SDPAttention (the core attention of our specs)",
-             stand_in="megatron.training.attention:SDPAttention.__init__"),
+             stand_in="megatron.trainer.attention:SDPAttention.__init__"),
     Internal("megatron.core.transformer.dot_product_attention:DotProductAttention.forward",
              "stand-in", "training/attention.py SDPAttention.forward",
-             stand_in="megatron.training.attention:SDPAttention.forward"),
+             stand_in="megatron.trainer.attention:SDPAttention.forward"),
     # positional calls of public constructors
     Internal("megatron.core.num_microbatches_calculator:ConstantNumMicroBatchesCalculator"
              ".__init__", "called", "training/training.py _batch_calculator",

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
 from megatron.core.tensor_parallel import layers as core_layers
 
-from megatron.training.no_apex import WeightGradAccumulation
+from megatron.trainer.no_apex import WeightGradAccumulation
 
 
 def _dummy_weight_grad(weight: torch.nn.Parameter, dtype: torch.dtype) -> torch.Tensor | None:

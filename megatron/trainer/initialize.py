@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron.training.cpu_compat import CpuCompat
+from megatron.trainer.cpu_compat import CpuCompat
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ def setup_logging(rank: int, world_size: int) -> None:
         force=True,
     )
     if rank == world_size - 1:
-        logging.getLogger("megatron.training").setLevel(level)
+        logging.getLogger("megatron.trainer").setLevel(level)
         logging.getLogger("megatron.dpp").setLevel(level)
     if level > logging.DEBUG:
         logging.getLogger("megatron.core").setLevel(logging.WARNING)

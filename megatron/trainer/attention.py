@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import math
 
-import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
@@ -39,6 +38,7 @@ class SDPAttention(MegatronModule):
             else tensor_parallel.get_tensor_model_parallel_world_size()
         )
         self.attn_mask_type = attn_mask_type
+        self.tp_size = tp_size
         self.heads = divide(config.num_attention_heads, tp_size)
         self.query_groups = divide(config.num_query_groups, tp_size)
         head_dim = config.kv_channels
@@ -68,7 +68,7 @@ class SDPAttention(MegatronModule):
         # megatron masks mark positions to drop with True; SDPA's boolean mask marks positions kept
         sdpa_mask = None if attention_mask is None else ~attention_mask.bool()
         dropout_p = self.dropout_p if self.training else 0.0
-        with self._dropout_rng(q):
+        with self._dropout_rng():
             context = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=sdpa_mask, dropout_p=dropout_p, is_causal=causal,
                 scale=self.softmax_scale,
@@ -77,11 +77,13 @@ class SDPAttention(MegatronModule):
         s, b = context.shape[2], context.shape[0]
         return context.permute(2, 0, 1, 3).reshape(s, b, -1)
 
-    def _dropout_rng(self, query):
-        # megatron's model-parallel RNG swaps the CUDA generator's state, which a CUDA graph
-        # cannot record; graphs run with one tensor-parallel rank only, where the default
-        # generator serves as well (cuda_graphs.py)
-        if (self.dropout_p > 0 and self.training and not self.config.sequence_parallel
-                and not (query.is_cuda and torch.cuda.is_current_stream_capturing())):
+    def _dropout_rng(self):
+        # tensor-parallel ranks hold different heads, so their masks come from megatron's
+        # model-parallel stream (under sequence parallelism the block has forked it already).
+        # With one rank the default generator serves as well, and a CUDA graph (one rank
+        # only, cuda_graphs.py) draws from it like the eager forward: swapping the
+        # generator's state cannot be recorded
+        if self.dropout_p > 0 and self.training and self.tp_size > 1 \
+                and not self.config.sequence_parallel:
             return tensor_parallel.get_cuda_rng_tracker().fork()
         return contextlib.nullcontext()

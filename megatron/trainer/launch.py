@@ -1,6 +1,6 @@
 """Helpers of the launch scripts (run_*_gpt.sh, run_*_bert.sh, examples/mpi/, examples/slurm/).
 
-Sub-commands (`python -m megatron.training.launch CMD`):
+Sub-commands (`python -m megatron.trainer.launch CMD`):
   preflight  check the node settings in the environment before torchrun starts, so that a
              wrong node count, node rank, busy port or unreachable master gets one clear
              message instead of a rendezvous timeout; prints the resolved settings as shell
@@ -29,9 +29,9 @@ import struct
 import sys
 import time
 
-from megatron.training.addresses import is_ip_address
+from megatron.trainer.addresses import is_ip_address
 
-log = logging.getLogger("megatron.training.launch")
+log = logging.getLogger("megatron.trainer.launch")
 
 ROLES = ("single", "master", "worker")
 
@@ -280,13 +280,13 @@ def prepare_data_cache(model: str, trainer_argv: list[str], world_size: int) -> 
     megatron.core builds them on global rank 0 only and the other ranks then read them, which
     needs a filesystem every node sees; a worker node calls this first so that its ranks find
     identical files locally (the same flags and seed give the same files)."""
-    from megatron.training.arguments import parse_args
-    from megatron.training.tokenizer import build_tokenizer
+    from megatron.trainer.arguments import parse_args
+    from megatron.trainer.tokenizer import build_tokenizer
 
     if model == "gpt":
-        from megatron.training.gpt import GPT_TASK as task
+        from megatron.trainer.gpt import GPT_TASK as task
     else:
-        from megatron.training.bert import BERT_TASK as task
+        from megatron.trainer.bert import BERT_TASK as task
     args = parse_args(trainer_argv, world_size=world_size)
     if args.mock_data:
         return
@@ -331,7 +331,7 @@ def summarize(lines) -> str | None:
 
 
 def _main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron.training.launch",
+    parser = argparse.ArgumentParser(prog="python -m megatron.trainer.launch",
                                      description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("preflight", help="check node settings; print shell exports")

@@ -34,6 +34,7 @@ import functools
 import logging
 
 import torch
+from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_block import TransformerBlock
 
 from megatron.dpp.weight_grad import WeightGradStore, weight_grads_deferred
@@ -150,6 +151,10 @@ class BlockGraphs:
             raise CudaGraphError(
                 f"{MAX_SLOTS} microbatches in flight through one block's CUDA graphs: a "
                 "forward whose backward never ran (each training forward needs its backward)")
+        with _generators_restored():
+            return self._record_slot(sample)
+
+    def _record_slot(self, sample: torch.Tensor) -> _Slot:
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -201,6 +206,21 @@ class BlockGraphs:
         log.info("CUDA graphs: recorded slot %d of a %d-layer block for shape %s",
                  len(self.slots), len(self.block.layers), tuple(self.shape))
         return slot
+
+
+@contextlib.contextmanager
+def _generators_restored():
+    """The warm-up pass of a recording draws dropout masks; afterwards the generators are
+    where they were, so the first replay draws what the eager forward would (a replay reads
+    the generator's seed and offset when it is launched; the capture itself draws none)."""
+    state = torch.cuda.get_rng_state()
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    tracker_states = tracker.get_states()
+    try:
+        yield
+    finally:
+        torch.cuda.set_rng_state(state)
+        tracker.set_states(tracker_states)
 
 
 def _alias(param: torch.nn.Parameter) -> torch.nn.Parameter:

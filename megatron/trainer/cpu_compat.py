@@ -61,6 +61,8 @@ class CpuCompat(contextlib.ExitStack):
     """Enter in every CPU rank (the function mode is thread-local)."""
 
     def __enter__(self):
+        from megatron.core.tensor_parallel import random as megatron_random
+
         super().__enter__()
         self.enter_context(_CudaToCpuMode())
         backward = torch.autograd.function.BackwardCFunction
@@ -71,6 +73,12 @@ class CpuCompat(contextlib.ExitStack):
             ("device_count", lambda: 0),
         ):
             self.enter_context(_patched(torch.cuda, name, value))
+        # activation recomputation saves and restores the CUDA generator next to the CPU one;
+        # on CPU every draw comes from the CPU generator, which it restores as well
+        self.enter_context(_patched(megatron_random, "_get_cuda_rng_state",
+                                    lambda *a, **k: None))
+        self.enter_context(_patched(megatron_random, "_set_cuda_rng_state",
+                                    lambda *a, **k: None))
         return self
 
 

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.utils import get_attr_wrapped_model
 
-from megatron.training.data import build_bert_datasets
-from megatron.training.models import build_bert_stage
-from megatron.training.training import ModelTask
+from megatron.trainer.data import build_bert_datasets
+from megatron.trainer.models import build_bert_stage
+from megatron.trainer.training import ModelTask
 
 
 def bert_loss(loss_mask, sentence_order, output):
