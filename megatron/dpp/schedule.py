@@ -304,6 +304,13 @@ class _Iteration:
         output_grad = (None if self.topology.input_is_local(self.rank, task)
                        else self.transport.take(_input_key(task)))
         self.backwards_run[chunk] += 1
+        last = self.backwards_run[chunk] == self.num_microbatches
+        # megatron-core's convention for the chunk's last backward: without a
+        # grad_sync_func DDP's hooks start the reduction during it; with one (and with the
+        # split, whose store calls it after the chunk's last W) it is started once, after
+        hooks_start = last and self.grad_syncs is None
+        if hooks_start:
+            self.no_sync.enable(chunk)
         with (contextlib.nullcontext() if self.weight_grads is None
               else self.weight_grads.deferring((chunk, microbatch))):
             input_grad = backward_step(
@@ -311,12 +318,9 @@ class _Iteration:
             )
         self.tracer.stop(span)
         self._send_output(task, input_grad)
-        if self.backwards_run[chunk] == self.num_microbatches:
-            # the chunk's last backward: its gradients are complete, DDP may reduce them
-            # (--overlap-grad-reduce: start now, as megatron-core's interleaved schedule
-            # does; with the split the store starts it after the chunk's last W instead)
+        if last and not hooks_start:
             self.no_sync.enable(chunk)
-            if self.grad_syncs is not None and self.weight_grads is None:
+            if self.weight_grads is None:
                 self.grad_syncs[chunk](self.model[chunk].parameters())
 
     def _weight(self, task: Task) -> None:
@@ -361,8 +365,7 @@ def _per_chunk(func_or_list, num_chunks: int) -> list:
 
 class _NoSyncPerChunk:
     """Gradient reduction stays off for every chunk until that chunk's last backward
-    (DDP's hooks then see a complete gradient; the reduction itself starts through
-    config.grad_sync_func); all are re-enabled on exit."""
+    (DDP then overlaps its reduction with the remaining work); all are re-enabled on exit."""
 
     def __init__(self, config, num_chunks: int, forward_only: bool):
         funcs = config.no_sync_func

@@ -159,9 +159,11 @@ def _install_schedule_hooks(config, model, optimizer, args) -> None:
     """The callbacks megatron.core's schedules (and DPP's) expect on the config."""
     no_sync = [chunk.no_sync for chunk in model]
     config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-    # DPP re-enables each chunk's reduction before that chunk's last backward, whose hooks
-    # then start it; a grad_sync_func would start it a second time
-    if args.overlap_grad_reduce and not args.use_dpp:
+    # Without a grad_sync_func DPP lets DDP's hooks start each chunk's reduction during its
+    # last backward. With the B/W split the hooks run during B, before W completes the
+    # gradients: the WeightGradStore starts each chunk's reduction with it after the
+    # chunk's last W
+    if args.overlap_grad_reduce and (not args.use_dpp or args.dpp_split_backward):
         sync = [chunk.start_grad_sync for chunk in model]
         config.grad_sync_func = sync[0] if len(sync) == 1 else sync
     config.finalize_model_grads_func = finalize_model_grads
