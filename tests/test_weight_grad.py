@@ -450,7 +450,7 @@ def _graphs_deferred_vs_eager(rank, backward_order, w_order):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 def test_graphed_b_and_w_equal_the_eager_backward():
     backward_order, w_order = [2, 0, 1], [1, 2, 0]  # three microbatches in flight
-    (results,) = run_ranks(1, _graphs_deferred_vs_eager, backward_order, w_order)
+    (results,) = run_ranks(1, _graphs_deferred_vs_eager, backward_order, w_order, gpu=True)
     eager = results["eager"]
     # a slot is free only after its W; the second step reuses the three
     assert results["graphs deferred"]["slots"] == [3]
