@@ -690,7 +690,9 @@ def _validate_cuda_graphs(args, need):
          "(transformer_engine's also need Transformer Engine); use --cuda-graph-impl block")
     if impl != "block":
         return
-    need(_cuda_available(), "--cuda-graph-impl block needs a CUDA GPU; this machine has none")
+    # by default only where fast_path.Machine found CUDA
+    need(args.cuda_graphs_by_default or _cuda_available(),
+         "--cuda-graph-impl block needs a CUDA GPU; this machine has none")
     for bad, what in (
         (args.tensor_model_parallel_size > 1, "--tensor-model-parallel-size > 1 (the graphs "
          "hold no tensor-parallel collectives)"),
