@@ -21,5 +21,46 @@ if [ ! -e /usr/include/infiniband/verbs.h ] && [ "$(id -u)" = 0 ] && command -v 
     echo "prerequisite.sh: could not install libibverbs-dev; the RDMA transport will not be built" >&2
 fi
 
-"$PY" -m pip install -q -r requirements.txt
-"$PY" -m pip install -q --no-build-isolation --no-deps -e .
+# Offline: only what is missing is installed, and from local wheels when there are some
+# (PIP_FIND_LINKS, or a .whl/ folder in this checkout): with everything installed, no
+# network is needed at all.
+missing=$("$PY" - requirements.txt <<'PYEOF'
+import importlib.metadata as metadata
+import sys
+
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
+
+for line in open(sys.argv[1]):
+    line = line.split("#")[0].strip()
+    if not line:
+        continue
+    requirement = Requirement(line)
+    try:
+        installed = metadata.version(requirement.name)
+    except metadata.PackageNotFoundError:
+        print(line)
+        continue
+    if not requirement.specifier.contains(installed, prereleases=True):
+        print(line)
+PYEOF
+)
+pip_local=()
+if [ -d .whl ] && [ -z "${PIP_FIND_LINKS:-}" ]; then
+  pip_local=(--find-links .whl)
+fi
+if [ -n "${PIP_FIND_LINKS:-}" ] || [ -d .whl ]; then
+  pip_local+=(--no-index)
+fi
+if [ -n "$missing" ]; then
+  echo "prerequisite.sh: installing" $missing >&2
+  # shellcheck disable=SC2086  # one requirement per word
+  "$PY" -m pip install -q "${pip_local[@]}" $missing ||
+    { echo "prerequisite.sh: could not install: $missing (offline? put their wheels in .whl/ or PIP_FIND_LINKS)" >&2; exit 1; }
+fi
+if ! "$PY" -c "import importlib.metadata as m; m.version('megatron-dpp')" 2>/dev/null ||
+    [ -z "$(ls megatron/dpp/_native*.so 2>/dev/null)" ]; then
+  "$PY" -m pip install -q --no-build-isolation --no-deps -e .
+fi

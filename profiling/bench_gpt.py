@@ -5,11 +5,16 @@ iteration lines (--log-interval 1), drops the warm-up iterations and reports the
 time per iteration, tokens/s (tokens actually trained), TFLOP/s/GPU and MFU.
 
     python profiling/bench_gpt.py --out runs/bench --configs local,sdpa,dpp-torch
+    python profiling/bench_gpt.py --out runs/one --gpus 1 --pp 1 \
+        --configs one-gpu-default,one-gpu-fastest,one-gpu-local      # issue 23, one GPU
+
+Writes results.json, results.csv (one row per configuration) and table.txt under --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import logging
 import os
@@ -108,6 +113,24 @@ CONFIGS |= {
                                              "--dpp-max-inflight", "0"],
 }
 
+# every configuration above was measured before the CUDA-graph blocks and the single-pass
+# cross-entropy became defaults on GPU (megatron/trainer/fast_path.py): where a configuration
+# does not ask for them they stay off, so the documented figures stay reproducible
+CONFIGS = {name: [*flags,
+                  *([] if "--cuda-graph-impl" in flags else ["--cuda-graph-impl", "none"]),
+                  *([] if "--cross-entropy-loss-fusion" in flags
+                    else ["--no-cross-entropy-loss-fusion"])]
+           for name, flags in CONFIGS.items()}
+CONFIGS |= {
+    # issue 23, one GPU (--gpus 1 --pp 1): no speed flags (the fast path's defaults), the
+    # fastest flags known, and megatron-core's local spec as it runs without apex / TE
+    "one-gpu-default": [],
+    "one-gpu-fastest": [*FUSED[:1], *XENT, *GRAPHS],
+    "one-gpu-local": CONFIGS["local"],
+}
+# issue 23's acceptance: the defaults' share of the fastest flags' tokens/s, and their MFU
+ACCEPTANCE = {"one-gpu-default": ("one-gpu-fastest", 0.98, 55.0)}
+
 # (a, b): print a's tokens/s over b's when both ran
 RATIOS = (
     ("sdpa", "local"), ("step5-split", "local"), ("fast-m32", "sdpa-only"),
@@ -130,6 +153,8 @@ RATIOS = (
     ("pp1-xent-split", "pp1-xent"), ("pp1-xent-graphs-split", "pp1-xent-graphs"),
     ("xent-graphs-m64-dpp-shm-split", "xent-graphs-m64-dpp-shm"),
     ("xent-graphs-m64-dpp-shm-split-slack0", "xent-graphs-m64"),
+    ("one-gpu-default", "one-gpu-fastest"), ("one-gpu-default", "one-gpu-local"),
+    ("one-gpu-default", "one-default"),
 )
 
 LINE = re.compile(
@@ -200,6 +225,18 @@ def run(name: str, flags: list[str], args, out: Path) -> dict:
     }
 
 
+CSV_COLUMNS = ("name", "ms_per_iter", "tokens_per_s", "tflops_per_gpu", "mfu_percent", "peak_mb",
+               "iterations", "wall_s", "error", "flags")
+
+
+def write_csv(path: Path, results: list[dict]) -> None:
+    """One flat row per configuration (failed ones with their error)."""
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(results)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True)
@@ -241,6 +278,14 @@ def main() -> None:
     for a, b in RATIOS:
         if a in base and b in base:
             lines.append(f"{a} / {b}: {base[a]['tokens_per_s'] / base[b]['tokens_per_s']:.3f}x")
+    for name, (fastest, share, mfu) in ACCEPTANCE.items():
+        if name in base and fastest in base:
+            ratio = base[name]["tokens_per_s"] / base[fastest]["tokens_per_s"]
+            got = base[name]["mfu_percent"] or 0
+            lines.append(f"acceptance {name}: {ratio:.3f}x {fastest} (>= {share}: "
+                         f"{'met' if ratio >= share else 'NOT met'}), MFU {got:.1f} % (>= {mfu}: "
+                         f"{'met' if got >= mfu else 'NOT met'})")
+    write_csv(out / "results.csv", results)
     table = "\n".join(lines)
     (out / "table.txt").write_text(table + "\n")
     sys.stdout.write(table + "\n")

@@ -170,7 +170,8 @@ def test_graph_replays_draw_the_keyed_dropout_masks():
     other keys give other masks (the dropout is on)."""
     runs = [(False, [0, 1, 2], 0), (True, [0, 1, 2], 0), (True, [2, 0, 1], 0),
             (False, [0, 1, 2], 10)]
-    (eager, graphs, reordered, other_keys), = run_ranks(1, _graphs_with_dropout, runs, gpu=True)
+    (eager, graphs, reordered, other_keys), = run_ranks(1, _graphs_with_dropout, runs,
+                                                          gpu=True)
     for run in (graphs, reordered):
         for (losses, grads), (eager_losses, eager_grads) in zip(run, eager, strict=True):
             assert losses == eager_losses

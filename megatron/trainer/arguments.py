@@ -29,6 +29,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     _data_args(parser.add_argument_group("data"))
     _io_args(parser.add_argument_group("checkpoints and logging"))
     _dpp_args(parser.add_argument_group("dynamic pipeline (DPP)"))
+    _fast_path_args(parser.add_argument_group("fast path defaults (fast_path.py)"))
     if extra_args_provider is not None:
         extra_args_provider(parser)
     return parser
@@ -65,13 +66,15 @@ def _model_args(g):
     g.add_argument("--no-masked-softmax-fusion", action="store_true")
     g.add_argument("--no-bias-gelu-fusion", action="store_true")
     g.add_argument("--no-bias-dropout-fusion", action="store_true")
-    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
-                   help="fused cross-entropy; which one: --cross-entropy-fusion-impl")
-    g.add_argument("--cross-entropy-fusion-impl", default="native",
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true", default=None,
+                   help="fused cross-entropy; which one: --cross-entropy-fusion-impl (default: "
+                        "on with triton on a GPU with Triton, see fast_path.py)")
+    g.add_argument("--cross-entropy-fusion-impl", default=None,
                    choices=["native", "te", "triton"],
                    help="native: megatron-core's torch.compile'd version (--bf16 only); te: "
                         "Transformer Engine's; triton: the project's one pass forward, one "
-                        "pass backward (Triton kernels on GPU, torch ops elsewhere; any dtype)")
+                        "pass backward (Triton kernels on GPU, torch ops elsewhere; any dtype). "
+                        "Default: native with --cross-entropy-loss-fusion, else triton")
     g.add_argument("--use-flash-attn", action="store_true")
     g.add_argument(
         "--attention-backend", default="auto",
@@ -131,11 +134,12 @@ def _batch_and_schedule_args(g):
                    action="store_false",
                    help="add each weight gradient to main_grad in a second kernel instead of "
                         "in the GEMM (the fusion runs on GPU only)")
-    g.add_argument("--cuda-graph-impl", default="none",
-                   choices=["none", "block", "local", "transformer_engine"],
+    g.add_argument("--cuda-graph-impl", default="auto",
+                   choices=["auto", "none", "block", "local", "transformer_engine"],
                    help="block: CUDA graphs of each chunk's transformer block, one pair per "
                         "microbatch in flight, replayed in any order (also with --use-dpp); "
-                        "megatron-core's local / transformer_engine graphs are not supported")
+                        "megatron-core's local / transformer_engine graphs are not supported. "
+                        "auto (default): block where the run allows it, else none")
 
 
 def _precision_args(g):
@@ -260,6 +264,13 @@ def _dpp_args(g):
     g.add_argument("--num-gpus", type=int, default=None, help=argparse.SUPPRESS)
 
 
+def _fast_path_args(g):
+    g.add_argument("--no-cross-entropy-loss-fusion", dest="cross_entropy_loss_fusion",
+                   action="store_false", default=None,
+                   help="megatron-core's unfused cross-entropy even where the fused one is "
+                        "the default")
+
+
 def parse_args(argv=None, extra_args_provider=None, world_size=None) -> argparse.Namespace:
     parser = build_parser(extra_args_provider)
     args, unknown = parser.parse_known_args(argv)
@@ -273,6 +284,7 @@ def parse_args(argv=None, extra_args_provider=None, world_size=None) -> argparse
 def validate_args(args, world_size: int) -> None:
     """Fill derived values; raise ArgumentError listing every problem found."""
     _check_ranges(args)
+    _resolve_fast_path(args)
     problems: list[str] = []
 
     def need(ok: bool, message: str):
@@ -678,7 +690,9 @@ def _validate_cuda_graphs(args, need):
          "(transformer_engine's also need Transformer Engine); use --cuda-graph-impl block")
     if impl != "block":
         return
-    need(_cuda_available(), "--cuda-graph-impl block needs a CUDA GPU; this machine has none")
+    # by default only where fast_path.Machine found CUDA
+    need(args.cuda_graphs_by_default or _cuda_available(),
+         "--cuda-graph-impl block needs a CUDA GPU; this machine has none")
     for bad, what in (
         (args.tensor_model_parallel_size > 1, "--tensor-model-parallel-size > 1 (the graphs "
          "hold no tensor-parallel collectives)"),
@@ -691,6 +705,15 @@ def _validate_cuda_graphs(args, need):
         (args.seq_length_cv > 0, "--seq-length-cv (a graph replays one shape)"),
     ):
         need(not bad, f"--cuda-graph-impl block does not support {what}")
+
+
+def _resolve_fast_path(args) -> None:
+    """The defaults of the fast path for this machine, before the flags are validated;
+    `args.fast_path_fallbacks` keeps the lines that the trainer logs (fast_path.py)."""
+    from megatron.trainer import fast_path
+
+    args.cuda_graphs_by_default = args.cuda_graph_impl == "auto"
+    args.fast_path_fallbacks = fast_path.resolve(args, fast_path.Machine.detect())
 
 
 def _is_number(text: str) -> bool:

@@ -53,4 +53,5 @@ BERT_TASK = ModelTask(
     make_forward_step=make_forward_step,
     loss_names=("lm loss", "sop loss"),
     data_on_every_stage=True,
+    masked_attention=True,
 )

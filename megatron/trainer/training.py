@@ -26,7 +26,7 @@ from megatron.core.num_microbatches_calculator import (
 
 from megatron.dpp import tracing
 from megatron.dpp.weight_grad import SplitBackwardNoPipelining, WeightGradStore
-from megatron.trainer import checkpointing, metrics, no_apex
+from megatron.trainer import checkpointing, fast_path, metrics, no_apex
 from megatron.trainer.arguments import parse_args
 from megatron.trainer.cuda_graphs import install_block_graphs
 from megatron.trainer.data import MicroBatchIterator, check_data_paths, microbatch_lengths
@@ -56,6 +56,7 @@ class ModelTask:
     make_forward_step: Callable  # (args, device) -> forward_step_func(data_iterator, model)
     loss_names: tuple[str, ...]
     data_on_every_stage: bool = False  # BERT: every stage needs the padding mask
+    masked_attention: bool = False  # BERT: its blocks take the padding mask (fast_path.py)
 
 
 @dataclass
@@ -102,6 +103,8 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     check_data_paths(args)  # before the job starts: every rank reads its own files
     device = initialize_distributed(args, stack)
     setup_logging(dist.get_rank(), dist.get_world_size())
+    fast_path.log_fallbacks(args.fast_path_fallbacks
+                            + fast_path.resolve_for_model(args, task.masked_attention))
     tokenizer = build_tokenizer(
         args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
         tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,

@@ -1,0 +1,142 @@
+"""The fast path, on by default where its conditions hold.
+
+Three speed features are on unless the run rules them out: CUDA graphs of the transformer
+blocks (`--cuda-graph-impl block`, cuda_graphs.py), the single-pass cross-entropy
+(`--cross-entropy-loss-fusion --cross-entropy-fusion-impl triton`, cross_entropy.py) and the
+gradient-accumulation fusion (the weight-gradient GEMM adds into main_grad, no_apex.py).
+Each is a default only: given explicitly, a flag is the user's choice and is validated as
+such (arguments.py); switched off (`--cuda-graph-impl none`, `--no-cross-entropy-loss-fusion`,
+`--no-gradient-accumulation-fusion`) it stays off. Where a default cannot hold, the run falls
+back and `log_fallbacks` says, in one line per feature, every reason that applies.
+
+`resolve` is a pure function of the flags and of what the machine offers (`Machine`), so
+each condition is testable on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+
+log = logging.getLogger(__name__)
+
+CUDA_GRAPHS = "CUDA-graph blocks (--cuda-graph-impl block)"
+CROSS_ENTROPY = "single-pass cross-entropy (--cross-entropy-loss-fusion)"
+GRAD_ACCUMULATION = "gradient-accumulation fusion"
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """What the fast path needs from this machine and its Python environment."""
+
+    cuda: bool
+    triton: bool
+    transformer_engine: bool
+
+    @classmethod
+    def detect(cls) -> Machine:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        return cls(cuda=cuda,
+                   triton=cuda and importlib.util.find_spec("triton") is not None,
+                   transformer_engine=cuda and importlib.util.find_spec(
+                       "transformer_engine") is not None)
+
+
+def on_gpu(args, machine: Machine) -> bool:
+    """Whether this run's ranks compute on GPUs (gloo on a GPU machine runs on the CPU)."""
+    return machine.cuda and args.distributed_backend in (None, "nccl")
+
+
+def resolve(args, machine: Machine) -> list[str]:
+    """Settle the defaults of `args` (`cuda_graph_impl` "auto", `cross_entropy_loss_fusion`
+    None, `gradient_accumulation_fusion` True) for this machine; returns one line per
+    default that fell back, naming its reasons. Explicit choices are left as given."""
+    gpu = on_gpu(args, machine)
+    no_gpu = ("no CUDA GPU on this machine" if not machine.cuda else
+              "--distributed-backend gloo runs the ranks on the CPU")
+    fallbacks = []
+
+    if args.cuda_graph_impl == "auto":
+        reasons = _graph_conflicts(args, machine) + ([] if gpu else [no_gpu])
+        args.cuda_graph_impl = "none" if reasons else "block"
+        if reasons:
+            fallbacks.append(_line(CUDA_GRAPHS, reasons, "--cuda-graph-impl none"))
+
+    impl_given = args.cross_entropy_fusion_impl is not None
+    if args.cross_entropy_loss_fusion is None:
+        impl = args.cross_entropy_fusion_impl or "triton"
+        reasons = ([] if gpu else [no_gpu]) + _cross_entropy_conflicts(args, impl, machine)
+        args.cross_entropy_loss_fusion = not reasons
+        if reasons:
+            fallbacks.append(_line(CROSS_ENTROPY, reasons, "--no-cross-entropy-loss-fusion"))
+        args.cross_entropy_fusion_impl = impl
+    elif not impl_given:
+        args.cross_entropy_fusion_impl = "native"  # Megatron-LM's default with the flag given
+
+    # the B/W split defers exactly these GEMMs, so it keeps them on the CPU as well
+    if args.gradient_accumulation_fusion and not gpu and not args.dpp_split_backward:
+        args.gradient_accumulation_fusion = False
+        fallbacks.append(_line(GRAD_ACCUMULATION, [no_gpu + " (it saves a kernel only there)"],
+                               "--no-gradient-accumulation-fusion"))
+    return fallbacks
+
+
+def resolve_for_model(args, masked_attention: bool) -> list[str]:
+    """The model's part: a model whose blocks take an attention mask (BERT's padding mask)
+    would never replay the graphs, which record unmasked blocks only."""
+    if not masked_attention or args.cuda_graph_impl != "block":
+        return []
+    if not args.cuda_graphs_by_default:
+        from megatron.trainer.arguments import ArgumentError
+
+        raise ArgumentError("--cuda-graph-impl block does not support a model whose blocks "
+                            "take an attention mask (BERT's padding mask): use "
+                            "--cuda-graph-impl none")
+    args.cuda_graph_impl = "none"
+    return [_line(CUDA_GRAPHS, ["the model's blocks take an attention mask (BERT's padding "
+                                "mask); the graphs record unmasked blocks only"],
+                  "--cuda-graph-impl none")]
+
+
+def log_fallbacks(lines: list[str]) -> None:
+    for line in lines:
+        log.info(line)
+
+
+def _graph_conflicts(args, machine: Machine) -> list[str]:
+    tp = args.tensor_model_parallel_size
+    recompute = args.recompute_activations or args.recompute_granularity is not None
+    te_layers = args.transformer_impl == "transformer_engine" or (
+        args.transformer_impl == "auto" and machine.transformer_engine)
+    checks = (
+        (tp > 1, f"--tensor-model-parallel-size {tp} (the graphs hold no tensor-parallel "
+         "collectives)"),
+        (recompute, "activation recomputation (--recompute-*)"),
+        (args.overlap_grad_reduce, "--overlap-grad-reduce (the backward graph replaces its "
+         "per-parameter hooks)"),
+        (args.overlap_param_gather, "--overlap-param-gather (its forward pre-hooks do not run "
+         "inside a replay)"),
+        (args.seq_length_cv > 0, f"--seq-length-cv {args.seq_length_cv} (a graph replays one "
+         "shape)"),
+        (te_layers, "Transformer Engine layers (the graphs are checked with megatron.core's "
+         "local layers)"),
+        (args.attention_backend == "local", "--attention-backend local (megatron-core's "
+         "DotProductAttention is not checked under the graphs)"),
+    )
+    return [reason for bad, reason in checks if bad]
+
+
+def _cross_entropy_conflicts(args, impl: str, machine: Machine) -> list[str]:
+    if impl == "triton":
+        return [] if machine.triton or not machine.cuda else ["Triton is not importable"]
+    if impl == "native":  # megatron-core's rounds the logits' gradient to bf16
+        return [] if args.bf16 else ["--cross-entropy-fusion-impl native needs --bf16"]
+    return [] if machine.transformer_engine else [
+        "--cross-entropy-fusion-impl te needs Transformer Engine, which is not importable"]
+
+
+def _line(feature: str, reasons: list[str], switch_off: str) -> str:
+    return f"{feature} off: {'; '.join(reasons)} ({switch_off} turns it off without this line)"

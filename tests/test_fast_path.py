@@ -1,0 +1,152 @@
+"""The fast path's defaults (megatron/trainer/fast_path.py): on where nothing rules them out,
+off otherwise with one log line per feature naming the reason, and the run still trains.
+
+The trainer runs here pretend to be on a GPU machine (`Machine.detect` patched in the ranks)
+so that each line names its one condition; their ranks compute on the CPU, which every
+fallback below allows. On a real GPU, `test_default_graphs_equal_eager_through_the_trainer`
+checks that the defaults give the eager run's losses.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron.trainer import fast_path
+from megatron.trainer.arguments import ArgumentError, parse_args
+from tests.distributed import run_ranks
+from tests.trainer_runs import TINY, train_runs, with_flags
+
+GPU_MACHINE = dict(cuda=True, triton=True, transformer_engine=False)
+FLAGS = with_flags(TINY, train_iters=2, global_batch_size=8)
+
+
+def _resolved(flags, world_size=1, **machine):
+    """parse_args on a machine described by `machine` (default: a GPU with Triton)."""
+    detect = fast_path.Machine.detect
+    fast_path.Machine.detect = classmethod(lambda cls: fast_path.Machine(
+        **{**GPU_MACHINE, **machine}))
+    try:
+        return parse_args(flags, world_size=world_size)
+    finally:
+        fast_path.Machine.detect = detect
+
+
+def test_everything_on_where_nothing_rules_it_out():
+    args = _resolved(FLAGS)
+    assert (args.cuda_graph_impl, args.cross_entropy_loss_fusion,
+            args.cross_entropy_fusion_impl, args.gradient_accumulation_fusion) == (
+        "block", True, "triton", True)
+    assert args.fast_path_fallbacks == []
+
+
+def test_each_switch_turns_its_feature_off_without_a_line():
+    args = _resolved([*FLAGS, "--cuda-graph-impl", "none", "--no-cross-entropy-loss-fusion",
+                      "--no-gradient-accumulation-fusion"])
+    assert (args.cuda_graph_impl, args.cross_entropy_loss_fusion,
+            args.gradient_accumulation_fusion) == ("none", False, False)
+    assert args.fast_path_fallbacks == []
+
+
+@pytest.mark.parametrize(("flags", "machine", "feature", "reason"), [
+    ([], dict(transformer_engine=True), fast_path.CUDA_GRAPHS, "Transformer Engine layers"),
+    (["--attention-backend", "local"], {}, fast_path.CUDA_GRAPHS, "--attention-backend local"),
+    ([], dict(triton=False), fast_path.CROSS_ENTROPY, "Triton is not importable"),
+    (["--cross-entropy-fusion-impl", "te"], {}, fast_path.CROSS_ENTROPY,
+     "needs Transformer Engine"),
+], ids=["te-layers", "attention-local", "no-triton", "te-impl-without-te"])
+def test_conditions_that_need_a_gpu_to_train_name_their_reason(flags, machine, feature, reason):
+    """Conditions whose run needs CUDA (or a package this machine lacks): the decision only."""
+    (line,) = _resolved([*FLAGS, *flags], **machine).fast_path_fallbacks
+    assert line.startswith(feature + " off: ") and reason in line
+
+
+def test_explicit_choices_are_validated_not_defaulted():
+    with pytest.raises(ArgumentError, match="--tensor-model-parallel-size > 1"):
+        _resolved([*FLAGS, "--cuda-graph-impl", "block", "--tensor-model-parallel-size", "2"],
+                  world_size=2)
+    args = _resolved([*FLAGS, "--cross-entropy-loss-fusion", "--bf16"])
+    assert args.cross_entropy_fusion_impl == "native"  # Megatron-LM's default with the flag
+    explicit = _resolved(FLAGS)  # block as on a GPU, here as if given by the user
+    explicit.cuda_graphs_by_default = False
+    with pytest.raises(ArgumentError, match="--cuda-graph-impl block does not support a model"):
+        fast_path.resolve_for_model(explicit, True)
+
+
+def _runs_on_machines(rank, runs, world_size, task):
+    """train_runs over (machine overrides, flags), `Machine.detect` answering each run's
+    machine (None: this one) in turn: one process group for all (train_runs)."""
+    detect = fast_path.Machine.detect
+    machines = iter([machine for machine, _ in runs])
+
+    def pretended(cls):
+        machine = next(machines)
+        return detect() if machine is None else fast_path.Machine(**{**GPU_MACHINE, **machine})
+
+    fast_path.Machine.detect = classmethod(pretended)
+    return train_runs(rank, [flags for _, flags in runs], world_size, task)
+
+
+def _fallback_lines(result) -> list[str]:
+    return [message for _, message in result["logs"] if " off: " in message]
+
+
+def _check_trained(result, iterations=2):
+    assert len(result["losses"]) == iterations and all(
+        math.isfinite(value) for losses in result["losses"] for value in losses.values())
+
+
+# (extra flags, feature that falls back, the reason it names)
+FALLBACKS = [
+    (["--tensor-model-parallel-size", "2"], fast_path.CUDA_GRAPHS,
+     "--tensor-model-parallel-size 2"),
+    (["--recompute-activations"], fast_path.CUDA_GRAPHS, "activation recomputation"),
+    (["--overlap-grad-reduce"], fast_path.CUDA_GRAPHS, "--overlap-grad-reduce"),
+    (["--seq-length-cv", "0.5"], fast_path.CUDA_GRAPHS, "--seq-length-cv 0.5"),
+    # (graphs off: these ranks have no GPU to record them on)
+    (["--cross-entropy-fusion-impl", "native", "--cuda-graph-impl", "none"],
+     fast_path.CROSS_ENTROPY, "native needs --bf16"),
+]
+GLOO = "--distributed-backend gloo runs the ranks on the CPU"
+
+
+def test_each_fallback_logs_its_reason_and_trains():
+    runs = [({}, [*FLAGS, *flags]) for flags, _, _ in FALLBACKS]
+    # a GPU machine whose ranks run over gloo compute on the CPU: all three fall back; and
+    # this machine, which has no GPU
+    runs += [({}, [*FLAGS, "--distributed-backend", "gloo"]), (None, FLAGS)]
+    results = run_ranks(2, _runs_on_machines, runs, 2, "gpt")[-1]
+    for (_, feature, reason), result, (_, flags) in zip(FALLBACKS, results, runs, strict=False):
+        lines = _fallback_lines(result)
+        assert len(lines) == 1 and lines[0].startswith(feature + " off: "), (flags, lines)
+        assert reason in lines[0]
+        _check_trained(result)
+    for result, reason in zip(results[-2:], (GLOO, "no CUDA GPU on this machine"), strict=True):
+        lines = _fallback_lines(result)
+        assert sorted(line.split(" off: ")[0] for line in lines) == sorted(
+            [fast_path.CUDA_GRAPHS, fast_path.CROSS_ENTROPY, fast_path.GRAD_ACCUMULATION])
+        assert all(reason in line for line in lines), lines
+        _check_trained(result)
+
+
+def test_bert_falls_back_from_graphs_and_trains():
+    (result,) = run_ranks(1, _runs_on_machines, [({}, FLAGS)], 1, "bert")[0]
+    (line,) = _fallback_lines(result)
+    assert line.startswith(fast_path.CUDA_GRAPHS + " off: ")
+    assert "attention mask (BERT's padding mask)" in line
+    _check_trained(result)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fast path's defaults need a GPU")
+def test_default_graphs_equal_eager_through_the_trainer():
+    """The trainer with its defaults (graphs, single-pass cross-entropy, accumulation fusion)
+    against the same run in eager mode: the same losses, bit for bit, with dropout on."""
+    flags = with_flags(TINY, train_iters=3, global_batch_size=8, bf16=True,
+                       hidden_dropout=0.1, attention_dropout=0.1)
+    default, eager = run_ranks(1, train_runs, [flags, [*flags, "--cuda-graph-impl", "none"]], 1,
+                               gpu=True)[0]
+    assert not [m for _, m in default["logs"] if " off: " in m]
+    assert any("CUDA graphs: recorded slot" in m for _, m in default["logs"])
+    assert default["losses"] == eager["losses"] and default["grad_norms"] == eager["grad_norms"]
