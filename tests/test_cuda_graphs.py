@@ -174,9 +174,11 @@ def test_graph_replays_draw_the_keyed_dropout_masks():
                                                           gpu=True)
     for run in (graphs, reordered):
         for (losses, grads), (eager_losses, eager_grads) in zip(run, eager, strict=True):
-            assert losses == eager_losses
+            assert losses == eager_losses  # the same masks: bit-equal forwards
+            # the replayed dropout backward rounds apart from eager's in the last bits (at
+            # most 1.5e-8 on an H200); another mask would differ at the gradients' scale
             for grad, eager_grad in zip(grads, eager_grads, strict=True):
-                torch.testing.assert_close(grad, eager_grad, rtol=0, atol=0)
+                torch.testing.assert_close(grad, eager_grad, rtol=1e-4, atol=1e-7)
     assert other_keys[0][0] != eager[0][0]
 
 
