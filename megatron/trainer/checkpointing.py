@@ -159,6 +159,11 @@ class Checkpointer:
             raise CheckpointError(
                 "--use-persistent-ckpt-worker needs a CUDA GPU: megatron-core's worker "
                 "process selects a CUDA device when it starts (use --async-save alone)")
+        if config.optimizer_sharding == "fully_reshardable" and not _fused_adam_available():
+            raise CheckpointError(
+                "--dist-ckpt-optim-fully-reshardable needs Apex or Transformer Engine: "
+                "megatron-core's fully reshardable optimizer state does not load into torch's "
+                "Adam (its per-parameter `step`)")
         self.config = config
         self._calls = AsyncCallsQueue(persistent=config.persistent_worker) \
             if config.async_save else None
@@ -173,12 +178,12 @@ class Checkpointer:
         config = self.config
         root = config.non_persistent_dir if non_persistent else config.save
         self.wait()  # one save in flight at a time
-        if self._calls is not None:
-            _use_results_queue(self._async_results_queue())
+        iteration = state.iteration
+        _use_results_queue(queue.Queue() if self._calls is None else self._async_results_queue())
         final = _save(root, model, optimizer, scheduler, state, config, non_persistent,
                       self._calls)
         if self._calls is not None:
-            self._pending = _PendingSave(root, final + ".tmp", state.iteration)
+            self._pending = _PendingSave(root, final + ".tmp", iteration)
         return final
 
     def load(self, model, optimizer, scheduler) -> TrainingState:
@@ -248,6 +253,12 @@ class Checkpointer:
         return self._results
 
 
+def _fused_adam_available() -> bool:
+    from megatron.core.optimizer import distrib_optimizer
+
+    return bool(getattr(distrib_optimizer, "HAVE_APEX_OR_TE", False))
+
+
 def save_checkpoint(root: str, model, optimizer, scheduler, state: TrainingState,
                     config: CheckpointConfig) -> str:
     """Save synchronously (whatever --async-save says) and publish."""
@@ -258,7 +269,8 @@ def save_checkpoint(root: str, model, optimizer, scheduler, state: TrainingState
 def _save(root: str, model, optimizer, scheduler, state: TrainingState,
           config: CheckpointConfig, non_persistent: bool, calls: AsyncCallsQueue | None) -> str:
     _require_psutil()
-    final = checkpoint_dir(root, state.iteration)
+    iteration = state.iteration  # the loop goes on while an asynchronous save is written
+    final = checkpoint_dir(root, iteration)
     staging = final + ".tmp"
     rank0 = dist.get_rank() == 0
     try:
@@ -282,9 +294,9 @@ def _save(root: str, model, optimizer, scheduler, state: TrainingState,
         def publish():
             dist.barrier()
             if rank0:
-                _publish(root, staging, final, state.iteration, config, non_persistent)
+                _publish(root, staging, final, iteration, config, non_persistent)
             dist.barrier()
-            log.info("saved checkpoint at iteration %d to %s", state.iteration, final)
+            log.info("saved checkpoint at iteration %d to %s", iteration, final)
 
         if request is None:
             publish()
@@ -293,12 +305,12 @@ def _save(root: str, model, optimizer, scheduler, state: TrainingState,
             with WRITER_CHILDREN.die_with_this_process():
                 calls.schedule_async_request(request)
             log.info("saving checkpoint at iteration %d to %s in the background",
-                     state.iteration, staging)
+                     iteration, staging)
     except BaseException as error:
         if not isinstance(error, Exception | CheckpointException):
             _remove_partial(staging, rank0)  # an interrupt: no message of ours
             raise
-        raise _save_failed(error, root, staging, state.iteration, rank0) from error
+        raise _save_failed(error, root, staging, iteration, rank0) from error
     return final
 
 
@@ -578,19 +590,23 @@ def load_checkpoint(root: str, model, optimizer, scheduler,
     load_optim = optimizer is not None and config.load_optim and not config.finetune
     torch_format = torch_checkpoint.is_torch_format(path)
     with torch.no_grad():
+        sharding = None
         if torch_format:
             loaded = _read_torch_format(path)
         else:
-            loaded = _read_torch_dist(path, model, optimizer if load_optim else None, scheduler,
-                                      config)
+            loaded, sharding = _read_torch_dist(path, model, optimizer if load_optim else None,
+                                                scheduler, config)
         for key, chunk in zip(_chunk_keys(model), unwrap_model(model), strict=True):
             chunk.load_state_dict(loaded[key])
         # in no_grad: the distributed optimizer copies into views of the parameters
         if load_optim:
-            if torch_format and config.distributed_optimizer:
-                _create_adam_states(optimizer)
+            # these layouts hold each parameter's Adam moments but not torch Adam's `step`
+            # (it is in the param groups), which megatron.core expects: restored below
+            if sharding == "fully_reshardable":
+                _drop_adam_steps(optimizer)
             optimizer.load_state_dict(loaded["optimizer"])
             if torch_format and config.distributed_optimizer:
+                _drop_adam_steps(optimizer)
                 torch_checkpoint.load_distributed_optimizer(path, optimizer)
             if config.distributed_optimizer:
                 _restore_adam_steps(optimizer)
@@ -614,9 +630,11 @@ def _read_torch_format(path: str) -> dict:
         raise CheckpointError(f"loading {path} failed: {brief(error)}") from error
 
 
-def _read_torch_dist(path: str, model, optimizer, scheduler, config: CheckpointConfig) -> dict:
-    """megatron.core's load with the flags' strictness and strategy. The optimizer's state
-    is requested in the layout it was saved in (the checkpoint's content metadata)."""
+def _read_torch_dist(path: str, model, optimizer, scheduler,
+                     config: CheckpointConfig) -> tuple[dict, str | None]:
+    """megatron.core's load with the flags' strictness and strategy, and the distributed
+    optimizer's layout. Its state is requested in the layout it was saved in (the
+    checkpoint's content metadata), whatever --dist-ckpt-optim-fully-reshardable says now."""
     metadata = dist_checkpointing.load_content_metadata(path)
     if metadata is None:  # written before the metadata was stored: the flags' layout
         metadata = _optimizer_metadata(config)
@@ -639,7 +657,7 @@ def _read_torch_dist(path: str, model, optimizer, scheduler, config: CheckpointC
             log.warning("%s: keys the model did not ask for (missing): %s; keys it asked for "
                         "that the checkpoint lacks (unexpected): %s", path,
                         sorted(missing) or "none", sorted(unexpected) or "none")
-    return loaded
+    return loaded, metadata.get("distrib_optim_sharding_type")
 
 
 # the scheduler's settings a checkpoint holds, and the flags that set them
@@ -688,6 +706,19 @@ def _create_adam_states(optimizer) -> None:
                     state["exp_avg_sq"] = torch.zeros_like(param)
 
 
+def _adams(optimizer):
+    """The torch Adam / AdamW optimizers inside a megatron.core optimizer."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(inner.optimizer, torch.optim.Adam | torch.optim.AdamW):
+            yield inner.optimizer
+
+
+def _drop_adam_steps(optimizer) -> None:
+    for adam in _adams(optimizer):
+        for state in adam.state.values():
+            state.pop("step", None)
+
+
 def _restore_adam_steps(optimizer) -> None:
     """The distributed optimizer restores Adam's step count into its param groups, but then
     copies the placeholder `step` of `_create_adam_states` back into every parameter's state,
@@ -701,7 +732,7 @@ def _restore_adam_steps(optimizer) -> None:
             if group.get("step") is None:
                 continue
             for param in group["params"]:
-                if "step" in adam.state[param]:
+                if adam.state[param]:
                     adam.state[param]["step"] = torch.tensor(float(group["step"]))
 
 
