@@ -176,6 +176,6 @@ def test_saving_an_iteration_again_replaces_its_directory(tmp_path, monkeypatch,
     for directory, content in ((final, "old"), (staging, "new")):
         directory.mkdir()
         (directory / "common.pt").write_text(content)
-    checkpointing._publish(str(tmp_path), str(staging), str(final), 2)
+    checkpointing._move_into_place(str(tmp_path), str(staging), str(final), 2)
     assert _listing(tmp_path) == ["iter_0000002", POINTER] and _pointer(tmp_path) == "2\n"
     assert (final / "common.pt").read_text() == "new"
