@@ -7,11 +7,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from types import SimpleNamespace
 
 import pytest
 
 from megatron.trainer import checkpointing
+from megatron.trainer.checkpoint_config import CheckpointConfig
 from tests.distributed import run_ranks
 from tests.trainer_runs import TINY, train_runs, with_flags
 
@@ -113,9 +113,9 @@ def test_unreadable_pointer_names_the_file(tmp_path):
 
 
 def test_checkpoint_dir_layout():
-    args = SimpleNamespace(use_distributed_optimizer=True)
+    config = CheckpointConfig(distributed_optimizer=True)
     assert checkpointing.checkpoint_dir("/ckpt", 12) == "/ckpt/iter_0000012"
-    assert checkpointing._optimizer_metadata(args) == {
+    assert checkpointing._optimizer_metadata(config) == {
         "distrib_optim_sharding_type": "dp_reshardable"}
 
 

@@ -66,7 +66,8 @@ checkpointing.shutil.rmtree = killing_rmtree
 
 def test_a_full_disk_then_a_crashed_resave_leave_a_loadable_checkpoint(tmp_path):
     root = tmp_path / "ckpt"
-    flags = TINY_GPT + ["--save", str(root)]
+    # the runs below resume with other --train-iters: the checkpoint's lr schedule continues
+    flags = TINY_GPT + ["--save", str(root), "--use-checkpoint-opt_param-scheduler"]
     with Job("pretrain_gpt.py", flags + ["--train-iters", "4", "--save-interval", "2"], 1,
              tmp_path / "full", NO_SPACE_AT_ITERATION_4) as job:
         status = job.wait(0, RUN_S)
@@ -175,6 +176,6 @@ def test_saving_an_iteration_again_replaces_its_directory(tmp_path, monkeypatch,
     for directory, content in ((final, "old"), (staging, "new")):
         directory.mkdir()
         (directory / "common.pt").write_text(content)
-    checkpointing._publish(str(tmp_path), str(staging), str(final), 2)
+    checkpointing._move_into_place(str(tmp_path), str(staging), str(final), 2)
     assert _listing(tmp_path) == ["iter_0000002", POINTER] and _pointer(tmp_path) == "2\n"
     assert (final / "common.pt").read_text() == "new"

@@ -28,6 +28,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     _parallel_args(parser.add_argument_group("parallelism"))
     _data_args(parser.add_argument_group("data"))
     _io_args(parser.add_argument_group("checkpoints and logging"))
+    _add_checkpoint_args(parser.add_argument_group("checkpoint format and behaviour"))
     _dpp_args(parser.add_argument_group("dynamic pipeline (DPP)"))
     _fast_path_args(parser.add_argument_group("fast path defaults (fast_path.py)"))
     if extra_args_provider is not None:
@@ -271,6 +272,59 @@ def _fast_path_args(g):
                         "the default")
 
 
+CKPT_FORMATS = ("torch_dist", "torch")
+DIST_CKPT_STRICTNESS = (
+    "assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
+    "return_unexpected", "return_all", "ignore_all",
+)
+
+
+def _add_checkpoint_args(g):
+    """Megatron-LM's checkpoint flags; megatron/trainer/checkpoint_config.py says what each
+    does here."""
+    g.add_argument("--ckpt-format", default="torch_dist",
+                   choices=[*CKPT_FORMATS, "torch_dcp", "fsdp_dtensor"],
+                   help="torch_dist: megatron.core.dist_checkpointing (sharded, reshardable); "
+                        "torch: one torch.save file per model-parallel rank (Megatron-LM's "
+                        "legacy layout). --load reads either")
+    g.add_argument("--async-save", action="store_true",
+                   help="write torch_dist checkpoints in a background process "
+                        "(megatron.core's AsyncCallsQueue); published once every rank is done")
+    g.add_argument("--use-persistent-ckpt-worker", action="store_true",
+                   help="--async-save through one long-lived writer process per rank (GPU only)")
+    g.add_argument("--dist-ckpt-strictness", default="assume_ok_unexpected",
+                   choices=DIST_CKPT_STRICTNESS,
+                   help="key mismatches between a torch_dist checkpoint and the model "
+                        "(megatron.core's StrictHandling; 'unexpected': asked for but absent "
+                        "from the checkpoint, 'missing': in the checkpoint but not asked for)")
+    g.add_argument("--ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save",
+                   action="store_true", default=True,
+                   help="spread the writes of replicated tensors over the data-parallel ranks "
+                        "(the default)")
+    g.add_argument("--no-ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save",
+                   action="store_false",
+                   help="data-parallel rank 0 writes every replicated tensor")
+    g.add_argument("--ckpt-fully-parallel-load", action="store_true",
+                   help="each data-parallel rank reads a share of a torch_dist checkpoint and "
+                        "they exchange the rest")
+    g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                   help="distributed optimizer state saved fully reshardable (TP/PP/DP) "
+                        "instead of data-parallel reshardable")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   help="take the lr / weight-decay schedule from the checkpoint")
+    g.add_argument("--override-opt_param-scheduler", action="store_true",
+                   help="take the lr / weight-decay schedule from the flags, not the checkpoint")
+    g.add_argument("--save-retain-interval", type=int, default=None,
+                   help="after each save, delete the previous checkpoint unless its iteration "
+                        "is a multiple of this")
+    g.add_argument("--non-persistent-save-interval", type=int, default=None,
+                   help="iterations between non-persistent saves (only the latest is kept)")
+    g.add_argument("--non-persistent-ckpt-type", default=None,
+                   choices=["global", "local", "in_memory"])
+    g.add_argument("--non-persistent-global-ckpt-dir", default=None,
+                   help="where non-persistent global checkpoints go (default: SAVE/non_persistent)")
+
+
 def parse_args(argv=None, extra_args_provider=None, world_size=None) -> argparse.Namespace:
     parser = build_parser(extra_args_provider)
     args, unknown = parser.parse_known_args(argv)
@@ -348,6 +402,7 @@ def validate_args(args, world_size: int) -> None:
     need(args.save_interval is None or args.save is not None,
          f"--save-interval {args.save_interval} needs --save DIR")
     _validate_cuda_graphs(args, need)
+    _validate_checkpointing(args, need)
     if problems:
         raise ArgumentError("invalid arguments:\n  " + "\n  ".join(problems))
 
@@ -714,6 +769,32 @@ def _resolve_fast_path(args) -> None:
 
     args.cuda_graphs_by_default = args.cuda_graph_impl == "auto"
     args.fast_path_fallbacks = fast_path.resolve(args, fast_path.Machine.detect())
+
+
+def _validate_checkpointing(args, need):
+    fmt = args.ckpt_format
+    need(fmt in CKPT_FORMATS, f"--ckpt-format {fmt}: only torch_dist and torch are supported "
+         f"({fmt} is Megatron-LM's format for its FSDP, which this trainer does not run)")
+    need(not args.async_save or fmt == "torch_dist",
+         f"--async-save needs --ckpt-format torch_dist (megatron.core writes only distributed "
+         f"checkpoints asynchronously), not {fmt}")
+    need(not args.use_persistent_ckpt_worker or args.async_save,
+         "--use-persistent-ckpt-worker needs --async-save (the worker writes asynchronous saves)")
+    need(not (args.use_checkpoint_opt_param_scheduler and args.override_opt_param_scheduler),
+         "--use-checkpoint-opt_param-scheduler and --override-opt_param-scheduler are mutually "
+         "exclusive")
+    for flag, value in (("--save-retain-interval", args.save_retain_interval),
+                        ("--non-persistent-save-interval", args.non_persistent_save_interval)):
+        if value is not None:
+            need(value >= 1, f"{flag} {value} must be >= 1")
+            need(args.save is not None, f"{flag} {value} needs --save DIR")
+    kind = args.non_persistent_ckpt_type
+    need(kind in (None, "global"), f"--non-persistent-ckpt-type {kind}: only global is "
+         "supported (local and in_memory need nvidia-resiliency-ext's checkpoint manager)")
+    need(args.non_persistent_save_interval is None or kind is not None,
+         "--non-persistent-save-interval needs --non-persistent-ckpt-type global")
+    need(args.non_persistent_global_ckpt_dir is None or kind == "global",
+         "--non-persistent-global-ckpt-dir needs --non-persistent-ckpt-type global")
 
 
 def _is_number(text: str) -> bool:

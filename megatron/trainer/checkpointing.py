@@ -8,6 +8,12 @@ an iteration that already has a directory swaps the new one in atomically before
 one is deleted, so the pointer never names a missing directory. A failed save removes its
 partial directory and says why (a full disk by name); the writer processes megatron.core
 forks die with their rank.
+
+`Checkpointer` carries a run's CheckpointConfig (the flags, megatron/trainer/checkpoint_config.py)
+and its asynchronous saves: with --async-save megatron.core writes in a background process and
+the checkpoint is published as above only once every rank's write is done; a save that is
+still running when the next one starts, or when the run ends, is waited for first. Older
+checkpoints go as --save-retain-interval and non-persistent saves say, never another file.
 """
 
 from __future__ import annotations
@@ -15,10 +21,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import inspect
 import logging
 import os
 import queue
 import random
+import re
 import shutil
 import signal
 import sys
@@ -28,11 +36,23 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
+from megatron.core.dist_checkpointing.strategies.torch import (
+    TorchDistLoadShardedStrategy,
+    TorchDistSaveShardedStrategy,
+)
 from megatron.core.utils import unwrap_model
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.dpp.transport.channel import brief, peer_failure
+from megatron.trainer import torch_checkpoint
+from megatron.trainer.checkpoint_config import CheckpointConfig
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +65,8 @@ _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") el
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 _PR_SET_PDEATHSIG = 1
+# the names this module gives checkpoint directories: the only ones it ever deletes
+_ITERATION_DIRECTORY = re.compile(r"iter_\d{7}")
 
 
 class CheckpointError(RuntimeError):
@@ -62,8 +84,9 @@ def checkpoint_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def _optimizer_metadata(args) -> dict:
-    return {"distrib_optim_sharding_type": "dp_reshardable"} if args.use_distributed_optimizer else {}
+def _optimizer_metadata(config: CheckpointConfig) -> dict:
+    sharding = config.optimizer_sharding
+    return {} if sharding is None else {"distrib_optim_sharding_type": sharding}
 
 
 def _chunk_keys(model) -> list[str]:
@@ -71,7 +94,7 @@ def _chunk_keys(model) -> list[str]:
     return ["model"] if len(model) == 1 else [f"model{index}" for index in range(len(model))]
 
 
-def _sharded_state(model, optimizer, scheduler, state, args, loading: bool) -> dict:
+def _sharded_state(model, optimizer, scheduler, state, metadata: dict, loading: bool) -> dict:
     # the bare models (no DDP / Float16Module wrapper): their keys are what load_state_dict
     # expects and do not change with the precision
     model = unwrap_model(model)
@@ -83,7 +106,7 @@ def _sharded_state(model, optimizer, scheduler, state, args, loading: bool) -> d
         # keeps its own dict (their local names repeat: every chunk numbers its layers from 0)
         model_sharded = {key: sharded[key] for key in _chunk_keys(model)}
         sharded["optimizer"] = optimizer.sharded_state_dict(
-            model_sharded, is_loading=loading, metadata=_optimizer_metadata(args)
+            model_sharded, is_loading=loading, metadata=metadata
         )
     if scheduler is not None:
         sharded["opt_param_scheduler"] = scheduler.state_dict()
@@ -93,15 +116,18 @@ def _sharded_state(model, optimizer, scheduler, state, args, loading: bool) -> d
     return sharded
 
 
-def _rng_sharded_object() -> ShardedObject:
-    """Each rank's RNG state, keyed by its (pipeline, tensor, data) coordinates."""
-    rng = {
+def _rng_state() -> dict:
+    return {
         "random": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
+
+
+def _rng_sharded_object() -> ShardedObject:
+    """Each rank's RNG state, keyed by its (pipeline, tensor, data) coordinates."""
     coords = (
         parallel_state.get_pipeline_model_parallel_rank(),
         parallel_state.get_tensor_model_parallel_rank(),
@@ -112,12 +138,139 @@ def _rng_sharded_object() -> ShardedObject:
         parallel_state.get_tensor_model_parallel_world_size(),
         parallel_state.get_data_parallel_world_size(with_context_parallel=True),
     )
-    return ShardedObject("rng_state", rng, shape, coords, replica_id=0)
+    return ShardedObject("rng_state", _rng_state(), shape, coords, replica_id=0)
 
 
-def save_checkpoint(root: str, model, optimizer, scheduler, state: TrainingState, args) -> str:
+@dataclass(frozen=True)
+class _PendingSave:
+    """An asynchronous save scheduled but not yet published."""
+
+    root: str
+    staging: str
+    iteration: int
+
+
+class Checkpointer:
+    """Saves and loads the run's checkpoints as its CheckpointConfig says. Every method is
+    called on all ranks (they finish asynchronous saves together)."""
+
+    def __init__(self, config: CheckpointConfig, use_gpu: bool):
+        if config.persistent_worker and not use_gpu:
+            raise CheckpointError(
+                "--use-persistent-ckpt-worker needs a CUDA GPU: megatron-core's worker "
+                "process selects a CUDA device when it starts (use --async-save alone)")
+        if config.optimizer_sharding == "fully_reshardable" and not _fused_adam_available():
+            raise CheckpointError(
+                "--dist-ckpt-optim-fully-reshardable needs Apex or Transformer Engine: "
+                "megatron-core's fully reshardable optimizer state does not load into torch's "
+                "Adam (its per-parameter `step`)")
+        self.config = config
+        self._calls = AsyncCallsQueue(persistent=config.persistent_worker) \
+            if config.async_save else None
+        self._pending: _PendingSave | None = None
+        self._results = None  # the writers' results queue for asynchronous saves
+        self._manager = None
+
+    def save(self, model, optimizer, scheduler, state: TrainingState,
+             non_persistent: bool = False) -> str:
+        """Save (or, with --async-save, start saving) iteration `state.iteration`; returns the
+        checkpoint's final path."""
+        config = self.config
+        root = config.non_persistent_dir if non_persistent else config.save
+        self.wait()  # one save in flight at a time
+        iteration = state.iteration
+        _use_results_queue(queue.Queue() if self._calls is None else self._async_results_queue())
+        final = _save(root, model, optimizer, scheduler, state, config, non_persistent,
+                      self._calls)
+        if self._calls is not None:
+            self._pending = _PendingSave(root, final + ".tmp", iteration)
+        return final
+
+    def load(self, model, optimizer, scheduler) -> TrainingState:
+        """The latest of --load's checkpoints and, with non-persistent saves, of theirs."""
+        config = self.config
+        root = config.load
+        if config.non_persistent_dir is not None:
+            persistent = latest_iteration(root)
+            non_persistent = latest_iteration(config.non_persistent_dir)
+            if non_persistent is not None and (persistent is None or non_persistent >= persistent):
+                root = config.non_persistent_dir
+        return load_checkpoint(root, model, optimizer, scheduler, config)
+
+    def poll(self) -> None:
+        """Publish an asynchronous save whose writes are done on every rank (no waiting)."""
+        self._finalize(blocking=False)
+
+    def wait(self) -> None:
+        """Wait for the asynchronous save in flight, if any, and publish it."""
+        self._finalize(blocking=True)
+
+    def close(self, failed: bool = False) -> None:
+        """After the run: wait for the last save; after an error, stop its writer instead
+        (the checkpoint stays unpublished under its staging name)."""
+        if self._calls is None:
+            return
+        try:
+            if not failed:
+                self.wait()
+            self._calls.close(abort=failed)
+        finally:
+            if self._manager is not None:
+                self._manager.shutdown()
+                self._manager = None
+
+    def _finalize(self, blocking: bool) -> None:
+        pending = self._pending
+        if pending is None:
+            return
+        try:
+            with _writer_errors_raised_not_logged():
+                done = self._calls.maybe_finalize_async_calls(blocking=blocking)
+        except BaseException as error:
+            self._pending = None
+            if not isinstance(error, Exception | CheckpointException):
+                raise
+            raise _save_failed(error, pending.root, pending.staging, pending.iteration,
+                               dist.get_rank() == 0) from error
+        if done:
+            self._pending = None
+
+    def _async_results_queue(self):
+        """Where the writer processes hand their results to this rank's finalisation: a
+        queue the forked temporary worker inherits, or for the spawned persistent worker a
+        queue server forked from this rank (so it dies with it)."""
+        if self._results is None:
+            if self.config.persistent_worker:
+                import multiprocessing
+
+                with WRITER_CHILDREN.die_with_this_process():
+                    self._manager = multiprocessing.get_context("fork").Manager()
+                self._results = self._manager.Queue()
+            else:
+                import multiprocessing
+
+                self._results = multiprocessing.get_context("fork").Queue()
+        return self._results
+
+
+def _fused_adam_available() -> bool:
+    from megatron.core.optimizer import distrib_optimizer
+
+    return bool(getattr(distrib_optimizer, "HAVE_APEX_OR_TE", False))
+
+
+def save_checkpoint(root: str, model, optimizer, scheduler, state: TrainingState,
+                    config: CheckpointConfig) -> str:
+    """Save synchronously (whatever --async-save says) and publish."""
+    _use_results_queue(queue.Queue())
+    return _save(root, model, optimizer, scheduler, state, config, False, None)
+
+
+def _save(root: str, model, optimizer, scheduler, state: TrainingState,
+          config: CheckpointConfig, non_persistent: bool, calls: AsyncCallsQueue | None) -> str:
     _require_psutil()
-    final = checkpoint_dir(root, state.iteration)
+    iteration = state.iteration  # the loop goes on while an asynchronous save is written
+    final = checkpoint_dir(root, iteration)
     staging = final + ".tmp"
     rank0 = dist.get_rank() == 0
     try:
@@ -126,23 +279,58 @@ def save_checkpoint(root: str, model, optimizer, scheduler, state: TrainingState
             _remove_stale_staging(root)
             os.makedirs(staging)
         dist.barrier()
-        no_optim = args.no_save_optim
-        sharded = _sharded_state(model, None if no_optim else optimizer, scheduler, state, args,
-                                 False)
-        _keep_write_results_in_process()
+        optimizer = optimizer if config.save_optim else None
         with WRITER_CHILDREN.die_with_this_process(), _writer_errors_raised_not_logged():
-            dist_checkpointing.save(sharded, staging)
-        dist.barrier()
-        if rank0:
-            _publish(root, staging, final, state.iteration)
-        dist.barrier()
+            if config.format == "torch":
+                model_states = {key: chunk.state_dict_for_save_checkpoint() for key, chunk in
+                                zip(_chunk_keys(model), unwrap_model(model), strict=True)}
+                torch_checkpoint.save(staging, model_states, optimizer, scheduler, _rng_state(),
+                                      vars(state).copy(), config.distributed_optimizer)
+                request = None
+            else:
+                request = _save_torch_dist(staging, model, optimizer, scheduler, state, config,
+                                           asynchronous=calls is not None)
+
+        def publish():
+            dist.barrier()
+            if rank0:
+                _publish(root, staging, final, iteration, config, non_persistent)
+            dist.barrier()
+            log.info("saved checkpoint at iteration %d to %s", iteration, final)
+
+        if request is None:
+            publish()
+        else:
+            request.add_finalize_fn(publish)
+            with WRITER_CHILDREN.die_with_this_process():
+                calls.schedule_async_request(request)
+            log.info("saving checkpoint at iteration %d to %s in the background",
+                     iteration, staging)
     except BaseException as error:
         if not isinstance(error, Exception | CheckpointException):
             _remove_partial(staging, rank0)  # an interrupt: no message of ours
             raise
-        raise _save_failed(error, root, staging, state.iteration, rank0) from error
-    log.info("saved checkpoint at iteration %d to %s", state.iteration, final)
+        raise _save_failed(error, root, staging, iteration, rank0) from error
     return final
+
+
+def _save_torch_dist(staging: str, model, optimizer, scheduler, state: TrainingState,
+                     config: CheckpointConfig, asynchronous: bool):
+    """megatron.core's save; with `asynchronous` the AsyncRequest that writes the shards."""
+    metadata = _optimizer_metadata(config)
+    sharded = _sharded_state(model, optimizer, scheduler, state, metadata, False)
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1)
+    if config.fully_parallel_save:
+        strategy = FullyParallelSaveStrategyWrapper(
+            strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+    options = {}
+    if asynchronous and "async_strategy" in _SAVE_PARAMETERS:
+        options["async_strategy"] = "mcore"  # megatron-core >= 0.17 defaults to NVRx's
+    return dist_checkpointing.save(sharded, staging, strategy, async_sharded_save=asynchronous,
+                                   content_metadata=metadata or None, **options)
+
+
+_SAVE_PARAMETERS = inspect.signature(dist_checkpointing.save).parameters
 
 
 def _remove_stale_staging(root: str) -> None:
@@ -154,7 +342,37 @@ def _remove_stale_staging(root: str) -> None:
             shutil.rmtree(path)
 
 
-def _publish(root: str, staging: str, final: str, iteration: int) -> None:
+def _publish(root: str, staging: str, final: str, iteration: int, config: CheckpointConfig,
+             non_persistent: bool) -> None:
+    """Publish the complete checkpoint (`_move_into_place`), then delete what the flags
+    say is no longer kept: the previous checkpoint unless --save-retain-interval retains it
+    (Megatron-LM's rule), or every older non-persistent checkpoint."""
+    previous = latest_iteration(root)
+    _move_into_place(root, staging, final, iteration)
+    if non_persistent:
+        older = [name for name in os.listdir(root) if _ITERATION_DIRECTORY.fullmatch(name)
+                 and name != os.path.basename(final)]
+        for name in older:
+            _delete_checkpoint(os.path.join(root, name))
+    elif (config.retain_interval is not None and previous is not None and previous > 0
+          and previous != iteration and previous % config.retain_interval != 0):
+        _delete_checkpoint(checkpoint_dir(root, previous))
+
+
+def _delete_checkpoint(path: str) -> None:
+    """One of our own iteration directories (a symbolic link is left alone, as in
+    Megatron-LM); a failure is logged, the run goes on."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        return
+    try:
+        shutil.rmtree(path)
+    except OSError as error:
+        log.warning("could not delete the old checkpoint %s: %s", path, error)
+    else:
+        log.info("deleted the old checkpoint %s", path)
+
+
+def _move_into_place(root: str, staging: str, final: str, iteration: int) -> None:
     """Move the complete checkpoint `staging` to `final` and point at it. An existing
     `final` (the same iteration saved again) is swapped out atomically and then deleted;
     a crash in between leaves it under the staging name, which the next save removes."""
@@ -285,15 +503,15 @@ def _writer_errors_raised_not_logged():
         logger.setLevel(level)
 
 
-def _keep_write_results_in_process() -> None:
+def _use_results_queue(results) -> None:
     """megatron.core hands its writers' results over a queue of a multiprocessing Manager
     that it spawns on the first save and keeps: a server process (~270 MB) that outlives
     a killed rank, and keeps a resource tracker alive. A synchronous save puts and gets
-    those results in this process, so a plain queue serves (and starts nothing)."""
+    those results in this process, so a plain queue serves (and starts nothing); the
+    asynchronous saves bring their own (Checkpointer._async_results_queue)."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if getattr(filesystem_async, "_results_queue", None) is None:
-        filesystem_async._results_queue = queue.Queue()
+    filesystem_async._results_queue = results
 
 
 class ForkedChildren:
@@ -357,9 +575,11 @@ def latest_iteration(root: str) -> int | None:
     return int(text)
 
 
-def load_checkpoint(root: str, model, optimizer, scheduler, args) -> TrainingState:
+def load_checkpoint(root: str, model, optimizer, scheduler,
+                    config: CheckpointConfig) -> TrainingState:
     """Restore model, optimizer, scheduler, RNG and data position from the latest
-    checkpoint under `root`; a fresh TrainingState when there is none."""
+    checkpoint under `root`, in whichever format it was saved; a fresh TrainingState when
+    there is none."""
     iteration = latest_iteration(root)
     if iteration is None:
         log.warning("no checkpoint under %s (no %s); starting from scratch", root, POINTER)
@@ -367,30 +587,106 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args) -> TrainingSta
     path = checkpoint_dir(root, iteration)
     if not os.path.isdir(path):
         raise CheckpointError(f"{root}/{POINTER} names iteration {iteration} but {path} is missing")
-    load_optim = optimizer is not None and not args.no_load_optim and not args.finetune
-    if load_optim and args.use_distributed_optimizer:
-        _create_adam_states(optimizer)
+    load_optim = optimizer is not None and config.load_optim and not config.finetune
+    torch_format = torch_checkpoint.is_torch_format(path)
     with torch.no_grad():
-        sharded = _sharded_state(
-            model, optimizer if load_optim else None, scheduler, TrainingState(), args, True
-        )
-        loaded = dist_checkpointing.load(sharded, path)
+        sharding = None
+        if torch_format:
+            loaded = _read_torch_format(path)
+        else:
+            loaded, sharding = _read_torch_dist(path, model, optimizer if load_optim else None,
+                                                scheduler, config)
         for key, chunk in zip(_chunk_keys(model), unwrap_model(model), strict=True):
             chunk.load_state_dict(loaded[key])
         # in no_grad: the distributed optimizer copies into views of the parameters
         if load_optim:
+            # these layouts hold each parameter's Adam moments but not torch Adam's `step`
+            # (it is in the param groups), which megatron.core expects: restored below
+            if sharding == "fully_reshardable":
+                _drop_adam_steps(optimizer)
             optimizer.load_state_dict(loaded["optimizer"])
-            if args.use_distributed_optimizer:
+            if torch_format and config.distributed_optimizer:
+                _drop_adam_steps(optimizer)
+                torch_checkpoint.load_distributed_optimizer(path, optimizer)
+            if config.distributed_optimizer:
                 _restore_adam_steps(optimizer)
             if scheduler is not None:
-                scheduler.load_state_dict(loaded["opt_param_scheduler"])
-    if not args.no_load_rng and not args.finetune:
-        _restore_rng(loaded["rng_state"])
+                _load_scheduler(scheduler, loaded["opt_param_scheduler"], path,
+                                config.scheduler_source)
+    if config.load_rng and not config.finetune:
+        _restore_rng(torch_checkpoint.rng_state_of_this_rank(loaded) if torch_format
+                     else loaded["rng_state"])
     state = TrainingState(**loaded["training_state"])
-    if args.finetune:
+    if config.finetune:
         state = TrainingState()
     log.info("loaded checkpoint %s (iteration %d)", path, iteration)
     return state
+
+
+def _read_torch_format(path: str) -> dict:
+    try:
+        return torch_checkpoint.load(path)
+    except (OSError, RuntimeError) as error:
+        raise CheckpointError(f"loading {path} failed: {brief(error)}") from error
+
+
+def _read_torch_dist(path: str, model, optimizer, scheduler,
+                     config: CheckpointConfig) -> tuple[dict, str | None]:
+    """megatron.core's load with the flags' strictness and strategy, and the distributed
+    optimizer's layout. Its state is requested in the layout it was saved in (the
+    checkpoint's content metadata), whatever --dist-ckpt-optim-fully-reshardable says now."""
+    metadata = dist_checkpointing.load_content_metadata(path)
+    if metadata is None:  # written before the metadata was stored: the flags' layout
+        metadata = _optimizer_metadata(config)
+    if optimizer is not None and config.distributed_optimizer:
+        _create_adam_states(optimizer)
+    sharded = _sharded_state(model, optimizer, scheduler, TrainingState(), metadata, True)
+    strategy = TorchDistLoadShardedStrategy()
+    if config.fully_parallel_load:
+        strategy = FullyParallelLoadStrategyWrapper(
+            strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+    try:
+        loaded = dist_checkpointing.load(sharded, path, strategy, strict=config.strictness)
+    except CheckpointingException as error:
+        message = " ".join(str(error).split())
+        raise CheckpointError(f"loading {path} (--dist-ckpt-strictness {config.strictness}): "
+                              f"{message}") from error
+    if config.strictness.startswith("return_"):
+        loaded, missing, unexpected = loaded
+        if missing or unexpected:
+            log.warning("%s: keys the model did not ask for (missing): %s; keys it asked for "
+                        "that the checkpoint lacks (unexpected): %s", path,
+                        sorted(missing) or "none", sorted(unexpected) or "none")
+    return loaded, metadata.get("distrib_optim_sharding_type")
+
+
+# the scheduler's settings a checkpoint holds, and the flags that set them
+_SCHEDULE_SETTINGS = (
+    ("max_lr", "--lr"), ("min_lr", "--min-lr"),
+    ("lr_warmup_steps", "--lr-warmup-iters/-samples/-fraction (in samples)"),
+    ("lr_decay_steps", "--lr-decay-iters/-samples or --train-iters (in samples)"),
+    ("lr_decay_style", "--lr-decay-style"), ("start_wd", "--start-weight-decay"),
+    ("end_wd", "--end-weight-decay"),
+    ("wd_incr_steps", "--train-iters x --global-batch-size (weight-decay steps)"),
+    ("wd_incr_style", "--weight-decay-incr-style"),
+)
+
+
+def _load_scheduler(scheduler, saved: dict, path: str, source: str | None) -> None:
+    """The lr / weight-decay schedule: with neither --use-checkpoint-opt_param-scheduler
+    (`source` "checkpoint") nor --override-opt_param-scheduler ("flags") the flags must
+    agree with the checkpoint, as in Megatron-LM; the step count always comes from it."""
+    if source is None:
+        differences = [f"{flag} {getattr(scheduler, name)} vs {saved[name]}"
+                       for name, flag in _SCHEDULE_SETTINGS
+                       if name in saved and getattr(scheduler, name) != saved[name]]
+        if differences:
+            raise CheckpointError(
+                f"{path}: the lr / weight-decay schedule of the flags differs from the "
+                f"checkpoint's ({'; '.join(differences)}): give "
+                "--use-checkpoint-opt_param-scheduler to continue the checkpoint's or "
+                "--override-opt_param-scheduler to use the flags'")
+    scheduler.load_state_dict(saved)
 
 
 def _create_adam_states(optimizer) -> None:
@@ -410,6 +706,19 @@ def _create_adam_states(optimizer) -> None:
                     state["exp_avg_sq"] = torch.zeros_like(param)
 
 
+def _adams(optimizer):
+    """The torch Adam / AdamW optimizers inside a megatron.core optimizer."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(inner.optimizer, torch.optim.Adam | torch.optim.AdamW):
+            yield inner.optimizer
+
+
+def _drop_adam_steps(optimizer) -> None:
+    for adam in _adams(optimizer):
+        for state in adam.state.values():
+            state.pop("step", None)
+
+
 def _restore_adam_steps(optimizer) -> None:
     """The distributed optimizer restores Adam's step count into its param groups, but then
     copies the placeholder `step` of `_create_adam_states` back into every parameter's state,
@@ -423,7 +732,7 @@ def _restore_adam_steps(optimizer) -> None:
             if group.get("step") is None:
                 continue
             for param in group["params"]:
-                if "step" in adam.state[param]:
+                if adam.state[param]:
                     adam.state[param]["step"] = torch.tensor(float(group["step"]))
 
 

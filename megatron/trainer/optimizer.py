@@ -83,4 +83,7 @@ def build_scheduler(optimizer, args) -> OptimizerParamScheduler:
         end_wd=args.end_weight_decay,
         wd_incr_steps=args.train_iters * gbs,
         wd_incr_style=args.weight_decay_incr_style,
+        # Megatron-LM's defaults: neither, so a checkpoint's schedule must match the flags
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
     )

@@ -28,6 +28,7 @@ from megatron.dpp import tracing
 from megatron.dpp.weight_grad import SplitBackwardNoPipelining, WeightGradStore
 from megatron.trainer import checkpointing, fast_path, metrics, no_apex
 from megatron.trainer.arguments import parse_args
+from megatron.trainer.checkpoint_config import CheckpointConfig
 from megatron.trainer.cuda_graphs import install_block_graphs
 from megatron.trainer.data import MicroBatchIterator, check_data_paths, microbatch_lengths
 from megatron.trainer.failures import exit_on_known_failures
@@ -75,6 +76,7 @@ class Trainer:
     rng: ForwardRng
     tracer: object = field(default_factory=tracing.NullTracer)  # --trace: see start_tracing
     collector: ManualGC = field(default_factory=lambda: ManualGC(enabled=False))
+    checkpointer: checkpointing.Checkpointer | None = None  # None: no --save / --load
 
     @property
     def reporting(self) -> bool:
@@ -125,8 +127,14 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     scheduler = build_scheduler(optimizer, args)
     _install_schedule_hooks(config, model, optimizer, args)
     state = checkpointing.TrainingState()
+    checkpointer = None
+    if args.save or args.load:
+        checkpointer = checkpointing.Checkpointer(CheckpointConfig.from_args(args),
+                                                  use_gpu=device.type == "cuda")
+        # after an error an asynchronous save in flight is stopped, never published
+        stack.push(lambda exc_type, exc, traceback: checkpointer.close(failed=exc_type is not None))
     if args.load:
-        state = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler, args)
+        state = checkpointer.load(model, optimizer, scheduler)
     if not args.megatron_optimizer_fallbacks:
         no_apex.use_fused_adam(optimizer)
     datasets = task.build_datasets(args, tokenizer)
@@ -142,7 +150,7 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
         ManualGC(args.manual_gc, args.manual_gc_interval, args.manual_gc_eval))
     return Trainer(args, task, device, model, optimizer, scheduler, config,
                    _batch_calculator(args), datasets, state, schedule,
-                   ForwardRng(args.seed, device), collector=collector)
+                   ForwardRng(args.seed, device), collector=collector, checkpointer=checkpointer)
 
 
 def _padded_vocab_size(vocab_size: int, args) -> int:
@@ -355,13 +363,28 @@ def train(trainer: Trainer) -> None:
                          " | ".join(f"{k} value: {v:.6E} | {k} PPL: {math.exp(min(v, 20)):.6E}"
                                     for k, v in results.items()))
                 board.scalars(state.iteration, {f"valid/{k}": v for k, v in results.items()})
-        if args.save and args.save_interval and state.iteration % args.save_interval == 0:
-            checkpointing.save_checkpoint(args.save, trainer.model, trainer.optimizer,
-                                          trainer.scheduler, state, args)
+        _checkpoint(trainer)
         if args.exit_interval and state.iteration % args.exit_interval == 0:
             break
     if args.save and (not args.save_interval or state.iteration % args.save_interval != 0):
-        checkpointing.save_checkpoint(args.save, trainer.model, trainer.optimizer,
-                                      trainer.scheduler, state, args)
+        trainer.checkpointer.save(trainer.model, trainer.optimizer, trainer.scheduler, state)
+    if trainer.checkpointer is not None:
+        trainer.checkpointer.wait()
     trainer.tracer.close()
     board.close()
+
+
+def _checkpoint(trainer: Trainer) -> None:
+    """After an iteration: publish a finished asynchronous save; save at --save-interval,
+    else at --non-persistent-save-interval (Megatron-LM's order)."""
+    checkpointer, iteration = trainer.checkpointer, trainer.state.iteration
+    if checkpointer is None:
+        return
+    checkpointer.poll()
+    config = checkpointer.config
+    persistent = config.save and config.save_interval and iteration % config.save_interval == 0
+    non_persistent = (config.non_persistent_interval
+                      and iteration % config.non_persistent_interval == 0)
+    if persistent or non_persistent:
+        checkpointer.save(trainer.model, trainer.optimizer, trainer.scheduler, trainer.state,
+                          non_persistent=not persistent)
