@@ -60,7 +60,8 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",
-        "megatron-core==0.16.1",
+        # checked on 0.16.1-0.19.2 (megatron/trainer/core_overrides.py); >= 0.17 needs Python 3.12
+        "megatron-core>=0.16.1,<0.20",
         "numpy",
         "regex",
         "nltk",

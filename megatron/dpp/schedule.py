@@ -15,12 +15,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.enums import ModelType
-from megatron.core.pipeline_parallel.schedules import (
-    backward_step,
-    deallocate_output_tensor,
-    forward_step,
-)
+from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor, forward_step
 from megatron.core.utils import get_model_config
 
 from megatron.dpp.actions import BACKWARD, FORWARD, KINDS, Task
@@ -31,6 +26,7 @@ from megatron.dpp.topology import PipelineTopology
 from megatron.dpp.tracing import NullTracer
 from megatron.dpp.transport.channel import MessageKey, MessageKind
 from megatron.dpp.transport.pipeline import PipelineTransport
+from megatron.trainer import core_overrides
 
 
 class _TaskCoordinator:
@@ -290,9 +286,7 @@ class _Iteration:
         if self.backwards_run[chunk] == self.num_microbatches:
             # the chunk's last backward: let DDP start reducing its gradients
             self.no_sync.enable(chunk)
-        input_grad = backward_step(
-            input_tensor, output, output_grad, ModelType.encoder_or_decoder, self.config
-        )
+        input_grad = core_overrides.backward_step(input_tensor, output, output_grad, self.config)
         self.tracer.stop(span)
         self._send_output(task, input_grad)
 

@@ -33,6 +33,7 @@ from megatron.core.utils import unwrap_model
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.dpp.transport.channel import brief, peer_failure
+from megatron.trainer import core_overrides
 
 log = logging.getLogger(__name__)
 
@@ -290,10 +291,9 @@ def _keep_write_results_in_process() -> None:
     that it spawns on the first save and keeps: a server process (~270 MB) that outlives
     a killed rank, and keeps a resource tracker alive. A synchronous save puts and gets
     those results in this process, so a plain queue serves (and starts nothing)."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if getattr(filesystem_async, "_results_queue", None) is None:
-        filesystem_async._results_queue = queue.Queue()
+    owner, name = core_overrides.WRITE_RESULTS_QUEUE.owner_and_name()
+    if getattr(owner, name) is None:  # declared, so verified to exist at start-up
+        setattr(owner, name, queue.Queue())
 
 
 class ForkedChildren:

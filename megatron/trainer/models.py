@@ -151,7 +151,8 @@ def gpt_layer_spec(args) -> ModuleSpec:
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec(normalization=args.normalization)
+        # no normalization argument: TE's fused norm-linear layers read config.normalization
+        return get_gpt_layer_with_transformer_engine_spec()
     local = get_gpt_layer_local_spec(normalization=args.normalization)
     return local if _stock_attention(args) else _with_sdpa(local)
 
