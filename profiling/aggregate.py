@@ -29,7 +29,8 @@ FORMAT = "megatron-dpp-trace"  # megatron/dpp/tracing.py writes this header
 COMPUTE, COMMUNICATION, STEP, ITERATION = 0, 1, 2, 3
 THREAD_NAMES = {COMPUTE: "compute", COMMUNICATION: "send / receive-wait",
                 STEP: "grad sync / optimizer", ITERATION: "iteration"}
-THREAD_OF = {"forward": COMPUTE, "backward": COMPUTE, "send": COMMUNICATION,
+THREAD_OF = {"forward": COMPUTE, "backward": COMPUTE, "weight": COMPUTE,
+             "send": COMMUNICATION,
              "recv_wait": COMMUNICATION, "grad_sync": STEP, "optimizer": STEP}
 _RANK_FILE = re.compile(r"trace-rank(\d+)\.jsonl$")
 
@@ -167,8 +168,8 @@ def _rank_events(header: dict, iterations: list[dict], spans: list[dict]) -> lis
 
 def span_name(kind: str, microbatch, chunk, chunked: bool) -> str:
     suffix = "" if microbatch is None else f"{microbatch}" + (f"c{chunk}" if chunked else "")
-    if kind in ("forward", "backward"):
-        return ("F" if kind == "forward" else "B") + suffix
+    if kind in ("forward", "backward", "weight"):
+        return kind[0].upper() + suffix
     names = {"send": "send", "recv_wait": "wait", "grad_sync": "grad sync",
              "optimizer": "optimizer step"}
     return names[kind] + (f" {suffix}" if suffix else "")

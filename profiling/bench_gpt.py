@@ -100,6 +100,12 @@ CONFIGS |= {
     "pp1-xent-split": [*FUSED[:1], *XENT, "--dpp-split-backward"],
     "pp1-xent-graphs": [*FUSED[:1], *XENT, *GRAPHS],
     "pp1-xent-graphs-split": [*FUSED[:1], *XENT, *GRAPHS, "--dpp-split-backward"],
+    # pipelined (--pp 2): DPP placing the W tasks (zero-bubble), at +0 and the default slack
+    "xent-graphs-m64-dpp-shm-split": [*FUSED, *XENT, *M64, *GRAPHS, "--use-dpp",
+                                      "--dpp-transport", "shm", "--dpp-split-backward"],
+    "xent-graphs-m64-dpp-shm-split-slack0": [*FUSED, *XENT, *M64, *GRAPHS, "--use-dpp",
+                                             "--dpp-transport", "shm", "--dpp-split-backward",
+                                             "--dpp-max-inflight", "0"],
 }
 
 # (a, b): print a's tokens/s over b's when both ran
@@ -122,6 +128,8 @@ RATIOS = (
     ("xent-graphs-m64-dpp-torch", "xent-graphs-m64"), ("xent-graphs-m64-dpp-shm", "xent-graphs-m64"),
     ("xent-graphs-m64-dpp-shm", "xent-graphs-m64-dpp-torch"), ("one-fast", "one-default"),
     ("pp1-xent-split", "pp1-xent"), ("pp1-xent-graphs-split", "pp1-xent-graphs"),
+    ("xent-graphs-m64-dpp-shm-split", "xent-graphs-m64-dpp-shm"),
+    ("xent-graphs-m64-dpp-shm-split-slack0", "xent-graphs-m64"),
 )
 
 LINE = re.compile(

@@ -24,7 +24,8 @@ if __package__ in (None, ""):  # run as a script: make the `profiling` package i
 from profiling.aggregate import Span, TraceError, load_spans, load_trace  # noqa: E402
 from profiling.report import iteration_reports  # noqa: E402
 
-COLORS = {"forward": ("#8fb8de", "#4a7fb5"), "backward": ("#f4b183", "#c55a11")}
+COLORS = {"forward": ("#8fb8de", "#4a7fb5"), "backward": ("#f4b183", "#c55a11"),
+          "weight": ("#a9d18e", "#548235")}
 STEP_COLOR = "#b0b0b0"
 WAIT_COLOR = "#d9534f"
 SEND_COLOR = "#404040"
@@ -126,6 +127,9 @@ def plot(runs: list[str], labels: list[str], output: str, iteration: int | None 
     axes[-1, 0].set_xlabel("time (ms)")
     legend = [Patch(facecolor=COLORS["forward"][0], edgecolor="black", label="forward"),
               Patch(facecolor=COLORS["backward"][0], edgecolor="black", label="backward"),
+              *([Patch(facecolor=COLORS["weight"][0], edgecolor="black", label="weight (W)")]
+                if any(s.kind == "weight" for _, chosen, _, _, _ in loaded for s in chosen)
+                else []),
               Patch(facecolor="none", edgecolor=WAIT_COLOR, hatch="////",
                     label="receive-wait"),
               Patch(facecolor=SEND_COLOR, label="send"),

@@ -26,14 +26,16 @@ if __package__ in (None, ""):  # run as a script: make the `profiling` package i
 
 from profiling.aggregate import Span, TraceError, load_spans, load_trace  # noqa: E402
 
-COMPUTE_KINDS = ("forward", "backward")
+COMPUTE_KINDS = ("forward", "backward", "weight")
 
 
 def peak_in_flight(spans: list[Span]) -> int:
-    """Most microbatches whose forward has started and backward not finished; at equal
-    times a finish counts before a start (the simulator's order)."""
+    """Most microbatches whose forward has started and backward (with the split backward:
+    W) not finished; at equal times a finish counts before a start (the simulator's
+    order)."""
+    release = "weight" if any(s.kind == "weight" for s in spans) else "backward"
     changes = [(s.start, 1) for s in spans if s.kind == "forward"]
-    changes += [(s.end, -1) for s in spans if s.kind == "backward"]
+    changes += [(s.end, -1) for s in spans if s.kind == release]
     count = peak = 0
     # rounded to the nanosecond: a simulated task starts exactly when its input's producer
     # ends, which the trace's microsecond floats may put a hair apart

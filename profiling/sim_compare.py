@@ -37,7 +37,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the `profiling` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron.dpp.actions import BACKWARD, FORWARD, Task, read_actions  # noqa: E402
+from megatron.dpp.actions import BACKWARD, FORWARD, WEIGHT, Task, read_actions  # noqa: E402
 from megatron.dpp.config import DEFAULTS  # noqa: E402
 from megatron.dpp.simulate import SCHEDULES, Durations, replay, simulate  # noqa: E402
 from megatron.dpp.topology import PipelineTopology  # noqa: E402
@@ -45,7 +45,7 @@ from profiling.aggregate import Span, TraceError, load_spans, load_trace  # noqa
 from profiling.plot_timeline import select  # noqa: E402
 from profiling.report import COMPUTE_KINDS, iteration_reports  # noqa: E402
 
-TASK_KIND = {"forward": FORWARD, "backward": BACKWARD}
+TASK_KIND = {"forward": FORWARD, "backward": BACKWARD, "weight": WEIGHT}
 _ACTIONS_FILE = re.compile(r"trace-rank(\d+)\.actions\.csv$")
 
 
@@ -70,7 +70,8 @@ def measured_durations(compute: list[Span], pp: int, chunks: int) -> Durations:
         samples[span.kind, v, span.microbatch].append(span.duration)
     m = 1 + max(key[2] for key in samples)
     table = {}
-    for kind in COMPUTE_KINDS:
+    # W spans: a run with the split backward (its B spans are the input gradients only)
+    for kind in (k for k in COMPUTE_KINDS if k != "weight" or any(s.kind == k for s in compute)):
         table[kind] = [[0.0] * m for _ in range(pp * chunks)]
         for v in range(pp * chunks):
             for i in range(m):
@@ -79,7 +80,7 @@ def measured_durations(compute: list[Span], pp: int, chunks: int) -> Durations:
                     raise TraceError(f"iteration {compute[0].iteration}: no {kind} of "
                                      f"microbatch {i} on virtual stage {v}")
                 table[kind][v][i] = sum(values) / len(values)
-    return Durations(table["forward"], table["backward"], [1.0] * m)
+    return Durations(table["forward"], table["backward"], [1.0] * m, table.get("weight"))
 
 
 def run_order(compute: list[Span]) -> list[int]:
@@ -176,7 +177,8 @@ def compare(path: str, schedule: str | None = None, slack: int | None = None,
                 result = simulate(
                     schedule, pp, len(durations.microbatch_factor), durations,
                     num_chunks=chunks, slack=slack, latency=used,
-                    microbatch_order=run_order(compute) if schedule == "dpp" else None)
+                    microbatch_order=run_order(compute) if schedule == "dpp" else None,
+                    split_backward=durations.weight is not None)
         except ValueError as error:
             raise TraceError(f"{path}: iteration {report['iteration']}: {error}") from None
         stages = [{"stage": row["stage"], "measured_bubble": row["bubble"],

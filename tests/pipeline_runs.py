@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 
+from megatron.dpp.weight_grad import WeightGradStore
+
 TINY_GPT = [
     "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
     "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
@@ -60,9 +62,26 @@ def one_step(trainer, schedule, num_microbatches: int, forward_only: bool = Fals
     return losses, ({} if forward_only else named_grads(trainer))
 
 
+class RecordingWeightGradStore(WeightGradStore):
+    """A WeightGradStore that records the keys of its B (deferring) and W (run) calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def deferring(self, key):
+        self.calls.append(("B", key))
+        return super().deferring(key)
+
+    def run(self, key):
+        self.calls.append(("W", key))
+        super().run(key)
+
+
 def compare_schedules(rank, flags, world_size, task_name="gpt"):
     """Rank function: megatron-core's schedule and DPP (when pipelined) on the same model
-    and batch, training and forward-only."""
+    and batch, training and forward-only; with --dpp-split-backward DPP also runs with
+    B and W tasks ("dpp_split", and the store's B / W calls and what is left pending)."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -82,9 +101,8 @@ def compare_schedules(rank, flags, world_size, task_name="gpt"):
             "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
             "dp_rank": parallel_state.get_data_parallel_rank(),
         }
-        if not args.use_dpp:
-            result["core"] = one_step(trainer, core, m)
-            result["core_eval"] = one_step(trainer, core, m, forward_only=True)[0]
+        result["core"] = one_step(trainer, core, m)
+        result["core_eval"] = one_step(trainer, core, m, forward_only=True)[0]
         if args.pipeline_model_parallel_size > 1:
             dpp = DppSchedule(DppOptions.from_args(args))
             stack.callback(dpp.close)
@@ -93,6 +111,12 @@ def compare_schedules(rank, flags, world_size, task_name="gpt"):
                 dpp.set_microbatch_costs(microbatch_lengths(args, 0, args.global_batch_size))
             result["dpp"] = one_step(trainer, dpp, m)
             result["dpp_eval"] = one_step(trainer, dpp, m, forward_only=True)[0]
+            if args.dpp_split_backward:
+                dpp.weight_grads = store = RecordingWeightGradStore()
+                if args.seq_length_cv > 0:
+                    dpp.set_microbatch_costs(microbatch_lengths(args, 0, args.global_batch_size))
+                result["dpp_split"] = one_step(trainer, dpp, m)
+                result["split_calls"], result["split_pending"] = store.calls, store.pending()
         return result
 
 

@@ -177,3 +177,19 @@ def test_graph_replays_draw_the_keyed_dropout_masks():
             for grad, eager_grad in zip(grads, eager_grads, strict=True):
                 torch.testing.assert_close(grad, eager_grad, rtol=0, atol=0)
     assert other_keys[0][0] != eager[0][0]
+
+
+def test_block_gradients_reach_main_grad_as_per_tensor_adds_would():
+    """The backward graph's one multi-tensor add of the small gradients (biases, norms) gives
+    each main_grad exactly what a separate add per tensor gives, for mixed shapes and dtypes."""
+    from megatron.trainer.cuda_graphs import _accumulate_into_main_grads
+
+    generator = torch.Generator().manual_seed(3)
+    mains = [torch.randn(shape, generator=generator, dtype=dtype)
+             for shape, dtype in (((5,), torch.float32), ((3, 4), torch.float32),
+                                  ((7,), torch.float64))]
+    grads = [torch.randn(main.shape, generator=generator).bfloat16() for main in mains]
+    expected = [main.clone().add_(grad) for main, grad in zip(mains, grads, strict=True)]
+    _accumulate_into_main_grads(list(zip(mains, grads, strict=True)))
+    for main, want in zip(mains, expected, strict=True):
+        assert torch.equal(main, want)

@@ -1,4 +1,5 @@
-"""--use-dpp gives megatron-core's losses and gradients, and those of no pipelining."""
+"""--use-dpp gives megatron-core's losses and gradients, and those of no pipelining; so
+does --use-dpp --dpp-split-backward (B and W tasks), in the cases that pass it."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def _flags(num_layers: int, global_batch: int, *extra):
     return flags + ["--global-batch-size", str(global_batch), *extra]
 
 
-def _check_against_reference(results, reference, key):
+def _check_against_reference(results, reference, key, gradients=True):
     ref_losses, ref_grads = reference
     # the last stage's ranks report; its tensor-parallel ranks report the same losses
     reporting = [r for r in results if r[key][0]]
@@ -45,6 +46,8 @@ def _check_against_reference(results, reference, key):
         assert len(losses) == len(expected) > 0
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected),
                                    atol=1e-5, rtol=1e-6)
+    if not gradients:
+        return
     seen = set()
     for r in results:
         for name, (grad, split) in r[key][1].items():
@@ -56,10 +59,10 @@ def _check_against_reference(results, reference, key):
     assert seen == set(ref_grads), f"gradients missing: {set(ref_grads) - seen}"
 
 
-def _check_dpp_matches_core(results):
+def _check_dpp_matches_core(results, key="dpp"):
     for r in results:
         core_losses, core_grads = r["core"]
-        dpp_losses, dpp_grads = r["dpp"]
+        dpp_losses, dpp_grads = r[key]
         torch.testing.assert_close(torch.tensor(dpp_losses), torch.tensor(core_losses),
                                    atol=1e-6, rtol=1e-6)
         if "core_eval" in r:
@@ -71,12 +74,28 @@ def _check_dpp_matches_core(results):
                                        atol=ATOL, rtol=1e-5, msg=name)
 
 
+def _check_split(results, num_chunks, num_microbatches):
+    """--dpp-split-backward: megatron-core's losses and gradients; every (chunk, microbatch)
+    had its B and then its W through the store, and nothing is left pending."""
+    _check_dpp_matches_core(results, "dpp_split")
+    keys = sorted((c, i) for c in range(num_chunks) for i in range(num_microbatches))
+    for r in results:
+        assert r["split_pending"] == []
+        calls = r["split_calls"]
+        for kind in ("B", "W"):
+            assert sorted(key for k, key in calls if k == kind) == keys
+        assert all(calls.index(("B", key)) < calls.index(("W", key)) for key in keys)
+
+
+# DPP with B and W tasks, run beside megatron-core and DPP without the split
+SPLIT = ["--use-dpp", "--dpp-split-backward"]
+
 CASES = {
     # name: (world size, layers, global batch, extra flags)
-    "pp2": (2, 4, 8, ["--pipeline-model-parallel-size", "2"]),
+    "pp2": (2, 4, 8, ["--pipeline-model-parallel-size", "2", *SPLIT]),
     "pp2_m5": (2, 4, 10, ["--pipeline-model-parallel-size", "2"]),
     "pp2_vpp2": (2, 4, 8, ["--pipeline-model-parallel-size", "2",
-                           "--virtual-pipeline-model-parallel-size", "2"]),
+                           "--virtual-pipeline-model-parallel-size", "2", *SPLIT]),
     # uneven split: layers 1-3 on the first stage, layer 4 + output layer and loss on the last
     "pp2_uneven": (2, 4, 8, ["--pipeline-model-parallel-size", "2",
                              "--decoder-first-pipeline-num-layers", "3"]),
@@ -84,12 +103,18 @@ CASES = {
     "pp2_vpp2_uneven": (2, 6, 8, ["--pipeline-model-parallel-size", "2",
                                   "--virtual-pipeline-model-parallel-size", "2",
                                   "--decoder-first-pipeline-num-layers", "4"]),
-    "pp4": (4, 4, 12, ["--pipeline-model-parallel-size", "4"]),
+    "pp4": (4, 4, 12, ["--pipeline-model-parallel-size", "4", *SPLIT]),
     "pp4_vpp2": (4, 8, 16, ["--pipeline-model-parallel-size", "4",
-                            "--virtual-pipeline-model-parallel-size", "2"]),
+                            "--virtual-pipeline-model-parallel-size", "2", *SPLIT]),
     "tp2_pp2": (4, 4, 8, ["--pipeline-model-parallel-size", "2",
-                          "--tensor-model-parallel-size", "2"]),
-    "dp2_pp2": (4, 4, 16, ["--pipeline-model-parallel-size", "2"]),
+                          "--tensor-model-parallel-size", "2", *SPLIT]),
+    "tp2_pp2_sp": (4, 4, 8, ["--pipeline-model-parallel-size", "2",
+                             "--tensor-model-parallel-size", "2", "--sequence-parallel", *SPLIT]),
+    "dp2_pp2": (4, 4, 16, ["--pipeline-model-parallel-size", "2", *SPLIT]),
+    # the store starts each chunk's (overlapped) reduction after its last W
+    "dp2_pp2_distopt": (4, 4, 16, ["--pipeline-model-parallel-size", "2",
+                                   "--use-distributed-optimizer", "--overlap-grad-reduce",
+                                   *SPLIT]),
 }
 
 # global layer numbers (from 1) each pipeline rank holds where the split is uneven
@@ -106,7 +131,28 @@ def test_dpp_equals_core_and_no_pipelining(case):
                         if name.startswith("layers.")}) for r in results]
         assert held == STAGE_LAYERS[case]
     _check_dpp_matches_core(results)
-    _check_against_reference(results, _reference(layers, batch), "dpp")
+    reference = _reference(layers, batch)
+    # the distributed optimizer leaves each replica only its shard of the reduced gradient
+    # (the rest of main_grad is local): there the gradients are compared with core's only
+    gradients = "--use-distributed-optimizer" not in extra
+    _check_against_reference(results, reference, "dpp", gradients)
+    if "--dpp-split-backward" in extra:
+        _check_split(results, _chunks(extra), _microbatches(world, batch, extra))
+        _check_against_reference(results, reference, "dpp_split", gradients)
+
+
+def _chunks(extra) -> int:
+    flag = "--virtual-pipeline-model-parallel-size"
+    return int(extra[extra.index(flag) + 1]) if flag in extra else 1
+
+
+def _microbatches(world, batch, extra) -> int:
+    """Per data-parallel replica: the global batch over DP x the micro-batch size (2)."""
+    sizes = {flag: int(extra[extra.index(flag) + 1]) if flag in extra else 1
+             for flag in ("--pipeline-model-parallel-size", "--tensor-model-parallel-size")}
+    data_parallel = world // (sizes["--pipeline-model-parallel-size"]
+                              * sizes["--tensor-model-parallel-size"])
+    return batch // (data_parallel * 2)
 
 
 def test_bert_dpp_equals_core_and_no_pipelining():
@@ -137,6 +183,7 @@ def test_dpp_with_random_delivery_delays():
     results = run_ranks(world, compare_schedules, flags, world,
                         env={"DPP_TEST_DELIVERY_JITTER_MS": "20"})
     _check_dpp_matches_core(results)
+    _check_split(results, _chunks(extra), _microbatches(world, batch, extra))
 
 
 def test_dropout_keyed_by_microbatch_not_by_order():

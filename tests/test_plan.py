@@ -23,6 +23,9 @@ from megatron.dpp.plan import (
     check_plans,
     main,
     plan_order,
+    plan_skeleton,
+    split_skeleton,
+    static_order,
 )
 from megatron.dpp.policy import GreedyPolicy, plan_extra_warmup
 from megatron.dpp.topology import PipelineTopology
@@ -131,6 +134,46 @@ def test_split_backward_plans_are_checked_too():
         check_plans(early, PipelineTopology(2), 2)
 
 
+@pytest.mark.parametrize("p,m", [(2, 8), (4, 4), (4, 16), (4, 3), (8, 33)])
+def test_zb_h1_holds_rank_0s_count_and_cuts_the_bubble_to_p_minus_1(p, m):
+    """ZB-H1: every rank holds 1F1B's count of its own from F to B and, with the W tasks
+    it defers, at most rank 0's from F to W; with F = B = W = 1 the makespan is
+    3m + p - 1 (1F1B: 3 (m + p - 1)). W right after B would keep every rank's F-to-W count
+    at 1F1B's, at a makespan of 3m + 2p - 2: the last rank's strict F, B, W alternation."""
+    plans = build_plans("zb-h1", p, m)
+    check = check_plans(plans, PipelineTopology(p), m)
+    assert check.peak_activations == [min(p - r, m) for r in range(p)]
+    assert check.peak_in_flight == [min(p, m)] * p
+    if m >= p:
+        assert check.makespan == 3 * m + p - 1
+    for r, plan in enumerate(plans):
+        # 1F1B's order of forwards and backwards, each W `delay` backwards after its B
+        # (r, or fewer where m < p: rank 0's count minus this rank's)
+        assert [t for t in plan if t.kind != "W"] == build_plans("1f1b", p, m)[r]
+        backwards = [t.microbatch for t in plan if t.kind == "B"]
+        assert [t.microbatch for t in plan if t.kind == "W"] == backwards
+        delay = min(p, m) - min(p - r, m)
+        assert plan.index(Task("W", 0, 0)) == plan.index(Task("B", 0, delay)) + 1
+    right_after = [[Task(*entry) for entry in
+                    split_skeleton(plan_skeleton(StageConfig(r, p, 1, m)), 0)] for r in range(p)]
+    strict = check_plans(right_after, PipelineTopology(p), m)
+    assert strict.peak_in_flight == [min(p - r, m) for r in range(p)]
+    if m >= p:
+        assert strict.makespan == 3 * m + 2 * p - 2
+
+
+def test_split_interleaved_plans_defer_w_to_rank_0s_count():
+    """With virtual chunks the split plan defers each W by twice the rank (rank 0's
+    interleaved peak minus this rank's), so every rank holds rank 0's count from F to W."""
+    p, chunks, m = 4, 2, 8
+    plans = [static_order(StageConfig(r, p, chunks, m, split_backward=True)) for r in range(p)]
+    check = check_plans(plans, PipelineTopology(p, chunks), m)
+    unsplit = check_plans(build_plans("interleaved", p, m, chunks), PipelineTopology(p, chunks), m)
+    assert check.peak_activations == unsplit.peak_in_flight == [11, 9, 7, 5]
+    assert check.peak_in_flight == [11] * p
+    assert check.makespan < unsplit.makespan
+
+
 def test_actions_csv_round_trip_and_errors():
     plans = build_plans("interleaved", 2, 4, 2)
     text = format_actions(dict(enumerate(plans)))
@@ -162,9 +205,16 @@ def test_cli_prints_the_checked_plan(capsys):
     assert len(lines) == 1 + 12 + 1
     # 1F1B with F = 1, B = 2: (m + p - 1) (F + B)
     assert lines[-1].endswith("peak in flight per rank: 2 1; makespan 12 with F = 1, B = 2")
+    main(["--schedule", "zb-h1", "--pp", "2", "--microbatches", "3"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 + 18 + 1
+    assert lines[-1].endswith("peak in flight per rank: 2 2 (F to W; F to B: 2 1); makespan 10 "
+                              "with F = 1, B = W = 1")
     for argv, message in [
         (["--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--chunks", "2"],
          "1f1b has one chunk per rank"),
+        (["--schedule", "zb-h1", "--pp", "2", "--microbatches", "4", "--chunks", "2"],
+         "zb-h1 has one chunk per rank"),
         (["--schedule", "interleaved", "--pp", "4", "--microbatches", "6"],
          "megatron-core rejects this too"),
         (["--schedule", "gpipe", "--pp", "2", "--microbatches", "4", "--rank", "2"],

@@ -2,12 +2,20 @@
 
 import heapq
 import random
+from dataclasses import replace
 
 import pytest
 
 from megatron.dpp import policy as policy_module
-from megatron.dpp.actions import BACKWARD, FORWARD, Task, in_flight_profile
-from megatron.dpp.plan import PlanError, StageConfig, check_plans, plan_order, static_order
+from megatron.dpp.actions import BACKWARD, FORWARD, WEIGHT, Task, in_flight_profile
+from megatron.dpp.plan import (
+    PlanError,
+    StageConfig,
+    check_plans,
+    plan_order,
+    static_order,
+    static_peak,
+)
 from megatron.dpp.policy import (
     ORDER_CANDIDATES,
     GreedyPolicy,
@@ -99,16 +107,17 @@ def test_megatron_limits_are_named():
         StageConfig(0, 4, slack=-1)
 
 
-def pipeline_run(p, chunks, m, slack, rng):
+def pipeline_run(p, chunks, m, slack, rng, split_backward=False):
     """Drive all ranks' policies with a random interleaving of who runs next; each run
     task's output arrives at the neighbour after a random number of steps."""
-    stages = [StageConfig(r, p, chunks, m, slack=slack) for r in range(p)]
+    stages = [StageConfig(r, p, chunks, m, slack=slack, split_backward=split_backward)
+              for r in range(p)]
     policies = [GreedyPolicy(s) for s in stages]
     topology = PipelineTopology(p, chunks)
     arrived = [set() for _ in range(p)]
     pending = []  # heap of (deliver_at_step, rank, task)
     orders = [[] for _ in range(p)]
-    for step in range(20 * 2 * m * chunks * p + 100):
+    for step in range(20 * 3 * m * chunks * p + 100):
         while pending and pending[0][0] <= step:
             _, rank, arrival = heapq.heappop(pending)
             arrived[rank].add(arrival)
@@ -116,7 +125,7 @@ def pipeline_run(p, chunks, m, slack, rng):
         policy = policies[r]
         task = policy.next_task(arrived[r].__contains__)
         if task is not None:
-            assert policy.in_flight < policy.cap or task.kind == BACKWARD
+            assert policy.in_flight < policy.cap or task.kind != FORWARD
             policy.complete(task)
             assert policy.in_flight <= policy.cap
             orders[r].append(task)
@@ -147,6 +156,65 @@ def test_random_arrivals_keep_invariants(p, chunks, m, slack):
                     done_forward.add((task.chunk, task.microbatch))
                 else:
                     assert (task.chunk, task.microbatch) in done_forward
+
+
+@pytest.mark.parametrize("p,chunks,m", CONFIGS)
+@pytest.mark.parametrize("slack", [0, 2])
+def test_split_backward_keeps_both_caps_under_random_arrivals(p, chunks, m, slack):
+    """B and W tasks: each W after its B, each kind in the plan's order per chunk, every
+    task once; from F to B at most this rank's 1F1B count (+ slack), from F to W at most
+    rank 0's (+ slack)."""
+    rng = random.Random(p * 1000 + chunks * 100 + m + slack)
+    for _ in range(3):
+        stages, policies, orders = pipeline_run(p, chunks, m, slack, rng, split_backward=True)
+        for stage, policy, order in zip(stages, policies, orders, strict=True):
+            assert sorted(order) == sorted(static_order(stage))
+            assert policy.activation_cap == min(static_peak(stage) + slack, m * chunks)
+            assert policy.cap == min(static_peak(replace(stage, rank=0)) + slack, m * chunks)
+            assert max(in_flight_profile(order, BACKWARD)) <= policy.activation_cap
+            assert max(in_flight_profile(order)) <= policy.cap
+            for c in range(chunks):
+                for kind in (FORWARD, BACKWARD, WEIGHT):
+                    mbs = [t.microbatch for t in order if t.kind == kind and t.chunk == c]
+                    assert mbs == policy.microbatch_order
+            for kind, before in ((BACKWARD, FORWARD), (WEIGHT, BACKWARD)):
+                for task in order:
+                    if task.kind == kind:
+                        assert order.index(Task(before, *task[1:])) < order.index(task)
+
+
+def test_w_fills_a_wait_and_yields_to_a_ready_backward():
+    f, b, w = ([Task(kind, 0, i) for i in range(3)] for kind in (FORWARD, BACKWARD, WEIGHT))
+    stage = StageConfig(1, 3, num_microbatches=3, split_backward=True)
+    policy = GreedyPolicy(stage)
+    # rank 1 of 3: 1F1B's order, each W one backward after its B (ZB-H1)
+    assert policy.plan == [f[0], f[1], b[0], f[2], b[1], w[0], b[2], w[1], w[2]]
+    run_plan_prefix(policy, [f[0], f[1], b[0], f[2]])
+    assert policy.next_task(lambda t: False) == w[0]  # B1's input is late: W0 fills
+    policy.complete(w[0])
+    assert policy.next_task(lambda t: False) is None  # nothing else may run
+    run_plan_prefix(policy, [b[1], b[2], w[1], w[2]])
+    assert policy.finished
+    policy = GreedyPolicy(stage)
+    run_plan_prefix(policy, [f[0], f[1], b[0], f[2], b[1]])
+    assert policy.next_task(b[2].__eq__) == b[2]  # the planned W0 waits for a ready B2
+    policy.complete(b[2])
+    run_plan_prefix(policy, [w[0], w[1], w[2]])
+    # the planned W runs when the next F or B is not ready
+    policy = GreedyPolicy(stage)
+    run_plan_prefix(policy, [f[0], f[1], b[0], f[2], b[1]])
+    assert policy.next_task(lambda t: False) == w[0]
+
+
+def test_split_forward_waits_for_the_f_to_w_cap():
+    """The last of 2 ranks holds 2 microbatches from F to W (rank 0's count) but 1 from F to
+    B: after B1 it runs the pending W0 before F2 even when F2's input is here."""
+    f, b, w = ([Task(kind, 0, i) for i in range(4)] for kind in (FORWARD, BACKWARD, WEIGHT))
+    policy = GreedyPolicy(StageConfig(1, 2, num_microbatches=4, split_backward=True))
+    assert (policy.activation_cap, policy.cap) == (1, 2)
+    run_plan_prefix(policy, [f[0], b[0], f[1], b[1]])
+    assert policy.in_flight == 2
+    assert policy.next_task(lambda t: True) == w[0]
 
 
 def test_waits_for_missing_input_and_never_runs_twice():

@@ -4,7 +4,9 @@ import json
 
 import pytest
 
+from megatron.dpp.actions import BACKWARD, WEIGHT
 from megatron.dpp.plan import StageConfig, static_order
+from megatron.dpp.policy import microbatch_order_for
 from megatron.dpp.simulate import CostModel, compare, main, sample_durations, simulate
 
 
@@ -164,3 +166,90 @@ def test_known_costs_order_the_microbatches_within_the_same_memory():
         known.append(static.makespan / ordered.makespan)
         unknown.append(static.makespan / simulate("dpp", p, m, durations, slack=2).makespan)
     assert sum(known) / 10 > 1.40 > 1.21 > sum(unknown) / 10
+
+
+def test_split_durations_halve_the_backward():
+    """With the split, B and W take the backward's time in equal shares (F = B = W), each
+    with its own jitter; schedules without the split see their sum."""
+    uniform_split = sample_durations(CostModel(), 2, 1, 3, seed=0, split_backward=True)
+    assert uniform_split.backward == uniform_split.weight == uniform_split.forward
+    whole = uniform_split.by_kind()
+    assert whole[BACKWARD] == [[2.0] * 3] * 2 and WEIGHT not in whole
+    jittered = sample_durations(CostModel(jitter=0.3), 2, 1, 3, seed=0, split_backward=True)
+    assert jittered.backward[0] != jittered.weight[0]
+    with pytest.raises(ValueError, match="split_backward=True"):
+        uniform(2, 3).by_kind(split_backward=True)
+    with pytest.raises(ValueError, match="weight_share"):
+        CostModel(weight_share=1.0)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8, 16, 32, 64])
+def test_uniform_split_dpp_runs_zb_h1(p):
+    """Acceptance 1 (docs/benchmarks/simulator_split.md): uniform F = B = W, m = 4p, slack
+    0: DPP with W tasks runs ZB-H1's orders exactly, makespan 3m + p - 1; every rank holds
+    its 1F1B count from F to B and at most rank 0's (p) from F to W; >= 1.10x 1F1B at
+    p = 4 and >= 1.12x at p = 8 (1.118x, 1.136x)."""
+    m = 4 * p
+    durations = sample_durations(CostModel(), p, 1, m, seed=0, split_backward=True)
+    dpp = simulate("dpp", p, m, durations, split_backward=True, record=True)
+    zb_h1 = simulate("zb-h1", p, m, durations)
+    one_f_one_b = simulate("1f1b", p, m, durations)
+    for r in range(p):
+        assert dpp.orders[r] == static_order(StageConfig(r, p, 1, m, split_backward=True))
+    assert dpp.makespan == zb_h1.makespan == 3 * m + p - 1
+    assert dpp.peak_activations == one_f_one_b.peak_in_flight == [p - r for r in range(p)]
+    assert dpp.peak_in_flight == [p] * p
+    speedup = one_f_one_b.makespan / dpp.makespan
+    assert speedup >= {2: 1.08, 4: 1.10, 8: 1.12}.get(p, 1.12)
+
+
+@pytest.mark.parametrize(("model", "p", "gain_at_2"), [
+    (CostModel(jitter=0.3), 4, 1.05), (CostModel(jitter=0.3), 8, 1.05),
+    (CostModel(cv=0.5), 4, 1.03), (CostModel(slow_stage=2, slow_factor=1.3), 4, 1.01)])
+def test_split_dpp_under_variance_against_ordered_baselines(model, p, gain_at_2):
+    """Five seeds of grid cells: 1F1B and ZB-H1 fed DPP's microbatch order. DPP is never
+    slower than 1F1B; with +2 slack it beats ZB-H1 by the grid's margin (jitter p = 4 / 8:
+    1.060x / 1.068x over 10 seeds, cv p = 4: 1.032x, slow stage: 1.011x); at +0 it holds
+    ZB-H1's memory and is on average no slower."""
+    m = 4 * p
+    at_zero, at_two = [], []
+    for seed in range(5):
+        durations = sample_durations(model, p, 1, m, seed, split_backward=True)
+        for slack, ratios in ((0, at_zero), (2, at_two)):
+            stage = StageConfig(0, p, 1, m, slack=slack, split_backward=True)
+            order = microbatch_order_for(stage, durations.microbatch_factor)
+            dpp = simulate("dpp", p, m, durations, slack=slack, microbatch_order=order,
+                           split_backward=True)
+            baselines = {name: simulate(name, p, m, durations, microbatch_order=order)
+                         for name in ("1f1b", "zb-h1")}
+            assert dpp.makespan < baselines["1f1b"].makespan
+            assert max(dpp.peak_in_flight) <= p + slack
+            assert all(dpp.peak_activations[r] <= p - r + slack for r in range(p))
+            ratios.append(baselines["zb-h1"].makespan / dpp.makespan)
+    assert sum(at_zero) / 5 >= 1.0
+    assert sum(at_two) / 5 > gain_at_2
+
+
+def test_cli_split_backward_report_and_grid(capsys):
+    main(["--pp", "4", "--microbatches", "16", "--split-backward", "--slack", "0", "--cv", "0.5",
+          "--json"])
+    report = json.loads(capsys.readouterr().out)["schedules"]
+    assert set(report) == {"1f1b", "gpipe", "zb-h1", "dpp"}
+    assert report["zb-h1"]["peak_activations_per_stage"] == [4, 3, 2, 1]
+    assert report["zb-h1"]["peak_in_flight_per_stage"] == [4, 4, 4, 4]
+    # the static schedules ran DPP's microbatch order
+    durations = sample_durations(CostModel(cv=0.5), 4, 1, 16, 0, split_backward=True)
+    order = microbatch_order_for(StageConfig(0, 4, 1, 16, split_backward=True),
+                                 durations.microbatch_factor)
+    assert order != sorted(order)
+    for name in ("1f1b", "zb-h1"):
+        expected = simulate(name, 4, 16, durations, microbatch_order=order)
+        assert report[name]["makespan"] == expected.makespan
+    main(["--pp", "4", "--microbatches", "16", "--split-backward", "--slack", "0"])
+    lines = capsys.readouterr().out.splitlines()
+    assert "speedup: 1f1b 1.118x, zb-h1 1.000x" in lines[-3]
+    assert lines[-1].endswith("peak in flight per stage: 4 4 4 4 (F to W; F to B: 4 3 2 1)")
+    main(["--grid", "--split-backward", "--grid-pp", "2", "--seeds", "2", "--jobs", "1"])
+    out = capsys.readouterr().out
+    assert out.count("| 2 | 8 |") == 8
+    assert "| 2 | 8 | uniform | +0 | 1.080x | 1.080x | 1.000x | 1.000x |" in out

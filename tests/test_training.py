@@ -65,15 +65,19 @@ def test_vpp2_with_core_schedule_and_dpp(pp1_first_loss):
     vpp = with_flags(PP2, virtual_pipeline_model_parallel_size=2, exit_interval=2)
     core = vpp  # as a user runs it: the trainer picks unbatched p2p itself
     dpp = vpp + ["--use-dpp", "--dpp-transport", "torch"]
-    core_run, dpp_run = run_ranks(2, train_runs, [core, dpp], 2)[-1]
+    split = dpp + ["--dpp-split-backward"]  # the trainer hands DPP its WeightGradStore
+    core_run, dpp_run, split_run = run_ranks(2, train_runs, [core, dpp, split], 2)[-1]
     assert sum("unbatched p2p" in m for _, m in core_run["logs"]) == 1
     assert not any("unbatched p2p" in m for _, m in dpp_run["logs"])
     core_losses = [step["lm loss"] for step in core_run["losses"]]
-    dpp_losses = [step["lm loss"] for step in dpp_run["losses"]]
     assert len(core_losses) == 2 and core_run["state"]["iteration"] == 2
     assert core_losses[0] == pytest.approx(pp1_first_loss, abs=1e-6)
-    assert dpp_losses == pytest.approx(core_losses, abs=1e-6)
+    for run in (dpp_run, split_run):
+        assert [step["lm loss"] for step in run["losses"]] == pytest.approx(core_losses,
+                                                                             abs=1e-6)
     assert any("schedule DPP" in m for _, m in dpp_run["logs"])
+    assert any("schedule DPP, each backward split into B and W" in m
+               for _, m in split_run["logs"])
     # without --log-throughput the line has no throughput fields
     lines = [m for _, m in core_run["logs"] if m.lstrip().startswith("iteration")]
     assert len(lines) == 2 and all("tokens/s" not in line for line in lines)

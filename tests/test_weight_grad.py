@@ -137,7 +137,7 @@ def test_a_model_without_the_fusion_path_is_refused():
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 1 only"),
+    (["--pipeline-model-parallel-size", "2"], "> 1 needs --use-dpp"),
     (["--no-gradient-accumulation-fusion"], "drop --no-gradient-accumulation-fusion"),
     (["--transformer-impl", "transformer_engine"], "use --transformer-impl local"),
 ])
@@ -302,8 +302,8 @@ def test_tensor_and_data_parallel_layouts(two_ranks):
 def _sequence_parallel_blocks(rank, w_order):
     """Two blocks of megatron-core's column- and row-parallel linears with sequence
     parallelism on two tensor-parallel ranks: (main_grad, bias gradient) per parameter and
-    the input gradients, plain then deferred. (The project's GPT cannot be built with
-    --sequence-parallel: megatron-core's torch LayerNorm refuses it without apex / TE.)"""
+    the input gradients, plain then deferred. (The project's GPT under --sequence-parallel
+    with the split: tests/test_dpp_equivalence.py, case tp2_pp2_sp.)"""
     import functools
 
     from megatron.core import parallel_state

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 
-def get_forward_backward_func(args=None):
-    """The DPP schedule when `args.use_dpp`, megatron.core's schedule otherwise."""
+def get_forward_backward_func(args=None, weight_grads=None):
+    """The DPP schedule when `args.use_dpp`, megatron.core's schedule otherwise.
+    `weight_grads` (a WeightGradStore): DPP splits each backward into B and W tasks."""
     if args is not None and not getattr(args, "use_dpp", False):
         from megatron.core.pipeline_parallel import get_forward_backward_func as core_func
 
@@ -13,5 +14,5 @@ def get_forward_backward_func(args=None):
     from megatron.dpp.schedule import DppSchedule
 
     if args is None:
-        return DppSchedule()
-    return DppSchedule(DppOptions.from_args(args))
+        return DppSchedule(weight_grads=weight_grads)
+    return DppSchedule(DppOptions.from_args(args), weight_grads)

@@ -45,10 +45,11 @@ def releasing_kind(order: Iterable[Task]) -> str:
     return WEIGHT if any(task.kind == WEIGHT for task in order) else BACKWARD
 
 
-def in_flight_profile(order: Sequence[Task]) -> list[int]:
+def in_flight_profile(order: Sequence[Task], release: str | None = None) -> list[int]:
     """Microbatches in flight (forward done, activations not yet freed) after each prefix
-    of one rank's `order`."""
-    release = releasing_kind(order)
+    of one rank's `order`; `release` (default `releasing_kind(order)`) is the kind that
+    ends a microbatch's count: BACKWARD counts from F to B even in a split order."""
+    release = release or releasing_kind(order)
     counts = [0]
     for task in order:
         step = 1 if task.kind == FORWARD else -1 if task.kind == release else 0

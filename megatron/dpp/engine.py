@@ -36,6 +36,8 @@ class EngineResult:
     makespan: float
     busy: list[float]  # per rank: time spent running tasks
     peak_in_flight: list[int]  # per rank: most microbatches between F start and release
+    # per rank: most microbatches between F start and B end (= peak_in_flight unless split)
+    peak_activations: list[int]
     # record=True: (rank, task, start, duration) of every task, in start order
     timeline: list[tuple[int, Task, float, float]] | None = None
 
@@ -53,11 +55,13 @@ def run_pipeline(
     durations: Mapping[str, Sequence[Sequence[float]]],
     latency: float = 0.0,
     record: bool = False,
+    count_in_flight: bool = True,
 ) -> EngineResult:
     """Run every rank's runner to the end. `durations[kind][v][i]`: the time of the task
     of that kind on virtual stage v for microbatch i (a WEIGHT table when the backward is
-    split; activations are then freed by W instead of B). Raises DeadlockError when ranks
-    are left that can never run their next task."""
+    split; activations are then freed by W instead of B). `count_in_flight=False` leaves
+    the peaks at 0 (the cost-order choice needs the makespan only). Raises DeadlockError
+    when ranks are left that can never run their next task."""
     p = topology.pp_size
     if len(runners) != p:
         raise ValueError(f"{len(runners)} runners for {p} ranks")
@@ -81,11 +85,14 @@ def run_pipeline(
     complete = [runner.complete for runner in runners]
     arrived = [set() for _ in range(p)]
     has_arrived = [s.__contains__ for s in arrived]
-    running: list[Task | None] = [None] * p
-    running_lane: list = [None] * p  # the lane entry of the running task
+    # per rank: None, or the running task and its lane entry
+    running: list[tuple[Task, tuple] | None] = [None] * p
     busy = [0.0] * p
     in_flight = [0] * p
     peak = [0] * p
+    split = release == WEIGHT
+    activations = [0] * p  # with the split: microbatches between F start and B end
+    peak_activations = [0] * p
     timeline = [] if record else None
     # events: (time, code); code < p: the task running on rank `code` ends; code >= p: the
     # message pending[code - p] = (rank, task) arrives (only with latency). Codes are
@@ -106,13 +113,17 @@ def run_pipeline(
             kind, chunk, microbatch = task
             lane = lanes[r][kind][chunk]
             duration = lane[0][microbatch]
-            if kind == FORWARD:
+            if count_in_flight and kind == FORWARD:
                 count = in_flight[r] + 1
                 in_flight[r] = count
                 if count > peak[r]:
                     peak[r] = count
-            running[r] = task
-            running_lane[r] = lane
+                if split:
+                    count = activations[r] + 1
+                    activations[r] = count
+                    if count > peak_activations[r]:
+                        peak_activations[r] = count
+            running[r] = task, lane
             busy[r] += duration
             push(events, (now + duration, r))
             if record:
@@ -129,12 +140,14 @@ def run_pipeline(
                 deciding.append(r)
                 continue
             deciding.append(r)
-            task = running[r]
+            task, (_, dst, targets) = running[r]
             running[r] = None
             complete[r](task)
-            if task[0] == release:
-                in_flight[r] -= 1
-            _, dst, targets = running_lane[r]
+            if count_in_flight:
+                if task[0] == release:
+                    in_flight[r] -= 1
+                elif split and task[0] == BACKWARD:
+                    activations[r] -= 1
             if dst < 0:
                 continue
             if latency:
@@ -146,7 +159,7 @@ def run_pipeline(
     stuck = [r for r in range(p) if not runners[r].finished]
     if stuck:
         raise DeadlockError(f"deadlock: ranks {stuck} can never run their next task", stuck)
-    return EngineResult(now, busy, peak, timeline)
+    return EngineResult(now, busy, peak, peak_activations if split else list(peak), timeline)
 
 
 class StaticReplay:

@@ -4,18 +4,22 @@ deadlock-free, and a command line that prints them.
     python -m megatron.dpp.plan --schedule 1f1b --pp 4 --microbatches 8
     python -m megatron.dpp.plan --schedule interleaved --pp 4 --microbatches 8 --chunks 2 \
         --rank 0 --csv
+    python -m megatron.dpp.plan --schedule zb-h1 --pp 4 --microbatches 8
 
 Plans: megatron-core's 1F1B (`forward_backward_pipelining_without_interleaving`), its
 interleaved 1F1B (`forward_backward_pipelining_with_interleaving`; tests/golden holds what
-megatron-core 0.16.1 executes, and the plans here equal it) and GPipe. The DPP policy's
-plan is megatron's with extra warmup forwards (`plan_order`'s `extra_warmup`).
+megatron-core 0.16.1 executes, and the plans here equal it), GPipe, and ZB-H1 (Qi et al.,
+"Zero Bubble Pipeline Parallelism", 2024): 1F1B with each backward split into B (input
+gradient) and W (weight gradient), the W deferred to fill the bubbles (`split_skeleton`).
+The DPP policy's plan is megatron's with extra warmup forwards (`plan_order`'s
+`extra_warmup`), split the same way under `StageConfig.split_backward`.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from megatron.dpp.actions import (
@@ -29,7 +33,7 @@ from megatron.dpp.actions import (
 from megatron.dpp.engine import DeadlockError, StaticReplay, run_pipeline, task_table
 from megatron.dpp.topology import PipelineTopology
 
-SCHEDULES = ("1f1b", "interleaved", "gpipe")
+SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb-h1")
 
 
 @dataclass(frozen=True)
@@ -38,7 +42,8 @@ class StageConfig:
 
     `microbatch_group_size` is megatron's microbatch_group_size_per_vp_stage (default
     pp_size); it only matters with num_chunks > 1. `slack` is the DPP policy's (extra
-    microbatches in flight); the static plans ignore it.
+    microbatches in flight); the static plans ignore it. `split_backward`: every backward
+    is a B and a W task (`split_skeleton`).
     """
 
     rank: int
@@ -48,6 +53,7 @@ class StageConfig:
     slack: int = 0
     forward_only: bool = False
     microbatch_group_size: int | None = None
+    split_backward: bool = False
 
     def __post_init__(self):
         if self.pp_size < 1:
@@ -108,7 +114,11 @@ def plan_skeleton(stage: StageConfig, extra_warmup: int = 0) -> tuple[tuple[str,
     One chunk: 1F1B (p - r - 1 warmup forwards, then one forward one backward, then the
     cooldown backwards). Several: megatron-core's interleaved 1F1B (warmup 2 (p - r - 1) +
     (chunks - 1) group), whose backward k runs chunk chunks - 1 - chunk(k) on the
-    microbatch of forward k. `extra_warmup` more warmup forwards (the DPP plan)."""
+    microbatch of forward k. `extra_warmup` more warmup forwards (the DPP plan). With
+    `stage.split_backward`, each backward is a B and its W (`split_skeleton`)."""
+    if stage.split_backward and not stage.forward_only:
+        unsplit = plan_skeleton(replace(stage, split_backward=False), extra_warmup)
+        return split_skeleton(unsplit, weight_delay(stage))
     p, r, chunks = stage.pp_size, stage.rank, stage.num_chunks
     m = stage.num_microbatches
     table = [(i, 0) for i in range(m)] if chunks == 1 else _interleaved_table(stage)
@@ -130,6 +140,43 @@ def plan_skeleton(stage: StageConfig, extra_warmup: int = 0) -> tuple[tuple[str,
     return tuple(order)
 
 
+def static_peak(stage: StageConfig) -> int:
+    """The most microbatches megatron-core's static schedule (1F1B / interleaved) holds in
+    flight on this rank: p - r with one chunk, min(m, ...) in general."""
+    count = peak = 0
+    for kind, _, _ in plan_skeleton(replace(stage, split_backward=False, forward_only=False)):
+        count += 1 if kind == FORWARD else -1
+        peak = max(peak, count)
+    return peak
+
+
+def weight_delay(stage: StageConfig) -> int:
+    """How many later B tasks a rank runs before the W of a microbatch in the split plan:
+    rank 0's static peak minus this rank's (r with one chunk, 2r interleaved). Every rank
+    then holds at most as many microbatches from F to W as rank 0 holds in 1F1B, and
+    exactly 1F1B's count of its own from F to B. With one chunk this is ZB-H1: under
+    F = B = W its bubble is (p - 1) F against 1F1B's 3 (p - 1) F; W right after B (delay 0)
+    keeps every rank's F-to-W count at 1F1B's but leaves 2 (p - 1) F of bubble (the last
+    rank then alternates F, B, W strictly, and the last B waits for all of it)."""
+    return static_peak(replace(stage, rank=0)) - static_peak(stage)
+
+
+def split_skeleton(skeleton, delay: int) -> tuple[tuple[str, int, int], ...]:
+    """A plan with whole backwards as one with B and W tasks: each B keeps its place and the
+    W of the same microbatch follows the B `delay` backwards later (the last `delay` W
+    tasks close the plan, in B order). W tasks of a chunk run in its B order."""
+    out, backwards = [], []
+    for entry in skeleton:
+        out.append(entry)
+        if entry[0] == BACKWARD:
+            backwards.append(entry)
+            if len(backwards) > delay:
+                _, chunk, k = backwards[-1 - delay]
+                out.append((WEIGHT, chunk, k))
+    out.extend((WEIGHT, chunk, k) for _, chunk, k in backwards[max(len(backwards) - delay, 0):])
+    return tuple(out)
+
+
 def plan_order(stage: StageConfig, extra_warmup: int = 0,
                microbatch_order: list[int] | None = None) -> list[Task]:
     """This rank's megatron-core order with `extra_warmup` more warmup forwards.
@@ -144,10 +191,11 @@ def plan_order(stage: StageConfig, extra_warmup: int = 0,
             for kind, chunk, k in plan_skeleton(stage, extra_warmup)]
 
 
-def static_order(stage: StageConfig) -> list[Task]:
+def static_order(stage: StageConfig, microbatch_order: list[int] | None = None) -> list[Task]:
     """This rank's task order in megatron-core's static schedule (1F1B, or interleaved
-    1F1B with num_chunks > 1)."""
-    return plan_order(stage)
+    1F1B with num_chunks > 1; split into B and W under `stage.split_backward`: ZB-H1 with
+    one chunk), the microbatches in `microbatch_order` (default 0..m-1)."""
+    return plan_order(stage, microbatch_order=microbatch_order)
 
 
 def gpipe_order(stage: StageConfig) -> list[Task]:
@@ -172,8 +220,11 @@ def build_plans(schedule: str, pp_size: int, num_microbatches: int, num_chunks: 
         raise ValueError("schedule 1f1b has one chunk per rank; use interleaved")
     if schedule == "interleaved" and num_chunks < 2:
         raise ValueError("schedule interleaved needs num_chunks >= 2")
+    if schedule == "zb-h1" and num_chunks != 1:
+        raise ValueError("schedule zb-h1 has one chunk per rank")
     stages = [StageConfig(r, pp_size, num_chunks, num_microbatches,
-                          microbatch_group_size=microbatch_group_size) for r in range(pp_size)]
+                          microbatch_group_size=microbatch_group_size,
+                          split_backward=schedule == "zb-h1") for r in range(pp_size)]
     make = gpipe_order if schedule == "gpipe" else static_order
     return [make(stage) for stage in stages]
 
@@ -185,7 +236,8 @@ class PlanError(ValueError):
 
 @dataclass
 class PlanCheck:
-    peak_in_flight: list[int]  # per rank
+    peak_in_flight: list[int]  # per rank, from F to the release (W when the plans split)
+    peak_activations: list[int]  # per rank, from F to B
     makespan: float  # with F = 1, B = 2 (B = W = 1 when the plans split the backward)
 
 
@@ -209,7 +261,9 @@ def check_plans(plans: list[list[Task]], topology: PipelineTopology,
         result = run_pipeline(topology, runners, durations)
     except DeadlockError as error:
         raise PlanError(_deadlock_message(runners, topology, error.ranks)) from None
-    return PlanCheck([max(in_flight_profile(plan)) for plan in plans], result.makespan)
+    return PlanCheck([max(in_flight_profile(plan)) for plan in plans],
+                     [max(in_flight_profile(plan, BACKWARD)) for plan in plans],
+                     result.makespan)
 
 
 def _check_complete(rank, plan, kinds, num_chunks, m) -> None:
@@ -292,9 +346,13 @@ def main(argv=None) -> int:
     lines = ["rank kind chunk microbatch"]
     lines += [f"{rank:4d} {task.kind:>4s} {task.chunk:5d} {task.microbatch:10d}"
               for rank, plan in shown.items() for task in plan]
+    split = args.schedule == "zb-h1"
     lines.append(f"# complete and deadlock-free; peak in flight per rank: "
-                 f"{' '.join(map(str, check.peak_in_flight))}; makespan {check.makespan:g} "
-                 "with F = 1, B = 2")
+                 f"{' '.join(map(str, check.peak_in_flight))}"
+                 + (f" (F to W; F to B: {' '.join(map(str, check.peak_activations))})"
+                    if split else "")
+                 + f"; makespan {check.makespan:g} with F = 1, "
+                 + ("B = W = 1" if split else "B = 2"))
     sys.stdout.write("\n".join(lines) + "\n")
     return 0
 

@@ -23,6 +23,18 @@ conditions:
   delay: in the simulator that made DPP 2-4 % slower than static 1F1B under variance
   (docs/benchmarks/simulator.md), while with slack it is where most of the gain comes from.
 
+The split backward (`StageConfig.split_backward`): each backward is a B (input gradient,
+sent upstream) and a W (weight gradient, local, sends nothing). The plan is the same
+order with each W placed `plan.weight_delay` backwards after its B: ZB-H1 with one chunk
+(under equal costs the rule runs it exactly). Two caps, each megatron's peak plus the
+slack: microbatches from F to B on this rank at this rank's 1F1B peak, and from F to W at
+rank 0's (ZB-H1 holds no more; W's pending inputs are what a rank holds beyond 1F1B).
+W is the filler: a pending W is always ready, so it runs when the planned F or B is not
+(the earliest by plan position among the ready candidates), and a planned W yields to the
+next planned F or B when that one is ready (`_past_weights`). Every W is in the plan, so
+none is left when the rule finishes. docs/benchmarks/simulator_split.md has the grid,
+what else was tried, and why ZB-H1's ratio targets are out of reach.
+
 Given each microbatch's cost before the iteration (its token count), the plan runs the
 microbatches in a cost order instead of 0..m-1 (one model chunk per rank only): cheap
 first, dearest about 0.3 of the way, cheap last (`cost_order`). `choose_cost_order` picks
@@ -36,7 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from megatron.dpp.actions import BACKWARD, FORWARD, Task
+from megatron.dpp.actions import BACKWARD, FORWARD, KINDS, WEIGHT, Task
 from megatron.dpp.engine import run_pipeline, task_table
 from megatron.dpp.plan import (
     PlanError,
@@ -45,6 +57,7 @@ from megatron.dpp.plan import (
     check_plans,
     plan_order,
     plan_skeleton,
+    static_peak,
 )
 from megatron.dpp.topology import PipelineTopology
 
@@ -136,7 +149,9 @@ def choose_cost_order(costs: list[float], pp_size: int, slack: int = 0) -> list[
     """The cost order of `ORDER_CANDIDATES` with the shortest `simulated_makespan` for a
     pipeline of `pp_size` stages with this slack (one model chunk); the first candidate
     wins ties, and is taken without a comparison above `ORDER_CHOICE_MAX_TASKS`. A pure
-    function of its arguments, so every rank gets the same order."""
+    function of its arguments, so every rank gets the same order. The split backward's
+    rule uses it too: simulating that rule instead (50 % more tasks) picked orders 0.1-0.4 %
+    faster but took ~2.2 ms at p = 8, m = 32 (docs/benchmarks/simulator_split.md)."""
     candidates = []
     for peak, descent in ORDER_CANDIDATES:
         order = cost_order(costs, peak, descent)
@@ -159,7 +174,8 @@ def simulated_makespan(costs: list[float], pp_size: int, slack: int, order: list
     durations = {FORWARD: [costs] * pp_size, BACKWARD: [backward] * pp_size}
     runners = [GreedyPolicy(StageConfig(r, pp_size, 1, m, slack=slack), microbatch_order=order)
                for r in range(pp_size)]
-    return run_pipeline(PipelineTopology(pp_size), runners, durations).makespan
+    return run_pipeline(PipelineTopology(pp_size), runners, durations,
+                        count_in_flight=False).makespan
 
 
 def microbatch_order_for(stage: StageConfig, costs: list[float] | None) -> list[int] | None:
@@ -180,36 +196,47 @@ class _PlanShape:
     """What the policy needs of its plan that does not depend on the microbatch order."""
 
     skeleton: tuple[tuple[str, int, int], ...]  # (kind, chunk, k-th microbatch of the order)
-    forward_position: tuple[tuple[int, ...], ...]  # [chunk][k]: plan position of that F
-    backward_position: tuple[tuple[int, ...], ...]
-    peak_from: tuple[int, ...]  # the most the plan holds in flight from position k on
-    cap: int
+    # [kind][chunk][k]: plan position of the k-th task of that kind and chunk
+    position: dict[str, tuple[tuple[int, ...], ...]]
+    peak_from: tuple[int, ...]  # the most the plan holds from F to B from position k on
+    cap: int  # on microbatches from F to B
+    # with the split backward: the same from F to W (otherwise None and 0)
+    held_peak_from: tuple[int, ...] | None
+    held_cap: int
+
+
+def _peaks_from(skeleton, release: str) -> tuple[int, ...]:
+    """[k]: the most microbatches the plan holds (F counts up, `release` down) at any
+    position from k on."""
+    profile = [0]
+    for kind, _, _ in skeleton:
+        profile.append(profile[-1] + (1 if kind == FORWARD else -1 if kind == release else 0))
+    for k in range(len(profile) - 2, -1, -1):
+        profile[k] = max(profile[k], profile[k + 1])
+    return tuple(profile)
 
 
 @lru_cache(maxsize=1024)
 def _plan_shape(stage: StageConfig, extra_warmup: int) -> _PlanShape:
     skeleton = plan_skeleton(stage, extra_warmup)
     chunks, m = stage.num_chunks, stage.num_microbatches
-    position = {FORWARD: [[0] * m for _ in range(chunks)],
-                BACKWARD: [[0] * m for _ in range(chunks)]}
-    profile = [0]
+    position = {kind: [[0] * m for _ in range(chunks)] for kind in KINDS}
     for pos, (kind, chunk, k) in enumerate(skeleton):
         position[kind][chunk][k] = pos
-        profile.append(profile[-1] + (1 if kind == FORWARD else -1))
-    peak_from = profile[:]
-    for k in range(len(profile) - 2, -1, -1):
-        peak_from[k] = max(profile[k], peak_from[k + 1])
+    position = {kind: tuple(map(tuple, rows)) for kind, rows in position.items()}
+    total = m * chunks
+    split = stage.split_backward and not stage.forward_only
     if stage.forward_only:
-        cap = m * chunks
+        cap = total
     else:
-        static = plan_skeleton(stage, 0)
-        count = peak = 0
-        for kind, _, _ in static:
-            count += 1 if kind == FORWARD else -1
-            peak = max(peak, count)
-        cap = min(peak + stage.slack, m * chunks)
-    return _PlanShape(skeleton, tuple(map(tuple, position[FORWARD])),
-                      tuple(map(tuple, position[BACKWARD])), tuple(peak_from), cap)
+        cap = min(static_peak(stage) + stage.slack, total)
+    held_peak_from, held_cap = None, 0
+    if split:
+        # what rank 0 holds in the static schedule, on every rank (see plan.weight_delay)
+        held_peak_from = _peaks_from(skeleton, WEIGHT)
+        held_cap = min(static_peak(replace(stage, rank=0)) + stage.slack, total)
+    return _PlanShape(skeleton, position, _peaks_from(skeleton, BACKWARD), cap,
+                      held_peak_from, held_cap)
 
 
 @lru_cache(maxsize=16)
@@ -217,7 +244,7 @@ def _task_sequences(chunks: int, m: int, order: tuple[int, ...]
                     ) -> dict[str, tuple[tuple[Task, ...], ...]]:
     """[kind][chunk][k]: the task of the k-th microbatch of `order`; the same on every rank."""
     return {kind: tuple(tuple(task_table(kind, c, m)[i] for i in order) for c in range(chunks))
-            for kind in (FORWARD, BACKWARD)}
+            for kind in KINDS}
 
 
 class GreedyPolicy:
@@ -230,11 +257,12 @@ class GreedyPolicy:
     arrival is shorter than a backward.
     """
 
-    __slots__ = ("stage", "_order", "_forwards", "_backwards", "_plan", "_forward_position",
-                 "_backward_position", "_peak_from", "_cap", "_length", "_done", "_next_pos",
-                 "_ahead_forwards", "_next_forward", "_next_backward", "_in_flight", "_running",
-                 "_running_pos", "_backward_ahead", "_local_forward_chunk",
-                 "_local_backward_chunk")
+    __slots__ = ("stage", "_order", "_forwards", "_backwards", "_weights", "_plan",
+                 "_forward_position", "_backward_position", "_weight_position", "_peak_from",
+                 "_held_peak_from", "_cap", "_held_cap", "_split", "_length", "_done",
+                 "_next_pos", "_ahead_forwards", "_next_forward", "_next_backward",
+                 "_next_weight", "_in_flight", "_held", "_running", "_running_pos",
+                 "_backward_ahead", "_local_forward_chunk", "_local_backward_chunk")
 
     def __init__(self, stage: StageConfig, extra_warmup: int | None = None,
                  microbatch_order: list[int] | None = None):
@@ -249,21 +277,29 @@ class GreedyPolicy:
         order = range(m) if microbatch_order is None else microbatch_order
         shape = _plan_shape(stage, extra_warmup)
         self._order = tuple(order)
-        # the k-th forward / backward of each chunk in the plan's microbatch order
+        # the k-th forward / backward / W of each chunk in the plan's microbatch order
         sequences = _task_sequences(chunks, m, self._order)
         self._forwards, self._backwards = sequences[FORWARD], sequences[BACKWARD]
+        self._weights = sequences[WEIGHT]
         self._plan = [sequences[kind][chunk][k] for kind, chunk, k in shape.skeleton]
-        self._forward_position = shape.forward_position
-        self._backward_position = shape.backward_position
+        self._forward_position = shape.position[FORWARD]
+        self._backward_position = shape.position[BACKWARD]
+        self._weight_position = shape.position[WEIGHT]
         self._peak_from = shape.peak_from
+        self._held_peak_from = shape.held_peak_from
         self._cap = shape.cap
+        self._split = shape.held_peak_from is not None
+        # without the split nothing is held past B: a cap the F->W count never reaches
+        self._held_cap = shape.held_cap if self._split else len(self._plan) + 1
         self._length = len(self._plan)
         self._done = bytearray(self._length)
         self._next_pos = 0  # first plan position not done
         self._ahead_forwards = 0  # forwards done at plan positions after _next_pos
         self._next_forward = [0] * chunks
         self._next_backward = [0] * chunks
-        self._in_flight = 0
+        self._next_weight = [0] * chunks
+        self._in_flight = 0  # microbatches from F to B
+        self._held = 0  # with the split: microbatches from F to W
         self._running: Task | None = None
         self._running_pos = 0
         self._backward_ahead = stage.slack > 0 and not stage.forward_only
@@ -273,11 +309,19 @@ class GreedyPolicy:
 
     @property
     def cap(self) -> int:
+        """The most microbatches this rank holds from F to their release (W with the split
+        backward, else B)."""
+        return self._held_cap if self._split else self._cap
+
+    @property
+    def activation_cap(self) -> int:
+        """The most microbatches this rank holds from F to B."""
         return self._cap
 
     @property
     def in_flight(self) -> int:
-        return self._in_flight
+        """Microbatches from F to their release (W with the split backward, else B)."""
+        return self._held if self._split else self._in_flight
 
     @property
     def finished(self) -> bool:
@@ -303,31 +347,70 @@ class GreedyPolicy:
         if pos == self._length:
             return None
         task = self._plan[pos]
-        if task[0] == FORWARD:
-            ready = self._in_flight < self._cap and (
-                task[1] == self._local_forward_chunk or arrived(task))
-        else:
+        kind = task[0]
+        if kind == FORWARD:
+            ready = (self._in_flight < self._cap and self._held < self._held_cap
+                     and (task[1] == self._local_forward_chunk or arrived(task)))
+        elif kind == BACKWARD:
             ready = task[1] == self._local_backward_chunk or arrived(task)
+        else:  # a W (its B, earlier in the plan, ran): it fills, so a ready F or B goes first
+            substitute = self._past_weights(arrived)
+            if substitute is not None:
+                return substitute
+            ready = True
         if ready:
             self._running, self._running_pos = task, pos
             return task
         return self._run_ahead(arrived)
 
+    def _past_weights(self, arrived) -> Task | None:
+        """The first F or B of the plan not done after the planned W (and the W tasks that
+        follow it), when it is ready and within both caps; None otherwise. Only W tasks are
+        passed over, so the F->B count at that F is the plan's; the F->W cap is checked
+        directly, and the W tasks passed over stay runnable (their input is local)."""
+        plan, done, pos = self._plan, self._done, self._next_pos + 1
+        while pos < self._length and (done[pos] or plan[pos][0] == WEIGHT):
+            pos += 1
+        if pos == self._length:
+            return None
+        task = plan[pos]
+        if task[0] == FORWARD:
+            ready = (self._in_flight < self._cap and self._held < self._held_cap
+                     and (task[1] == self._local_forward_chunk or arrived(task)))
+        else:
+            ready = task[1] == self._local_backward_chunk or arrived(task)
+        if not ready:
+            return None
+        self._running, self._running_pos = task, pos
+        return task
+
     def _run_ahead(self, arrived) -> Task | None:
         """The earliest later plan task that is ready, within the rule's conditions."""
         best, best_pos = None, self._length
-        forward_room = self._cap - self._peak_from[self._next_pos] - self._ahead_forwards
-        forward_ok = forward_room > 0 and self._in_flight < self._cap
+        next_pos, ahead = self._next_pos, self._ahead_forwards
+        forward_ok = (self._in_flight < self._cap
+                      and self._cap - self._peak_from[next_pos] - ahead > 0)
+        split = self._split
+        if split and forward_ok:
+            forward_ok = (self._held < self._held_cap
+                          and self._held_cap - self._held_peak_from[next_pos] - ahead > 0)
+        next_forward, next_backward = self._next_forward, self._next_backward
         m = self.stage.num_microbatches
         for chunk in range(self.stage.num_chunks):
-            k = self._next_backward[chunk]
-            if self._backward_ahead and k < self._next_forward[chunk]:
+            k = next_backward[chunk]
+            if split:
+                w = self._next_weight[chunk]
+                if w < k:  # a W whose B ran: always ready
+                    pos = self._weight_position[chunk][w]
+                    if pos < best_pos:
+                        best, best_pos = self._weights[chunk][w], pos
+            if self._backward_ahead and k < next_forward[chunk]:
                 pos = self._backward_position[chunk][k]
                 if pos < best_pos:
                     task = self._backwards[chunk][k]
                     if chunk == self._local_backward_chunk or arrived(task):
                         best, best_pos = task, pos
-            k = self._next_forward[chunk]
+            k = next_forward[chunk]
             if forward_ok and k < m:
                 pos = self._forward_position[chunk][k]
                 if pos < best_pos:
@@ -340,26 +423,30 @@ class GreedyPolicy:
 
     def complete(self, task: Task) -> None:
         running = self._running
-        if task is not running and (running is None or task != running):
+        if task is not running and task != running:
             raise RuntimeError(f"complete({task}) but the running task is {running}")
         pos = self._running_pos
         self._running = None
-        chunk = task[1]
-        forward = task[0] == FORWARD
-        if forward:
-            self._next_forward[chunk] += 1
+        kind = task[0]
+        if kind == FORWARD:
+            self._next_forward[task[1]] += 1
             self._in_flight += 1
-        else:
-            self._next_backward[chunk] += 1
+            self._held += 1
+        elif kind == BACKWARD:
+            self._next_backward[task[1]] += 1
             self._in_flight -= 1
-        self._done[pos] = 1
+        else:
+            self._next_weight[task[1]] += 1
+            self._held -= 1
+        done = self._done
+        done[pos] = 1
         if pos != self._next_pos:
-            if forward:
+            if kind == FORWARD:
                 self._ahead_forwards += 1
             return
-        plan, done = self._plan, self._done
+        plan, length = self._plan, self._length
         pos += 1
-        while pos < self._length and done[pos]:
+        while pos < length and done[pos]:
             if plan[pos][0] == FORWARD:
                 self._ahead_forwards -= 1
             pos += 1

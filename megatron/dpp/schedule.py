@@ -6,6 +6,10 @@ inputs have arrived, runs it with megatron.core's own forward_step / backward_st
 sends the result to the rank the topology (megatron/dpp/topology.py) names, through the
 mailbox transport. Nothing ready: it blocks on the inbox. The order it ran is kept as
 data (`executed`) and, under --trace, written beside the trace.
+
+With a WeightGradStore (--dpp-split-backward) every backward is a B, run with the linear
+layers' weight-gradient GEMMs deferred, and a W task that runs them
+(megatron/dpp/weight_grad.py); the policy places the W tasks.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor, forward_step
 from megatron.core.utils import get_model_config
 
-from megatron.dpp.actions import BACKWARD, FORWARD, KINDS, Task
+from megatron.dpp.actions import BACKWARD, FORWARD, KINDS, WEIGHT, Task
 from megatron.dpp.config import DppOptions
 from megatron.dpp.plan import StageConfig
 from megatron.dpp.policy import GreedyPolicy, microbatch_order_for
@@ -26,6 +30,7 @@ from megatron.dpp.topology import PipelineTopology
 from megatron.dpp.tracing import NullTracer
 from megatron.dpp.transport.channel import MessageKey, MessageKind
 from megatron.dpp.transport.pipeline import PipelineTransport
+from megatron.dpp.weight_grad import WeightGradStore
 from megatron.trainer import core_overrides
 
 
@@ -63,10 +68,14 @@ class _TaskCoordinator:
 
 class DppSchedule:
     """Callable with exactly the keyword arguments of megatron.core's schedule functions;
-    keeps its channels open across iterations (`close()` at the end of training)."""
+    keeps its channels open across iterations (`close()` at the end of training).
+    `weight_grads`: split every backward into B and W tasks through this store (the one the
+    CUDA-graph blocks were given, if any)."""
 
-    def __init__(self, options: DppOptions | None = None):
+    def __init__(self, options: DppOptions | None = None,
+                 weight_grads: WeightGradStore | None = None):
         self.options = options or DppOptions()
+        self.weight_grads = weight_grads
         self._transport: PipelineTransport | None = None
         self._coordinator: _TaskCoordinator | None = None
         self.tracer = NullTracer()  # the trainer installs a Tracer under --trace
@@ -150,10 +159,13 @@ class _Iteration:
         self.rank = parallel_state.get_pipeline_model_parallel_rank()
         self.num_chunks = len(model)
         self.topology = PipelineTopology(self.pp_size, self.num_chunks)
+        # the B/W split (training only): the store runs each W and starts a chunk's
+        # gradient reduction after its last W
+        self.weight_grads = None if forward_only else schedule.weight_grads
         self.stage = StageConfig(
             rank=self.rank, pp_size=self.pp_size, num_chunks=self.num_chunks,
             num_microbatches=num_microbatches, slack=schedule.options.slack,
-            forward_only=forward_only,
+            forward_only=forward_only, split_backward=self.weight_grads is not None,
         )
         self.policy = GreedyPolicy(self.stage,
                                    microbatch_order=microbatch_order_for(self.stage, costs))
@@ -172,9 +184,14 @@ class _Iteration:
         self.stored_microbatch: list[int] = []  # forward_data_store's entries, by microbatch
         self.total_num_tokens = torch.zeros([], dtype=torch.int, device=_device(model))
         self.no_sync = _NoSyncPerChunk(config, self.num_chunks, forward_only)
+        self.grad_syncs = (None if forward_only or config.grad_sync_func is None
+                           else _per_chunk(config.grad_sync_func, self.num_chunks))
 
     def execute(self, pg_collection, force_all_reduce):
-        run = {FORWARD: self._forward, BACKWARD: self._backward}
+        run = {FORWARD: self._forward, BACKWARD: self._backward, WEIGHT: self._weight}
+        if self.weight_grads is not None:
+            self.weight_grads.begin_iteration(self.config, self.num_chunks,
+                                              self.num_microbatches)
         with self.no_sync:
             for _ in range(len(self.policy.plan)):
                 task = self._next()
@@ -186,10 +203,10 @@ class _Iteration:
         with self.tracer.span("send"):
             self.transport.flush()
         if not self.forward_only:
-            if self.config.grad_sync_func is not None:
-                syncs = _per_chunk(self.config.grad_sync_func, self.num_chunks)
-                for chunk, sync in enumerate(syncs):
-                    sync(self.model[chunk].parameters())
+            if self.weight_grads is not None:
+                # every W ran (they are in the plan); the store started each chunk's
+                # reduction after its last W
+                self.weight_grads.end_iteration()
             if self.config.finalize_model_grads_func is not None:
                 kwargs = {"pg_collection": pg_collection} if pg_collection is not None else {}
                 self.config.finalize_model_grads_func(
@@ -283,12 +300,29 @@ class _Iteration:
         output_grad = (None if self.topology.input_is_local(self.rank, task)
                        else self.transport.take(_input_key(task)))
         self.backwards_run[chunk] += 1
-        if self.backwards_run[chunk] == self.num_microbatches:
-            # the chunk's last backward: let DDP start reducing its gradients
+        last = self.backwards_run[chunk] == self.num_microbatches
+        # megatron-core's convention for the chunk's last backward: without a
+        # grad_sync_func DDP's hooks start the reduction during it; with one (and with the
+        # split, whose store calls it after the chunk's last W) it is started once, after
+        hooks_start = last and self.grad_syncs is None
+        if hooks_start:
             self.no_sync.enable(chunk)
-        input_grad = core_overrides.backward_step(input_tensor, output, output_grad, self.config)
+        with (contextlib.nullcontext() if self.weight_grads is None
+              else self.weight_grads.deferring((chunk, microbatch))):
+            input_grad = core_overrides.backward_step(
+                input_tensor, output, output_grad, self.config)
         self.tracer.stop(span)
         self._send_output(task, input_grad)
+        if last and not hooks_start:
+            self.no_sync.enable(chunk)
+            if self.weight_grads is None:
+                self.grad_syncs[chunk](self.model[chunk].parameters())
+
+    def _weight(self, task: Task) -> None:
+        """W: the weight-gradient GEMMs the B of this chunk and microbatch deferred."""
+        span = self.tracer.start("weight", task.microbatch, task.chunk)
+        self.weight_grads.run((task.chunk, task.microbatch))
+        self.tracer.stop(span)
 
 
 class _Batches:

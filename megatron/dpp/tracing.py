@@ -1,4 +1,4 @@
-"""The span recorder behind --trace: each rank writes its forward, backward, send,
+"""The span recorder behind --trace: each rank writes its forward, backward, weight, send,
 receive-wait, grad-sync and optimizer-step spans, with microbatch, chunk and stage, to
 DIR/trace-rank<R>.jsonl; profiling/aggregate.py merges the ranks into one Chrome trace.
 Under DPP each rank also writes the actions it executed, in order, to
@@ -35,7 +35,8 @@ from megatron.dpp.plan import StageConfig, static_order
 
 FORMAT = "megatron-dpp-trace"
 VERSION = 1
-KINDS = ("forward", "backward", "send", "recv_wait", "grad_sync", "optimizer")
+KINDS = ("forward", "backward", "weight", "send", "recv_wait", "grad_sync",
+         "optimizer")
 DEFAULT_DIR = "traces"
 _SYNC_ROUNDS = 8
 

@@ -251,7 +251,8 @@ def _dpp_args(g):
                    help="seconds a stage waits for a pipeline peer before raising")
     g.add_argument("--dpp-split-backward", action="store_true",
                    help="split each backward into input gradients (B) and deferred weight "
-                        "gradients (W); at PP=1 each W runs right after its B")
+                        "gradients (W): with --use-dpp the dynamic schedule places the W "
+                        "tasks; at PP=1 each W runs right after its B")
     g.add_argument("--multi-node", action="store_true")
     g.add_argument("--node-ips", nargs="+", default=None,
                    help="one address per node, in node-rank order")
@@ -638,8 +639,9 @@ def _validate_dpp(args, need):
              "--overlap-param-gather is not supported with --use-dpp (the dynamic order has no "
              "fixed first forward per chunk to gather parameters before)")
     if args.dpp_split_backward:
-        need(args.pipeline_model_parallel_size == 1, "--dpp-split-backward runs at "
-             "--pipeline-model-parallel-size 1 only (no schedule places W tasks yet)")
+        need(args.pipeline_model_parallel_size == 1 or args.use_dpp,
+             "--dpp-split-backward at --pipeline-model-parallel-size > 1 needs --use-dpp "
+             "(megatron-core's pipeline schedules cannot place W tasks)")
         need(args.gradient_accumulation_fusion, "--dpp-split-backward defers the fused "
              "weight-gradient accumulation: drop --no-gradient-accumulation-fusion")
         need(args.transformer_impl != "transformer_engine", "--dpp-split-backward with "

@@ -186,9 +186,9 @@ class BlockGraphs:
                          else weight_grads_deferred(deferred.append))
                 with _capture(backward_graph, pool), split:
                     grads = torch.autograd.grad(output, inputs, grad_output, allow_unused=True)
-                    for (_, param), grad in zip(added_here, grads[1:], strict=True):
-                        if grad is not None:
-                            param.main_grad.add_(grad)
+                    _accumulate_into_main_grads(
+                        [(param.main_grad, grad) for (_, param), grad
+                         in zip(added_here, grads[1:], strict=True) if grad is not None])
                 weight_graph = None
                 if self.weight_grads is not None:
                     # in the slot's pool: the tensors W reads were kept alive through B's
@@ -206,6 +206,23 @@ class BlockGraphs:
         log.info("CUDA graphs: recorded slot %d of a %d-layer block for shape %s",
                  len(self.slots), len(self.block.layers), tuple(self.shape))
         return slot
+
+
+def _accumulate_into_main_grads(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """main_grad += grad for every (main_grad, grad): the biases and norms of a block, a few
+    thousand elements each. One add kernel per tensor cost ~6 us each (8 per GPT layer, 18 ms
+    per iteration of the GPT of GPU.md); instead the gradients are gathered into one tensor,
+    widened once, and added by a multi-tensor kernel. Each element's sum is the same fp32
+    addition as the per-tensor add."""
+    by_dtype: dict[torch.dtype, list] = {}
+    for main, grad in pairs:
+        by_dtype.setdefault(main.dtype, []).append((main, grad))
+    for dtype, group in by_dtype.items():
+        mains = [main for main, _ in group]
+        flat = torch.cat([grad.reshape(-1) for _, grad in group]).to(dtype)
+        parts = flat.split([main.numel() for main in mains])
+        torch._foreach_add_(mains, [part.view_as(main) for part, main in zip(parts, mains,
+                                                                             strict=True)])
 
 
 @contextlib.contextmanager

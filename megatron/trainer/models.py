@@ -16,12 +16,17 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron.trainer.attention import SDPAttention
 from megatron.trainer.cross_entropy import vocab_parallel_cross_entropy
 from megatron.trainer.fused_layers import install_fused_layers
+from megatron.trainer.norms import SequenceParallelNorm
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +159,29 @@ def gpt_layer_spec(args) -> ModuleSpec:
         # no normalization argument: TE's fused norm-linear layers read config.normalization
         return get_gpt_layer_with_transformer_engine_spec()
     local = get_gpt_layer_local_spec(normalization=args.normalization)
+    if args.sequence_parallel:
+        local = _with_sequence_parallel_norms(local)
     return local if _stock_attention(args) else _with_sdpa(local)
+
+
+def _with_sequence_parallel_norms(spec: ModuleSpec) -> ModuleSpec:
+    """The local layer spec's norms as SequenceParallelNorm (megatron-core's torch norm
+    refuses sequence parallelism; norms.py)."""
+    spec = copy.deepcopy(spec)
+    spec.submodules.input_layernorm = SequenceParallelNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
+    return spec
+
+
+def _gpt_block_spec(args, config, vp_stage):
+    """The decoder's spec: the layer spec, or under sequence parallelism with local layers
+    the block's layers and its final norm, a SequenceParallelNorm too."""
+    layer = gpt_layer_spec(args)
+    if not args.sequence_parallel or use_transformer_engine(args):
+        return layer
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer] * layers,
+                                      layer_norm=SequenceParallelNorm)
 
 
 def bert_layer_spec(args) -> ModuleSpec:
@@ -221,7 +248,7 @@ def _finish_stage(model, args, config):
 def build_gpt_stage(args, config, pre_process, post_process, vp_stage=None):
     model = ProjectGPTModel(
         config=config,
-        transformer_layer_spec=gpt_layer_spec(args),
+        transformer_layer_spec=_gpt_block_spec(args, config, vp_stage),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,

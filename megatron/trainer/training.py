@@ -127,7 +127,7 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     datasets = task.build_datasets(args, tokenizer)
     log.info("%s: %d parameters on this rank, %d model chunk(s), schedule %s, layers %s",
              task.name, sum(p.numel() for c in model for p in c.parameters()), len(model),
-             "DPP" if args.use_dpp else "megatron-core" + (
+             ("DPP" if args.use_dpp else "megatron-core") + (
                  ", each backward split into B and W" if weight_grads is not None else ""),
              "Transformer Engine" if use_transformer_engine(args) else "megatron.core + SDPA")
     schedule = forward_backward_func(args, weight_grads)
@@ -154,9 +154,11 @@ def _install_schedule_hooks(config, model, optimizer, args) -> None:
     """The callbacks megatron.core's schedules (and DPP's) expect on the config."""
     no_sync = [chunk.no_sync for chunk in model]
     config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-    # DPP re-enables each chunk's reduction before that chunk's last backward, whose hooks
-    # then start it; a grad_sync_func would start it a second time
-    if args.overlap_grad_reduce and not args.use_dpp:
+    # Without a grad_sync_func DPP lets DDP's hooks start each chunk's reduction during its
+    # last backward. With the B/W split the hooks run during B, before W completes the
+    # gradients: the WeightGradStore starts each chunk's reduction with it after the
+    # chunk's last W
+    if args.overlap_grad_reduce and (not args.use_dpp or args.dpp_split_backward):
         sync = [chunk.start_grad_sync for chunk in model]
         config.grad_sync_func = sync[0] if len(sync) == 1 else sync
     config.finalize_model_grads_func = finalize_model_grads
@@ -168,7 +170,7 @@ def forward_backward_func(args, weight_grads: WeightGradStore | None = None):
     if args.use_dpp:
         from megatron.dpp import get_forward_backward_func
 
-        return get_forward_backward_func(args)
+        return get_forward_backward_func(args, weight_grads)
     if weight_grads is not None:
         return SplitBackwardNoPipelining(weight_grads)
     from megatron.core.pipeline_parallel import get_forward_backward_func
