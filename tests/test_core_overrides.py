@@ -248,7 +248,7 @@ def _substitutions_in_a_built_model(rank, save_dir):
     from tests.trainer_runs import _destroy_model_parallel_only
 
     initialize._shutdown = _destroy_model_parallel_only  # two set-ups in one process
-    original_rng_state = core_random._get_cuda_rng_state
+    original_rng_state = core_random._get_cuda_rng_state, core_random._set_cuda_rng_state
     gpt = with_flags(TINY, train_iters=1, dpp_split_backward=True, save=save_dir,
                      save_interval=1)
     bert = with_flags(TINY, train_iters=1)
@@ -278,9 +278,13 @@ def _substitutions_in_a_built_model(rank, save_dir):
                                                for m in modules) == 4,
                     "host stream": isinstance(torch.cuda.current_stream(),
                                               cpu_compat._HostStream),
-                    "rng state stub": core_random._get_cuda_rng_state is not original_rng_state,
+                    "rng state stubs": core_random._get_cuda_rng_state is not original_rng_state[0]
+                    and core_random._set_cuda_rng_state is not original_rng_state[1],
+                    "language model loss": type(chunk).compute_language_model_loss
+                    is models.LanguageModelLoss.compute_language_model_loss,
                     "batch schedule": isinstance(trainer.batch_calculator, BatchSizeSchedule),
                 })
+                live["sequence-parallel norms"] = _sequence_parallel_norms_tagged(trainer.args)
                 training.train(trainer)  # one step, then a save
                 live["results in process"] = type(filesystem_async._results_queue) is queue.Queue
             else:
@@ -294,13 +298,33 @@ def _substitutions_in_a_built_model(rank, save_dir):
         "copy scale": core_optimizer.multi_tensor_scale_impl is utils.local_multi_tensor_scale,
         "grad accumulation fusion": not layers._grad_accum_fusion_available,
         "weight-gradient kernels": not hasattr(layers, "fused_weight_gradient_mlp_cuda"),
-        "rng state stub": core_random._get_cuda_rng_state is original_rng_state,
+        "rng state stubs": (core_random._get_cuda_rng_state,
+                            core_random._set_cuda_rng_state) == original_rng_state,
     }
     return live, restored
+
+
+def _sequence_parallel_norms_tagged(args) -> bool:
+    """A GPT stage built under --sequence-parallel has torch norms whose parameters carry the
+    tag megatron-core sums sequence-parallel gradients by. Built, not run: at TP=1 the config
+    refuses sequence parallelism, so it is switched on after validation."""
+    import copy
+
+    from megatron.trainer import models
+
+    config = models.transformer_config_from_args(args)
+    args = copy.copy(args)
+    args.sequence_parallel = config.sequence_parallel = True
+    stage = models.build_gpt_stage(args, config, pre_process=True, post_process=True)
+    norms = [m for name, m in stage.named_modules()
+             if name.rpartition(".")[2] in ("input_layernorm", "pre_mlp_layernorm",
+                                            "final_layernorm")]
+    return len(norms) == 2 * args.num_layers + 1 and all(
+        type(norm) is torch.nn.LayerNorm and norm.weight.sequence_parallel for norm in norms)
 
 
 def test_every_substitution_is_live_in_a_built_model_and_undone_after(tmp_path):
     (live, restored), = run_ranks(1, _substitutions_in_a_built_model, str(tmp_path / "ckpt"))
     assert [name for name, ok in live.items() if not ok] == []
-    assert len(live) == 13  # every check above ran
+    assert len(live) == 15  # every check above ran
     assert [name for name, ok in restored.items() if not ok] == []

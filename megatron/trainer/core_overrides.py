@@ -322,6 +322,25 @@ CORE_ATTENTION_FORWARD = Internal(
     "megatron.core.transformer.dot_product_attention:DotProductAttention.forward",
     "stand-in", "trainer/attention.py SDPAttention.forward",
     stand_in="megatron.trainer.attention:SDPAttention.forward")
+# models.py edits the local layer specs' submodules (assigning a removed field would be ignored)
+LAYER_SUBMODULES = Internal(
+    "megatron.core.transformer.transformer_layer:TransformerLayerSubmodules", "assigned",
+    "trainer/models.py _with_sequence_parallel_norms, _with_sdpa",
+    fields=("input_layernorm", "pre_mlp_layernorm", "self_attention"))
+SELF_ATTENTION_SUBMODULES = Internal(
+    "megatron.core.transformer.attention:SelfAttentionSubmodules", "assigned",
+    "trainer/models.py _with_sdpa", fields=("core_attention",))
+# norms.py: torch's norms tagged for megatron-core's sum of sequence-parallel gradients
+SEQUENCE_PARALLEL_NORM = Internal(
+    "megatron.core.transformer.torch_norm:WrappedTorchNorm.__new__", "stand-in",
+    "trainer/norms.py SequenceParallelNorm (the local specs' norms under --sequence-parallel)",
+    stand_in="megatron.trainer.norms:SequenceParallelNorm.__new__")
+SEQUENCE_PARALLEL_GRAD_SUM = Internal(
+    "megatron.core.distributed.finalize_model_grads:_allreduce_non_tensor_model_parallel_grads",
+    "private", "trainer/norms.py SequenceParallelNorm (param.sequence_parallel)",
+    read_by=('getattr(param, "sequence_parallel", False)',),
+    read_in="megatron.core.distributed.finalize_model_grads:"
+            "_allreduce_non_tensor_model_parallel_grads")
 # checkpointing.py
 SHARDED_OBJECT = Internal(
     "megatron.core.dist_checkpointing.mapping:ShardedObject.__init__", "called",
