@@ -42,7 +42,8 @@ def _torch_has_cuda():
 
 
 def extensions():
-    if not glob.glob("csrc/*.cpp"):
+    # DPP_NO_NATIVE=1: install without it (the shm / RDMA transports then refuse to start)
+    if not glob.glob("csrc/*.cpp") or os.environ.get("DPP_NO_NATIVE") == "1":
         return [], {}
     from torch.utils.cpp_extension import BuildExtension
 
@@ -60,7 +61,8 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",
-        "megatron-core==0.16.1",
+        # checked on 0.16.1-0.19.2 (megatron/trainer/core_overrides.py); >= 0.17 needs Python 3.12
+        "megatron-core>=0.16.1,<0.20",
         "numpy",
         "regex",
         "nltk",

@@ -22,6 +22,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -191,9 +192,12 @@ def run(name: str, flags: list[str], args, out: Path) -> dict:
     # --find-syncs: the same run under profiling/find_syncs.py (device syncs per call site)
     wrapper = ["profiling/find_syncs.py", "--out", str(out / f"syncs-{name}")] if (
         args.find_syncs) else []
+    # --installed: the pip-installed trainer, started outside the checkout so that nothing
+    # of the checkout is imported
+    program = ["-m", "pretrain_gpt"] if args.installed else [*wrapper, "pretrain_gpt.py"]
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.gpus}",
-        f"--master_port={args.port}", *wrapper, "pretrain_gpt.py", *GPT_OF_GPU_MD,
+        f"--master_port={args.port}", *program, *GPT_OF_GPU_MD,
         "--global-batch-size", str(2 * args.microbatches),
         "--train-iters", str(args.warmup + args.iters), *pipeline_flags(flags, args.pp),
         *observer_flags(name, args, out),
@@ -203,7 +207,9 @@ def run(name: str, flags: list[str], args, out: Path) -> dict:
     with open(log_path, "w") as log_file:
         try:
             returncode = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT,
-                                        env=os.environ.copy(), timeout=args.timeout).returncode
+                                        env=os.environ.copy(), timeout=args.timeout,
+                                        cwd=tempfile.gettempdir() if args.installed else None
+                                        ).returncode
         except subprocess.TimeoutExpired:
             returncode = "timeout"
     text = log_path.read_text()
@@ -253,11 +259,16 @@ def main() -> None:
                         help="torch.profiler over the measured iterations, every rank")
     parser.add_argument("--find-syncs", action="store_true",
                         help="count device syncs per call site (slows the run)")
+    parser.add_argument("--installed", action="store_true",
+                        help="run the pip-installed pretrain_gpt module, not the checkout's "
+                             "(not with --find-syncs)")
     parser.add_argument("--extra", default="",
                         help="flags added to every configuration (write --extra='--flag value')")
     args = parser.parse_args()
+    if args.installed and args.find_syncs:
+        parser.error("--installed and --find-syncs: find_syncs.py runs the checkout's trainer")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # the runs' working directory may differ
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for name in args.configs.split(","):
@@ -289,6 +300,8 @@ def main() -> None:
     table = "\n".join(lines)
     (out / "table.txt").write_text(table + "\n")
     sys.stdout.write(table + "\n")
+    if len(base) < len(results):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -234,8 +234,10 @@ def format_comparison(result: dict) -> str:
 
 
 def _stage_line(row: dict) -> str:
+    # rounded first: a difference of -1e-17 (Python 3.12's compensated float sum) is +0.00
+    difference = round(row["difference_pp"], 2) + 0.0
     return (f"  {row['stage']:5d}  {row['measured_bubble']:8.3f}  "
-            f"{row['simulated_bubble']:9.3f}  {row['difference_pp']:+19.2f}")
+            f"{row['simulated_bubble']:9.3f}  {difference:+19.2f}")
 
 
 def main(argv=None) -> int:

@@ -233,7 +233,11 @@ def test_entry_point_script_exits_without_traceback():
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "WORLD_SIZE": "1"})
     assert done.returncode == 2
-    assert done.stderr == "pretrain_gpt.py: invalid arguments:\n  --train-iters 0 must be >= 1\n"
+    # megatron-core >= 0.19 imports torch.utils.cpp_extension, which warns on a machine that has
+    # a CUDA toolkit but no GPU (this one): torch's line, not the trainer's
+    stderr = "".join(line for line in done.stderr.splitlines(keepends=True)
+                     if "torch/utils/cpp_extension.py" not in line)
+    assert stderr == "pretrain_gpt.py: invalid arguments:\n  --train-iters 0 must be >= 1\n"
     assert done.stdout == ""
 
 

@@ -162,9 +162,9 @@ def _plain_step(trainer):
 def _deferred_step(trainer, store, w_order):
     """Each microbatch's forward, then its B under the store; all Ws at the end in
     `w_order`; then megatron-core's gradient finalisation (DP reduction)."""
-    from megatron.core.enums import ModelType
     from megatron.core.pipeline_parallel import schedules
 
+    from megatron.trainer import core_overrides
     from megatron.trainer.training import data_iterators
     from tests.pipeline_runs import named_grads
 
@@ -180,7 +180,7 @@ def _deferred_step(trainer, store, w_order):
                                            config, 1, is_first_microbatch=i == 0,
                                            current_microbatch=i)
         with store.deferring((0, i)):
-            schedules.backward_step(None, output, None, ModelType.encoder_or_decoder, config)
+            core_overrides.backward_step(None, output, None, config)
         held.append(store.held_bytes((0, i)))
     for i in w_order:
         store.run((0, i))

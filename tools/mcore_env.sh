@@ -1,78 +1,66 @@
 #!/usr/bin/env bash
-# A virtual environment with a given megatron-core release, to run this checkout's tests and
-# CPU training runs against it (CI itself runs the version pinned in requirements.txt).
+# A virtual environment for running this checkout against one megatron-core release.
 #
-#   tools/mcore_env.sh VERSION|WHEEL [VENV]       e.g.  tools/mcore_env.sh 0.19.2
+#   tools/mcore_env.sh VERSION|WHEEL [VENV]      e.g.  tools/mcore_env.sh 0.19.2
 #
-# VERSION is a megatron-core release on the package index, or the path of its wheel.
-# VENV defaults to ../venv-mcore-VERSION (outside the checkout). Environment:
-#   PYTHON       interpreter for the venv (default: python3.12; megatron-core >= 0.17 needs
-#                Python >= 3.12, 0.16 runs on 3.10+)
-#   TORCH_SPEC   torch requirement (default torch==2.13.0, the version CI uses; from the
-#                default index that is the CUDA build, which also runs on CPU: ~4.7 GB venv)
-#   TORCH_INDEX  extra index for torch, e.g. https://download.pytorch.org/whl/cpu
-#   NO_NATIVE=1  skip the native extension (the shm / RDMA tests then skip, saying why)
-#
-# The project is not pip-installed into the venv: since 0.17 the megatron-core wheel ships
-# Megatron-LM's own `megatron/trainer` package, which has this project's package name.
-# Run from the checkout's root, where `megatron/trainer` is found first:
+# VERSION comes from the package index, WHEEL is a local megatron_core-*.whl. The venv
+# (default: ../venv-mcore-VERSION beside the checkout) gets torch, that megatron-core, the
+# other packages of requirements.txt, and this project by `pip install .`, which builds the
+# native extension for the venv's Python. Tests run from the checkout, so the built extension
+# is also copied into its megatron/dpp/ (the file name carries the Python ABI: builds for
+# several Pythons sit side by side there):
 #   cd <checkout> && OMP_NUM_THREADS=1 VENV/bin/python -m pytest -q tests
-#   cd <checkout> && OMP_NUM_THREADS=1 VENV/bin/torchrun --nproc_per_node 2 pretrain_gpt.py ...
-# The native extension is built in VENV/native-build and its .so (named for this Python's
-# ABI, so it sits beside other interpreters' builds) copied into megatron/dpp/.
+# Environment:
+#   PYTHON       the venv's interpreter (default python3.12; megatron-core >= 0.17 needs it)
+#   TORCH_INDEX  where torch comes from, e.g. https://download.pytorch.org/whl/cpu (the CPU
+#                build; the default index gives the CUDA build, which also runs on CPU)
+#   NO_NATIVE=1  no native extension (the shm / RDMA tests then skip, saying why)
 set -euo pipefail
 
 if [ $# -lt 1 ]; then
-  sed -n '2,22p' "$0" >&2
+  sed -n '2,17p' "$0" >&2
   exit 2
 fi
-SPEC=$1
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-if [[ "$SPEC" == *.whl ]]; then
-  MCORE="$(cd "$(dirname "$SPEC")" && pwd)/$(basename "$SPEC")"
-  VERSION=$(basename "$SPEC" | cut -d- -f2)
+if [[ "$1" == *.whl ]]; then
+  MCORE=$(realpath "$1")
+  VERSION=$(basename "$1" | cut -d- -f2)
 else
-  MCORE="megatron-core==$SPEC"
-  VERSION=$SPEC
+  MCORE="megatron-core==$1"
+  VERSION=$1
 fi
-VENV=${2:-$ROOT/../venv-mcore-$VERSION}
-PY=${PYTHON:-python3.12}
-
-if [ ! -x "$VENV/bin/python" ]; then
-  "$PY" -m venv "$VENV"
-fi
+VENV=$(realpath -m "${2:-$ROOT/../venv-mcore-$VERSION}")
 PIP=("$VENV/bin/python" -m pip install -q)
+
+[ -x "$VENV/bin/python" ] || "${PYTHON:-python3.12}" -m venv "$VENV"
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-  "${PIP[@]}" ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"} "${TORCH_SPEC:-torch==2.13.0}"
+  "${PIP[@]}" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"} torch
 fi
-"${PIP[@]}" "$MCORE"
 grep -v -E '^\s*(#|megatron-core)' "$ROOT/requirements.txt" > "$VENV/requirements-project.txt"
-"${PIP[@]}" -r "$VENV/requirements-project.txt"
+"${PIP[@]}" "$MCORE" -r "$VENV/requirements-project.txt" setuptools wheel ninja
 
+# A CUDA build of torch compiles the extension's CUDA part: point it at the toolkit (an nvcc
+# wrapper elsewhere on PATH misleads its search) and, with no GPU to ask, at Hopper
+if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export CUDA_HOME=/usr/local/cuda
+fi
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+[ "${NO_NATIVE:-0}" != 1 ] || export DPP_NO_NATIVE=1
+# --no-build-isolation: the extension compiles against the venv's torch
+if ! (cd "$ROOT" && "${PIP[@]}" --no-build-isolation --no-deps --force-reinstall .) \
+    > "$VENV/install-project.log" 2>&1; then
+  echo "mcore_env.sh: pip install . failed; see $VENV/install-project.log" >&2
+  exit 1
+fi
+SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["platlib"])')
 if [ "${NO_NATIVE:-0}" != 1 ]; then
-  # a torch built for CUDA compiles the extension's CUDA part: it needs the toolkit's
-  # root (an nvcc wrapper script elsewhere on PATH misleads torch's search) and, without
-  # a GPU to ask, the architectures (Hopper, the GPU machines')
-  if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
-    export CUDA_HOME=/usr/local/cuda
-  fi
-  export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
-  mkdir -p "$VENV/native-build"
-  if ! (cd "$ROOT" && "$VENV/bin/python" setup.py build_ext \
-      --build-temp "$VENV/native-build/tmp" --build-lib "$VENV/native-build/lib") \
-      > "$VENV/native-build/build.log" 2>&1; then
-    echo "mcore_env.sh: building the native extension failed; see $VENV/native-build/build.log" >&2
-    exit 1
-  fi
-  cp "$VENV"/native-build/lib/megatron/dpp/_native.*.so "$ROOT/megatron/dpp/"
+  # a new file, not the old one overwritten: running processes may have it mapped
+  cp --remove-destination "$SITE"/megatron/dpp/_native.*.so "$ROOT/megatron/dpp/"
 fi
 
-(cd "$ROOT" && "$VENV/bin/python" -W ignore - 2>/dev/null <<'EOF'
-import megatron.core.package_info as info
-import megatron.trainer
-import torch
-print(f"megatron-core {info.__version__}, torch {torch.__version__}; "
-      f"megatron.trainer from {megatron.trainer.__file__}")
-EOF
-)
+# outside the checkout, so what is imported is what was installed
+(cd / && "$VENV/bin/python" -W ignore -c '
+import megatron.core.package_info as core, megatron.trainer, pretrain_gpt, torch
+print(f"megatron-core {core.__version__}, torch {torch.__version__}, "
+      f"trainer from {megatron.trainer.__path__[0]}")')
 echo "ready: cd $ROOT && OMP_NUM_THREADS=1 $VENV/bin/python -m pytest -q tests"

@@ -19,12 +19,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.enums import ModelType
-from megatron.core.pipeline_parallel.schedules import (
-    backward_step,
-    deallocate_output_tensor,
-    forward_step,
-)
+from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor, forward_step
 from megatron.core.utils import get_model_config
 
 from megatron.dpp.actions import BACKWARD, FORWARD, KINDS, WEIGHT, Task
@@ -36,6 +31,7 @@ from megatron.dpp.tracing import NullTracer
 from megatron.dpp.transport.channel import MessageKey, MessageKind
 from megatron.dpp.transport.pipeline import PipelineTransport
 from megatron.dpp.weight_grad import WeightGradStore
+from megatron.trainer import core_overrides
 
 
 class _TaskCoordinator:
@@ -313,9 +309,8 @@ class _Iteration:
             self.no_sync.enable(chunk)
         with (contextlib.nullcontext() if self.weight_grads is None
               else self.weight_grads.deferring((chunk, microbatch))):
-            input_grad = backward_step(
-                input_tensor, output, output_grad, ModelType.encoder_or_decoder, self.config
-            )
+            input_grad = core_overrides.backward_step(
+                input_tensor, output, output_grad, self.config)
         self.tracer.stop(span)
         self._send_output(task, input_grad)
         if last and not hooks_start:

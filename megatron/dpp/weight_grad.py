@@ -44,14 +44,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 from collections.abc import Callable, Hashable, Iterator
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel import layers as core_layers
 
-_KERNELS = "fused_weight_gradient_mlp_cuda"  # the module megatron-core's layers call
+from megatron.trainer import core_overrides
 
 
 class WeightGradError(RuntimeError):
@@ -107,19 +107,17 @@ def weight_grads_deferred(collect: Callable[[Callable[[], None]], None]) -> Iter
     """While open, the linear layers' weight-gradient accumulations are not run but handed
     to `collect` as callables that run them. Needs the gradient-accumulation fusion path:
     `megatron.trainer.no_apex.weight_grad_accumulation_fusion()` (or apex) installed."""
-    kernels = getattr(core_layers, _KERNELS, None)
+    owner, name = core_overrides.WGRAD_KERNELS.owner_and_name()
+    kernels = getattr(owner, name, None)
     if kernels is None:
         raise WeightGradError(
             "deferring weight gradients needs the gradient-accumulation fusion path "
             "(megatron.trainer.no_apex.weight_grad_accumulation_fusion() or apex's "
-            f"{_KERNELS}); neither is installed")
+            f"{name}); neither is installed")
     if isinstance(kernels, _RecordingKernels):
         raise WeightGradError("weight gradients are already being deferred (nested deferral)")
-    setattr(core_layers, _KERNELS, _RecordingKernels(kernels, collect))
-    try:
+    with core_overrides.WGRAD_KERNELS.swapped(_RecordingKernels(kernels, collect)):
         yield
-    finally:
-        setattr(core_layers, _KERNELS, kernels)
 
 
 @dataclasses.dataclass
@@ -280,6 +278,7 @@ class SplitBackwardNoPipelining:
         backward_step = schedules.backward_step
         microbatches = itertools.count()
 
+        @functools.wraps(backward_step)
         def split_backward_step(*args, **step_kwargs):
             key = (0, next(microbatches))
             with self.store.deferring(key):
@@ -288,11 +287,8 @@ class SplitBackwardNoPipelining:
             return input_grad
 
         # the schedule calls its module's backward_step for each microbatch
-        schedules.backward_step = split_backward_step
-        try:
+        with core_overrides.BACKWARD_STEP.swapped(split_backward_step):
             losses = schedules.forward_backward_no_pipelining(
                 model=model, num_microbatches=num_microbatches, forward_only=False, **kwargs)
-        finally:
-            schedules.backward_step = backward_step
         self.store.end_iteration()
         return losses

@@ -51,7 +51,7 @@ from megatron.core.utils import unwrap_model
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.dpp.transport.channel import brief, peer_failure
-from megatron.trainer import torch_checkpoint
+from megatron.trainer import core_overrides, torch_checkpoint
 from megatron.trainer.checkpoint_config import CheckpointConfig
 
 log = logging.getLogger(__name__)
@@ -509,9 +509,8 @@ def _use_results_queue(results) -> None:
     a killed rank, and keeps a resource tracker alive. A synchronous save puts and gets
     those results in this process, so a plain queue serves (and starts nothing); the
     asynchronous saves bring their own (Checkpointer._async_results_queue)."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    filesystem_async._results_queue = results
+    owner, name = core_overrides.WRITE_RESULTS_QUEUE.owner_and_name()
+    setattr(owner, name, results)  # declared, so verified to exist at start-up
 
 
 class ForkedChildren:

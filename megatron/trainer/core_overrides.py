@@ -1,58 +1,80 @@
 """Every megatron.core internal the trainer depends on, declared once and checked at start-up.
 
-PROTOTYPE (issue 20): nothing imports this module yet; /work/notes/mcore_internals.md has
-the full inventory and the plan to route the patches through it.
-
 megatron-core's public API is what the trainer constructs by keyword (TransformerConfig,
 OptimizerConfig, ...): a renamed keyword there fails with Python's own TypeError naming it.
-What is declared here is what fails silently or far from its cause when megatron-core
-changes: functions and classes the trainer patches or replaces, private names it reads or
-sets, globals it injects, and functions it calls positionally. `verify()` resolves each
-target in the installed megatron-core and compares its parameters with the versions the
-trainer was checked on; anything moved or changed stops the run with one message naming
-every such target and the project code that needs it.
+What is declared here is what would fail silently, or far from its cause, when
+megatron-core changes: functions and classes the trainer patches or replaces, private
+names it reads or sets, globals it injects, config fields it assigns, and functions it
+calls positionally. `verify()` (the first step of `training.setup`) resolves each target in
+the installed megatron-core and compares it with what the trainer was checked on; anything
+moved or changed stops the run with one message naming every such target and its user.
+
+The modules that patch go through the declarations here (`Internal.swapped`,
+`replace_fallback`, `backward_step`), so a declaration and its use cannot drift apart.
+/work/notes/mcore_internals.md has the inventory with the differences between releases.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 import importlib
 import inspect
-from dataclasses import dataclass
+import logging
 
-CHECKED_ON = ("0.16.1", "0.19.2")
+log = logging.getLogger(__name__)
+
+# megatron-core releases every declaration was checked on (setup.py allows >=0.16.1,<0.20)
+CHECKED_ON = ("0.16.1", "0.17.1", "0.18.2", "0.19.2")
+
+_MISSING = object()
 
 
 class CoreInternalsError(RuntimeError):
     """The installed megatron-core lacks or changed internals the trainer relies on."""
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Internal:
     """One megatron.core name the trainer relies on.
 
     `target` is "module:attribute.path". `positional`: the leading positional parameters
-    the trainer passes, one tuple per megatron-core signature it supports (a call site
-    then asks `variant()` which one is installed). `keywords`: parameters it passes by
-    name. `read_by`: names that megatron.core's own source must still use for the
-    dependency to mean anything (a global it reads, a method it calls on itself)."""
+    the trainer passes, one tuple per megatron-core signature it supports (`variant()` says
+    which is installed). `keywords`: parameters it passes by name. `read_by`: text that
+    megatron.core's source (of `read_in`, default the target's class or module) must still
+    contain for the dependency to mean anything (a global it reads, a method it calls on
+    itself). `fields`: dataclass fields the trainer assigns on instances (assigning a
+    removed field would silently do nothing). `value`: the value the trainer assumes.
+    `fallback`: what megatron-core installs at `target` without apex and Transformer
+    Engine (see `replace_fallback`). `stand_in`: a class member of ours that megatron-core
+    calls in place of `target` and must take the same parameters."""
 
     target: str
-    how: str  # patched | replaced | private | injected | called | stand-in
+    how: str  # patched | replaced | private | injected | called | assigned | stand-in
     user: str  # project file and function
     positional: tuple[tuple[str, ...], ...] = ()
     keywords: tuple[str, ...] = ()
     read_by: tuple[str, ...] = ()
-    stand_in: str | None = None  # "module:attribute" of ours that must take the same parameters
+    read_in: str | None = None
+    fields: tuple[str, ...] = ()
+    value: object = _MISSING
+    fallback: str | None = None
+    stand_in: str | None = None
 
     def resolve(self):
         return _resolve(self.target)
 
     def problem(self) -> str | None:
         """Why the installed megatron-core does not satisfy this dependency, or None."""
-        try:
-            value = self.resolve()
-        except (ImportError, AttributeError):
-            return f"{self.target} is missing (moved or renamed)"
+        if self.how == "injected":  # absent until the trainer puts it there
+            return self._unused_reads()
+        for name in targets(self):
+            try:
+                _resolve(name)
+            except (ImportError, AttributeError) as error:
+                return f"{name} is missing (moved or renamed: {error})"
+        value = self.resolve()
         if self.positional or self.keywords:
             names, open_keywords = _parameters(value)
             if names is None:
@@ -63,18 +85,33 @@ class Internal:
             missing = [k for k in self.keywords if k not in names]
             if missing and not open_keywords:
                 return f"{self.target} no longer takes {', '.join(missing)}"
+        if self.fields:
+            declared = {f.name for f in dataclasses.fields(value)}
+            missing = [name for name in self.fields if name not in declared]
+            if missing:
+                return f"{self.target} no longer has the field(s) {', '.join(missing)}"
+        if self.value is not _MISSING and value != self.value:
+            return f"{self.target} is {value!r}; expected {self.value!r}"
         if self.stand_in is not None:
             ours, _ = _parameters(_resolve(self.stand_in))
             theirs, _ = _parameters(value)
             if ours != theirs:
                 return (f"{self.target} takes ({', '.join(theirs or [])}) but its stand-in "
                         f"{self.stand_in} takes ({', '.join(ours or [])})")
-        if self.read_by:
+        return self._unused_reads()
+
+    def _unused_reads(self) -> str | None:
+        if not self.read_by:
+            return None
+        try:
             source = _source(self)
-            unused = [name for name in self.read_by if name not in source]
-            if unused:
-                return f"{self.target}: megatron.core no longer uses {', '.join(unused)}"
-        return None
+        except (ImportError, AttributeError) as error:
+            return f"{self.read_in} is missing (moved or renamed: {error})"
+        unused = [text for text in self.read_by if text not in source]
+        if not unused:
+            return None
+        where = self.read_in or self.target
+        return f"{where}: megatron.core no longer uses {', '.join(unused)}"
 
     def variant_of(self, names: list[str]) -> int | None:
         for index, expected in enumerate(self.positional):
@@ -82,10 +119,40 @@ class Internal:
                 return index
         return None
 
-    def variant(self) -> int:
-        """Index into `positional` of the installed signature (after verify())."""
-        names, _ = _parameters(self.resolve())
-        return self.variant_of(names)
+    def variant(self) -> int | None:
+        """Index into `positional` of the installed signature (None: not a declared one)."""
+        return _variant(self, self.resolve())
+
+    def owner_and_name(self):
+        """The object holding the target and the target's attribute name."""
+        module_name, _, path = self.target.partition(":")
+        owner = importlib.import_module(module_name)
+        *parents, name = path.split(".")
+        for parent in parents:
+            owner = getattr(owner, parent)
+        return owner, name
+
+    @contextlib.contextmanager
+    def swapped(self, replacement):
+        """`replacement` at the target while open (also where the target is absent: an
+        injected global), the previous state restored afterwards."""
+        owner, name = self.owner_and_name()
+        original = vars(owner).get(name, _MISSING) if inspect.isclass(owner) else getattr(
+            owner, name, _MISSING)
+        setattr(owner, name, replacement)
+        try:
+            yield
+        finally:
+            if original is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+
+@functools.lru_cache(maxsize=8)
+def _variant(internal: Internal, function) -> int | None:
+    names, _ = _parameters(function)
+    return None if names is None else internal.variant_of(names)
 
 
 def _resolve(target: str):
@@ -112,12 +179,15 @@ def _parameters(value) -> tuple[list[str] | None, bool]:
 
 
 def _source(internal: Internal) -> str:
-    """Source of the module (or class) that must still read `read_by`."""
-    module_name, _, path = internal.target.partition(":")
-    owner = importlib.import_module(module_name)
-    head = path.split(".")[0]
-    if len(path.split(".")) > 1 and inspect.isclass(getattr(owner, head, None)):
-        owner = getattr(owner, head)
+    """Source of `read_in`, or of the target's class (or module) that must use `read_by`."""
+    if internal.read_in is not None:
+        owner = _resolve(internal.read_in)
+    else:
+        module_name, _, path = internal.target.partition(":")
+        owner = importlib.import_module(module_name)
+        head = path.split(".")[0]
+        if len(path.split(".")) > 1 and inspect.isclass(getattr(owner, head, None)):
+            owner = getattr(owner, head)
     try:
         return inspect.getsource(owner)
     except (OSError, TypeError):
@@ -126,116 +196,213 @@ def _source(internal: Internal) -> str:
 
 _SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 _LAYERS = "megatron.core.tensor_parallel.layers"
+_RANDOM = "megatron.core.tensor_parallel.random"
+_WGRAD_KERNELS = ("fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32",
+                  "fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp16")
 
-INTERNALS = (
-    # megatron/dpp/schedule.py runs megatron-core's own per-microbatch steps
-    Internal(f"{_SCHEDULES}:forward_step", "called", "dpp/schedule.py _Iteration._forward",
-             positional=(("forward_step_func", "data_iterator", "model", "num_microbatches",
-                          "input_tensor", "forward_data_store", "config"),),
-             keywords=("cp_group_size", "collect_non_loss_data", "is_first_microbatch",
-                       "current_microbatch", "vp_stage", "is_last_stage")),
-    Internal(f"{_SCHEDULES}:backward_step", "called", "dpp/schedule.py _Iteration._backward",
-             positional=(("input_tensor", "output_tensor", "output_tensor_grad", "model_type",
-                          "config"),  # <= 0.16
-                         ("input_tensor", "output_tensor", "output_tensor_grad", "config"))),
-    Internal(f"{_SCHEDULES}:deallocate_output_tensor", "called",
-             "dpp/schedule.py _Iteration._forward",
-             positional=(("out", "deallocate_pipeline_outputs"),)),
-    # no_apex.foreach_multi_tensor_ops: module globals swapped while the trainer runs
-    Internal("megatron.core.optimizer.clip_grads:l2_norm_impl", "patched",
-             "training/no_apex.py foreach_multi_tensor_ops",
-             positional=(("chunk_size", "noop_flag", "tensor_lists", "per_tensor"),)),
-    Internal("megatron.core.optimizer.clip_grads:multi_tensor_scale_impl", "patched",
-             "training/no_apex.py foreach_multi_tensor_ops",
-             positional=(("chunk_size", "noop_flag", "tensor_lists", "scale"),)),
-    Internal("megatron.core.optimizer.optimizer:multi_tensor_scale_impl", "patched",
-             "training/no_apex.py foreach_multi_tensor_ops",
-             positional=(("chunk_size", "noop_flag", "tensor_lists", "scale"),)),
-    Internal("megatron.core.utils:local_multi_tensor_l2_norm", "private",
-             "training/no_apex.py foreach_multi_tensor_ops (the fallback it replaces)"),
-    Internal("megatron.core.utils:local_multi_tensor_scale", "private",
-             "training/no_apex.py foreach_multi_tensor_ops (the fallback it replaces)"),
-    # no_apex.weight_grad_accumulation_fusion: apex's module stood in for
-    Internal(f"{_LAYERS}:_grad_accum_fusion_available", "private",
-             "training/no_apex.py weight_grad_accumulation_fusion",
-             read_by=("fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32",
-                      "fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp16")),
-    # fused_layers.install_fused_layers
-    Internal(f"{_LAYERS}:ColumnParallelLinear._forward_impl", "replaced",
-             "training/fused_layers.py install_fused_layers (per instance)",
-             positional=(("self", "input", "weight"),),
-             read_by=("self._forward_impl(", "gradient_accumulation_fusion=",
-                      "allreduce_dgrad=", "sequence_parallel=", "grad_output_buffer=")),
-    Internal(f"{_LAYERS}:VocabParallelEmbedding.forward", "replaced",
-             "training/fused_layers.py WordEmbeddingIntoMainGrad (class swapped)",
-             positional=(("self", "input_"),),
-             read_by=("self.tp_group", "self.reduce_scatter_embeddings")),
-    # cuda_graphs.install_block_graphs
-    Internal("megatron.core.transformer.transformer_block:TransformerBlock.forward",
-             "replaced", "training/cuda_graphs.py install_block_graphs (per instance)",
-             positional=(("self", "hidden_states", "attention_mask"),),
-             read_by=("self.pre_process", "self.input_tensor")),
-    Internal("megatron.core.transformer.transformer_block:TransformerBlock.set_input_tensor",
-             "called", "training/cuda_graphs.py BlockGraphs._run",
-             positional=(("self", "input_tensor"),)),
-    # models.py
-    Internal("megatron.core.models.bert.bert_model:"
-             "BertModel._sanity_check_attention_and_get_attn_mask_dimension", "replaced",
-             "training/models.py SDPABertModel", positional=(("self",),),
-             read_by=("self._sanity_check_attention_and_get_attn_mask_dimension()",)),
-    Internal("megatron.core.models.common.language_module.language_module:"
-             "LanguageModule.compute_language_model_loss", "replaced",
-             "training/models.py LanguageModelLoss",
-             positional=(("self", "labels", "logits"),)),
-    Internal("megatron.core.transformer.dot_product_attention:DotProductAttention.__init__",
-             "stand-in", "training/attention.py SDPAttention (the core attention of our specs)",
-             stand_in="megatron.trainer.attention:SDPAttention.__init__"),
-    Internal("megatron.core.transformer.dot_product_attention:DotProductAttention.forward",
-             "stand-in", "training/attention.py SDPAttention.forward",
-             stand_in="megatron.trainer.attention:SDPAttention.forward"),
-    # positional calls of public constructors
-    Internal("megatron.core.num_microbatches_calculator:ConstantNumMicroBatchesCalculator"
-             ".__init__", "called", "training/training.py _batch_calculator",
-             positional=(("self", "global_batch_size", "micro_batch_size", "data_parallel_size",
-                          "decrease_batch_size_if_needed", "rank"),)),
-    Internal("megatron.core.dist_checkpointing.mapping:ShardedObject.__init__", "called",
-             "training/checkpointing.py _rng_sharded_object",
-             positional=(("self", "key", "data", "global_shape", "global_offset"),),
-             keywords=("replica_id",)),
-    Internal("megatron.core.datasets.blended_megatron_dataset_builder:"
-             "BlendedMegatronDatasetBuilder.__init__", "called", "training/data.py _build",
-             positional=(("self", "cls", "sizes", "is_built_on_rank", "config"),)),
-    Internal("megatron.core.transformer.module:Float16Module.__init__", "called",
-             "training/optimizer.py wrap_model_chunks",
-             positional=(("self", "config", "module"),)),
-    Internal("megatron.core.optimizer:get_megatron_optimizer", "called",
-             "training/optimizer.py build_optimizer", positional=(("config", "model_chunks"),)),
-    Internal("megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.sharded_state_dict",
-             "called", "training/checkpointing.py _sharded_state",
-             positional=(("self", "model_sharded_state_dict"),),
-             keywords=("is_loading", "metadata"), read_by=("dp_reshardable",)),
-    # dpp/tracing.py MegatronTimers reads the schedules' timer names
-    Internal(f"{_SCHEDULES}:get_forward_backward_func", "called",
-             "dpp/tracing.py MegatronTimers (the schedules' timer names)",
-             read_by=("'forward-compute'", "'backward-compute'")),
-    Internal("megatron.core.pipeline_parallel.p2p_communication:P2PCommunicator", "called",
-             "dpp/tracing.py MegatronTimers (the p2p timer names)",
-             read_by=("-send'", "-recv'")),
-)
+# megatron/dpp/schedule.py runs megatron-core's own per-microbatch steps
+FORWARD_STEP = Internal(
+    f"{_SCHEDULES}:forward_step", "called", "dpp/schedule.py _Iteration._forward",
+    positional=(("forward_step_func", "data_iterator", "model", "num_microbatches",
+                 "input_tensor", "forward_data_store", "config"),),
+    keywords=("cp_group_size", "collect_non_loss_data", "is_first_microbatch",
+              "current_microbatch", "vp_stage", "is_last_stage"))
+BACKWARD_STEP = Internal(
+    f"{_SCHEDULES}:backward_step", "called",
+    "dpp/schedule.py _Iteration._backward (through core_overrides.backward_step)",
+    positional=(("input_tensor", "output_tensor", "output_tensor_grad", "model_type",
+                 "config"),  # <= 0.16
+                ("input_tensor", "output_tensor", "output_tensor_grad", "config")))
+DEALLOCATE_OUTPUT_TENSOR = Internal(
+    f"{_SCHEDULES}:deallocate_output_tensor", "called", "dpp/schedule.py _Iteration._forward",
+    positional=(("out", "deallocate_pipeline_outputs"),))
+# dpp/weight_grad.py: the B/W split without pipelining swaps BACKWARD_STEP during the call
+NO_PIPELINING_CALLS_BACKWARD_STEP = Internal(
+    f"{_SCHEDULES}:forward_backward_no_pipelining", "patched",
+    "dpp/weight_grad.py SplitBackwardNoPipelining (swaps the module's backward_step)",
+    read_by=("backward_step(",), read_in=f"{_SCHEDULES}:forward_backward_no_pipelining")
+GLOBAL_MEMORY_BUFFER = Internal(
+    "megatron.core.utils:GlobalMemoryBuffer.__init__", "private",
+    "dpp/weight_grad.py _owned (the shared gather buffers)", read_by=("self.buffer = {}",))
+# trainer/rng.py keys megatron-core's RNG tracker streams and reads each layer's microbatch
+MICROBATCH_OF_LAYERS = Internal(
+    f"{_SCHEDULES}:set_current_microbatch", "private",
+    "trainer/rng.py ForwardRng._microbatch (TransformerLayer.current_microbatch)",
+    read_by=(".current_microbatch = ",), read_in=f"{_SCHEDULES}:set_current_microbatch")
+FORWARD_STEP_SETS_MICROBATCH = Internal(
+    f"{_SCHEDULES}:forward_step", "private", "trainer/rng.py ForwardRng._microbatch",
+    read_by=("set_current_microbatch(",), read_in=f"{_SCHEDULES}:forward_step")
+MODEL_PARALLEL_RNG = Internal(
+    f"{_RANDOM}:_MODEL_PARALLEL_RNG_TRACKER_NAME", "private", "trainer/rng.py ForwardRng._stream",
+    value="model-parallel-rng")
+EXPERT_PARALLEL_RNG = Internal(
+    f"{_RANDOM}:_EXPERT_PARALLEL_RNG_TRACKER_NAME", "private",
+    "trainer/rng.py ForwardRng._stream", value="expert-parallel-rng")
+# the callbacks the trainer and DPP set on megatron-core's config
+SCHEDULE_HOOKS = Internal(
+    "megatron.core.model_parallel_config:ModelParallelConfig", "assigned",
+    "trainer/training.py _install_schedule_hooks, start_tracing",
+    fields=("no_sync_func", "grad_sync_func", "finalize_model_grads_func", "grad_scale_func",
+            "timers"))
+# no_apex.foreach_multi_tensor_ops: megatron-core's fallbacks swapped while training
+CLIP_GRADS_L2_NORM = Internal(
+    "megatron.core.optimizer.clip_grads:l2_norm_impl", "patched",
+    "trainer/no_apex.py foreach_multi_tensor_ops",
+    fallback="megatron.core.utils:local_multi_tensor_l2_norm")
+CLIP_GRADS_SCALE = Internal(
+    "megatron.core.optimizer.clip_grads:multi_tensor_scale_impl", "patched",
+    "trainer/no_apex.py foreach_multi_tensor_ops",
+    fallback="megatron.core.utils:local_multi_tensor_scale")
+OPTIMIZER_SCALE = Internal(
+    "megatron.core.optimizer.optimizer:multi_tensor_scale_impl", "patched",
+    "trainer/no_apex.py foreach_multi_tensor_ops",
+    fallback="megatron.core.utils:local_multi_tensor_scale")
+LOCAL_L2_NORM = Internal(
+    "megatron.core.utils:local_multi_tensor_l2_norm", "called",
+    "trainer/no_apex.py foreach_l2_norm (the contract it keeps)",
+    positional=(("chunk_size", "noop_flag", "tensor_lists", "per_tensor"),))
+LOCAL_SCALE = Internal(
+    "megatron.core.utils:local_multi_tensor_scale", "called",
+    "trainer/no_apex.py foreach_scale (the contract it keeps)",
+    positional=(("chunk_size", "noop_flag", "tensor_lists", "scale"),))
+# no_apex.weight_grad_accumulation_fusion: apex's module stood in for
+GRAD_ACCUM_FUSION_AVAILABLE = Internal(
+    f"{_LAYERS}:_grad_accum_fusion_available", "private",
+    "trainer/no_apex.py weight_grad_accumulation_fusion, dpp/weight_grad.py",
+    read_by=_WGRAD_KERNELS)
+WGRAD_KERNELS = Internal(
+    f"{_LAYERS}:fused_weight_gradient_mlp_cuda", "injected",
+    "trainer/no_apex.py weight_grad_accumulation_fusion, dpp/weight_grad.py "
+    "weight_grads_deferred", read_by=_WGRAD_KERNELS)
+# the torch optimizers inside megatron-core's
+MEGATRON_OPTIMIZER = Internal(
+    "megatron.core.optimizer.optimizer:MegatronOptimizer.__init__", "private",
+    "trainer/no_apex.py torch_optimizers, trainer/checkpointing.py _create_adam_states",
+    read_by=("self.optimizer = optimizer",))
+CHAINED_OPTIMIZER = Internal(
+    "megatron.core.optimizer.optimizer:ChainedOptimizer.__init__", "private",
+    "trainer/no_apex.py torch_optimizers, trainer/checkpointing.py _create_adam_states",
+    read_by=("self.chained_optimizers = chained_optimizers",))
+# fused_layers.install_fused_layers
+COLUMN_PARALLEL_FORWARD_IMPL = Internal(
+    f"{_LAYERS}:ColumnParallelLinear._forward_impl", "replaced",
+    "trainer/fused_layers.py install_fused_layers (per instance)",
+    positional=(("self", "input", "weight"),),
+    read_by=("self._forward_impl(", "gradient_accumulation_fusion=", "allreduce_dgrad=",
+             "sequence_parallel=", "grad_output_buffer="))
+VOCAB_PARALLEL_EMBEDDING_FORWARD = Internal(
+    f"{_LAYERS}:VocabParallelEmbedding.forward", "replaced",
+    "trainer/fused_layers.py WordEmbeddingIntoMainGrad (class swapped)",
+    positional=(("self", "input_"),),
+    read_by=("self.tp_group", "self.reduce_scatter_embeddings"))
+# cuda_graphs.install_block_graphs
+TRANSFORMER_BLOCK_FORWARD = Internal(
+    "megatron.core.transformer.transformer_block:TransformerBlock.forward", "replaced",
+    "trainer/cuda_graphs.py install_block_graphs (per instance)",
+    positional=(("self", "hidden_states", "attention_mask"),),
+    read_by=("self.pre_process", "self.input_tensor"))
+TRANSFORMER_BLOCK_SET_INPUT = Internal(
+    "megatron.core.transformer.transformer_block:TransformerBlock.set_input_tensor", "called",
+    "trainer/cuda_graphs.py BlockGraphs._run", positional=(("self", "input_tensor"),))
+# models.py
+BERT_MASK_CHECK = Internal(
+    "megatron.core.models.bert.bert_model:"
+    "BertModel._sanity_check_attention_and_get_attn_mask_dimension", "replaced",
+    "trainer/models.py SDPABertModel", positional=(("self",),),
+    read_by=("self._sanity_check_attention_and_get_attn_mask_dimension()",))
+LANGUAGE_MODEL_LOSS = Internal(
+    "megatron.core.models.common.language_module.language_module:"
+    "LanguageModule.compute_language_model_loss", "replaced",
+    "trainer/models.py LanguageModelLoss", positional=(("self", "labels", "logits"),))
+CORE_ATTENTION_INIT = Internal(
+    "megatron.core.transformer.dot_product_attention:DotProductAttention.__init__",
+    "stand-in", "trainer/attention.py SDPAttention (the core attention of our specs)",
+    stand_in="megatron.trainer.attention:SDPAttention.__init__")
+CORE_ATTENTION_FORWARD = Internal(
+    "megatron.core.transformer.dot_product_attention:DotProductAttention.forward",
+    "stand-in", "trainer/attention.py SDPAttention.forward",
+    stand_in="megatron.trainer.attention:SDPAttention.forward")
+# models.py edits the local layer specs' submodules (assigning a removed field would be ignored)
+LAYER_SUBMODULES = Internal(
+    "megatron.core.transformer.transformer_layer:TransformerLayerSubmodules", "assigned",
+    "trainer/models.py _with_sequence_parallel_norms, _with_sdpa",
+    fields=("input_layernorm", "pre_mlp_layernorm", "self_attention"))
+SELF_ATTENTION_SUBMODULES = Internal(
+    "megatron.core.transformer.attention:SelfAttentionSubmodules", "assigned",
+    "trainer/models.py _with_sdpa", fields=("core_attention",))
+# norms.py: torch's norms tagged for megatron-core's sum of sequence-parallel gradients
+SEQUENCE_PARALLEL_NORM = Internal(
+    "megatron.core.transformer.torch_norm:WrappedTorchNorm.__new__", "stand-in",
+    "trainer/norms.py SequenceParallelNorm (the local specs' norms under --sequence-parallel)",
+    stand_in="megatron.trainer.norms:SequenceParallelNorm.__new__")
+SEQUENCE_PARALLEL_GRAD_SUM = Internal(
+    "megatron.core.distributed.finalize_model_grads:_allreduce_non_tensor_model_parallel_grads",
+    "private", "trainer/norms.py SequenceParallelNorm (param.sequence_parallel)",
+    read_by=('getattr(param, "sequence_parallel", False)',),
+    read_in="megatron.core.distributed.finalize_model_grads:"
+            "_allreduce_non_tensor_model_parallel_grads")
+# checkpointing.py
+SHARDED_OBJECT = Internal(
+    "megatron.core.dist_checkpointing.mapping:ShardedObject.__init__", "called",
+    "trainer/checkpointing.py _rng_sharded_object",
+    positional=(("self", "key", "data", "global_shape", "global_offset"),),
+    keywords=("replica_id",))
+DISTRIBUTED_OPTIMIZER_STATE = Internal(
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.sharded_state_dict",
+    "called", "trainer/checkpointing.py _sharded_state",
+    positional=(("self", "model_sharded_state_dict"),),
+    keywords=("is_loading", "metadata"), read_by=("dp_reshardable",))
+WRITE_RESULTS_QUEUE = Internal(
+    "megatron.core.dist_checkpointing.strategies.filesystem_async:_results_queue", "private",
+    "trainer/checkpointing.py _keep_write_results_in_process (no multiprocessing Manager)",
+    read_by=("if _results_queue is None",))
+# cpu_compat.CpuCompat: activation recomputation's CUDA generator state, on CPU
+GET_CUDA_RNG_STATE = Internal(
+    f"{_RANDOM}:_get_cuda_rng_state", "patched", "trainer/cpu_compat.py CpuCompat",
+    read_by=("_get_cuda_rng_state(",), read_in=f"{_RANDOM}:_get_all_rng_states")
+SET_CUDA_RNG_STATE = Internal(
+    f"{_RANDOM}:_set_cuda_rng_state", "patched", "trainer/cpu_compat.py CpuCompat",
+    read_by=("_set_cuda_rng_state(",), read_in=f"{_RANDOM}:_set_all_rng_states")
+# positional calls of public constructors
+DATASET_BUILDER = Internal(
+    "megatron.core.datasets.blended_megatron_dataset_builder:"
+    "BlendedMegatronDatasetBuilder.__init__", "called", "trainer/data.py _build",
+    positional=(("self", "cls", "sizes", "is_built_on_rank", "config"),))
+BLENDING_INDICES = Internal(
+    "megatron.core.datasets.helpers:build_blending_indices", "called",
+    "trainer/documents.py (megatron-core's compiled helper)")
+FLOAT16_MODULE = Internal(
+    "megatron.core.transformer.module:Float16Module.__init__", "called",
+    "trainer/optimizer.py wrap_model_chunks", positional=(("self", "config", "module"),))
+GET_MEGATRON_OPTIMIZER = Internal(
+    "megatron.core.optimizer:get_megatron_optimizer", "called",
+    "trainer/optimizer.py build_optimizer", positional=(("config", "model_chunks"),))
+# dpp/tracing.py MegatronTimers reads the schedules' timer names
+SCHEDULE_TIMER_NAMES = Internal(
+    f"{_SCHEDULES}:get_forward_backward_func", "called",
+    "dpp/tracing.py MegatronTimers (the schedules' timer names)",
+    read_by=("'forward-compute'", "'backward-compute'"))
+P2P_TIMER_NAMES = Internal(
+    "megatron.core.pipeline_parallel.p2p_communication:P2PCommunicator", "called",
+    "dpp/tracing.py MegatronTimers (the p2p timer names)", read_by=("-send'", "-recv'"))
+
+INTERNALS = tuple(value for value in dict(globals()).values() if isinstance(value, Internal))
 
 
 def verify(internals=INTERNALS) -> None:
-    """Raise CoreInternalsError naming every unmet dependency (call once at start-up)."""
+    """Raise CoreInternalsError naming every unmet dependency (the first step of start-up)."""
     problems = [(internal, internal.problem()) for internal in internals]
     problems = [(internal, why) for internal, why in problems if why is not None]
-    if not problems:
-        return
     version = installed_version()
-    lines = [f"{why} -- needed by megatron/{internal.user} ({internal.how})"
-             for internal, why in problems]
-    raise CoreInternalsError(
-        f"megatron-core {version} changed internals this trainer relies on (checked on "
-        f"{', '.join(CHECKED_ON)}):\n  " + "\n  ".join(lines))
+    if problems:
+        lines = [f"{why} -- needed by megatron/{internal.user} ({internal.how})"
+                 for internal, why in problems]
+        raise CoreInternalsError(
+            f"megatron-core {version} changed internals this trainer relies on (checked on "
+            f"{', '.join(CHECKED_ON)}):\n  " + "\n  ".join(lines))
+    if version not in CHECKED_ON:
+        log.warning("megatron-core %s: not one of the releases the trainer was checked on "
+                    "(%s); every internal it relies on is present", version, ", ".join(CHECKED_ON))
 
 
 def installed_version() -> str:
@@ -246,9 +413,57 @@ def installed_version() -> str:
     return package_info.__version__
 
 
-def internal(target_suffix: str) -> Internal:
-    """The declaration whose target ends with `target_suffix` (e.g. ":backward_step")."""
-    matches = [i for i in INTERNALS if i.target.endswith(target_suffix)]
-    if len(matches) != 1:
-        raise KeyError(f"{len(matches)} declared internals end with {target_suffix!r}")
-    return matches[0]
+def targets(internal: Internal) -> tuple[str, ...]:
+    """The megatron.core names a declaration depends on (its target and fallback)."""
+    return tuple(t for t in (internal.target, internal.fallback) if t is not None)
+
+
+def _kernel_origin(value) -> str | None:
+    """'apex' or 'Transformer Engine' for the compiled kernels megatron-core imports when it
+    finds them (their module names), None for anything else."""
+    module = getattr(value, "__module__", None) or ""
+    if module.startswith("transformer_engine"):
+        return "Transformer Engine"
+    if module.startswith(("amp_C", "apex")):
+        return "apex"
+    return None
+
+
+@contextlib.contextmanager
+def replace_fallback(internal: Internal, replacement):
+    """`replacement` at `internal.target` while open, where megatron-core installed its
+    no-apex fallback there; apex's or Transformer Engine's kernel, when that is what it
+    found, stays. Anything else there stops the run. Yields what is in effect, in words."""
+    current = internal.resolve()
+    if current is replacement:  # entered again inside itself: already in place
+        yield f"{_name(replacement)} (ours)"
+        return
+    if current is _resolve(internal.fallback):
+        with internal.swapped(replacement):
+            yield f"{_name(replacement)} (ours, for {_name(current)})"
+        return
+    origin = _kernel_origin(current)
+    if origin is None:
+        raise CoreInternalsError(
+            f"{internal.target} is {_name(current)}: neither megatron-core's fallback "
+            f"{internal.fallback} nor an apex / Transformer Engine kernel -- needed by "
+            f"megatron/{internal.user}")
+    yield f"{origin}'s {_name(current)}"
+
+
+def _name(value) -> str:
+    return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', value)}"
+
+
+def backward_step(input_tensor, output_tensor, output_tensor_grad, config):
+    """megatron-core's schedules.backward_step under every supported release (0.16 also
+    takes the model type, dropped in 0.17)."""
+    from megatron.core.pipeline_parallel import schedules
+
+    function = schedules.backward_step
+    if _variant(BACKWARD_STEP, function) == 0:
+        from megatron.core.enums import ModelType
+
+        return function(input_tensor, output_tensor, output_tensor_grad,
+                        ModelType.encoder_or_decoder, config)
+    return function(input_tensor, output_tensor, output_tensor_grad, config)

@@ -1,9 +1,10 @@
 """Runs megatron.core on CPU processes (tests, the demo on machines without a GPU).
 
 megatron.core hard-codes CUDA in many places (`device="cuda"`, `.cuda()`,
-`torch.cuda.current_device()`, `torch.cuda.synchronize()`, type strings such as
-"torch.cuda.FloatTensor"). `CpuCompat` maps all of them onto the CPU for the thread that
-enters it. It is only ever entered when no GPU is used, so the GPU path never pays for it.
+`torch.cuda.current_device()`, `torch.cuda.synchronize()`, `torch.cuda.current_stream()`,
+type strings such as "torch.cuda.FloatTensor"). `CpuCompat` maps all of them onto the CPU
+for the thread that enters it. It is only ever entered when no GPU is used, so the GPU path
+never pays for it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import contextlib
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from megatron.trainer import core_overrides
 
 _CPU = torch.device("cpu")
 
@@ -57,28 +60,40 @@ def _backward_in_mode(apply):
     return backward_apply
 
 
+class _HostStream:
+    """The current "CUDA stream" of a CPU rank: work is done when it is issued, so there is
+    never anything to wait for (megatron-core 0.19's DDP waits on it before reducing)."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
 class CpuCompat(contextlib.ExitStack):
     """Enter in every CPU rank (the function mode is thread-local)."""
 
     def __enter__(self):
-        from megatron.core.tensor_parallel import random as megatron_random
-
         super().__enter__()
         self.enter_context(_CudaToCpuMode())
         backward = torch.autograd.function.BackwardCFunction
         self.enter_context(_patched(backward, "apply", _backward_in_mode(backward.apply)))
+        host_stream = _HostStream()
         for name, value in (
             ("current_device", lambda: 0),
             ("synchronize", lambda *a, **k: None),
             ("device_count", lambda: 0),
+            ("current_stream", lambda *a, **k: host_stream),
         ):
             self.enter_context(_patched(torch.cuda, name, value))
         # activation recomputation saves and restores the CUDA generator next to the CPU one;
         # on CPU every draw comes from the CPU generator, which it restores as well
-        self.enter_context(_patched(megatron_random, "_get_cuda_rng_state",
-                                    lambda *a, **k: None))
-        self.enter_context(_patched(megatron_random, "_set_cuda_rng_state",
-                                    lambda *a, **k: None))
+        self.enter_context(core_overrides.GET_CUDA_RNG_STATE.swapped(lambda *a, **k: None))
+        self.enter_context(core_overrides.SET_CUDA_RNG_STATE.swapped(lambda *a, **k: None))
         return self
 
 

@@ -1,7 +1,8 @@
 """How a rank ends on an error. A known failure (a bad flag, bad data, a pipeline peer that
-failed or hung, a checkpoint that cannot be written, Ctrl-C) is reported in one line that
-names its cause, and the rank exits non-zero; its traceback goes to the log at DEBUG
-(MEGATRON_LOG_LEVEL=DEBUG shows it). Anything else is a bug and keeps its traceback.
+failed or hung, a checkpoint that cannot be written, a megatron-core whose internals moved,
+Ctrl-C) is reported in one line that names its cause, and the rank exits non-zero; its
+traceback goes to the log at DEBUG (MEGATRON_LOG_LEVEL=DEBUG shows it). Anything else is a
+bug and keeps its traceback.
 
 Once torch.distributed is up, a failed rank leaves without Python's finalization: a
 communication thread blocked on a hung or dead peer cannot be interrupted, and one that
@@ -19,7 +20,9 @@ import torch.distributed as dist
 
 from megatron.dpp.transport.channel import TransportError, brief, peer_failure
 from megatron.trainer.arguments import ArgumentError
+from megatron.trainer.batch_schedule import BatchScheduleError
 from megatron.trainer.checkpointing import CheckpointError
+from megatron.trainer.core_overrides import CoreInternalsError
 from megatron.trainer.data import DataError
 
 log = logging.getLogger("megatron.trainer.failures")
@@ -39,6 +42,8 @@ def known_failure(error: BaseException) -> tuple[str, int] | None:
         return f"pipeline transport: {error}", EXIT_FAILED
     if isinstance(error, CheckpointError):
         return f"checkpoint: {error}", EXIT_FAILED
+    if isinstance(error, CoreInternalsError | BatchScheduleError):
+        return str(error), EXIT_FAILED
     if peer_failure(error):
         return (f"a peer rank failed, disconnected or timed out in a collective operation: "
                 f"{brief(error)}", EXIT_FAILED)

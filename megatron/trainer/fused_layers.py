@@ -81,9 +81,10 @@ def biased_linear(input, weight, bias, accumulate_into_main_grad: bool) -> torch
 
 def _bias_in_epilogue(megatron_impl, input, weight, bias, gradient_accumulation_fusion,
                       allreduce_dgrad, sequence_parallel, grad_output_buffer=None, **kwargs):
-    """ColumnParallelLinear._forward_impl with the bias in the GEMM where the layout allows."""
+    """ColumnParallelLinear._forward_impl with the bias in the GEMM where the layout allows
+    (not for a weight sharded by megatron-core's generalised TP, gtp_remat_size > 1)."""
     if (bias is None or allreduce_dgrad or sequence_parallel or grad_output_buffer is not None
-            or not weight.requires_grad):
+            or not weight.requires_grad or kwargs.get("gtp_remat_size", 1) != 1):
         return megatron_impl(input=input, weight=weight, bias=bias,
                              gradient_accumulation_fusion=gradient_accumulation_fusion,
                              allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,
@@ -114,6 +115,7 @@ class WordEmbeddingIntoMainGrad(VocabParallelEmbedding):
 
     def forward(self, input_):
         if (self.tp_group.size() > 1 or self.reduce_scatter_embeddings
+                or getattr(self, "gtp_remat_size", 1) != 1  # megatron-core >= 0.19's GTP
                 or not hasattr(self.weight, "main_grad")
                 or getattr(self.weight, "zero_out_wgrad", False)):
             return super().forward(input_)

@@ -156,7 +156,8 @@ def gpt_layer_spec(args) -> ModuleSpec:
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec(normalization=args.normalization)
+        # no normalization argument: TE's fused norm-linear layers read config.normalization
+        return get_gpt_layer_with_transformer_engine_spec()
     local = get_gpt_layer_local_spec(normalization=args.normalization)
     if args.sequence_parallel:
         local = _with_sequence_parallel_norms(local)

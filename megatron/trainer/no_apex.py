@@ -17,12 +17,13 @@ provides its two functions with torch's GEMMs (on CPU too, where the B/W split o
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
-from megatron.core import utils as core_utils
-from megatron.core.optimizer import clip_grads
-from megatron.core.optimizer import optimizer as core_optimizer
-from megatron.core.tensor_parallel import layers as core_layers
+
+from megatron.trainer import core_overrides
+
+log = logging.getLogger(__name__)
 
 
 def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
@@ -49,25 +50,16 @@ def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
 @contextlib.contextmanager
 def foreach_multi_tensor_ops():
     """Swap megatron-core's per-parameter fallbacks for the foreach versions while the
-    trainer runs; apex's or TE's kernels, when megatron-core found them, stay."""
-    replacements = [
-        (clip_grads, "l2_norm_impl", core_utils.local_multi_tensor_l2_norm, foreach_l2_norm),
-        (clip_grads, "multi_tensor_scale_impl", core_utils.local_multi_tensor_scale,
-         foreach_scale),
-        (core_optimizer, "multi_tensor_scale_impl", core_utils.local_multi_tensor_scale,
-         foreach_scale),
-    ]
-    originals = []
-    for module, name, fallback, replacement in replacements:
-        current = getattr(module, name, None)
-        if current is fallback:
-            originals.append((module, name, current))
-            setattr(module, name, replacement)
-    try:
+    trainer runs; apex's or TE's kernels, when megatron-core found them, stay (logged)."""
+    with contextlib.ExitStack() as stack:
+        in_effect = [
+            stack.enter_context(core_overrides.replace_fallback(internal, replacement))
+            for internal, replacement in ((core_overrides.CLIP_GRADS_L2_NORM, foreach_l2_norm),
+                                          (core_overrides.CLIP_GRADS_SCALE, foreach_scale),
+                                          (core_overrides.OPTIMIZER_SCALE, foreach_scale))
+        ]
+        log.info("grad norm: %s; grad clipping scale: %s; main-to-model copy: %s", *in_effect)
         yield
-    finally:
-        for module, name, current in originals:
-            setattr(module, name, current)
 
 
 class WeightGradAccumulation:
@@ -94,16 +86,22 @@ class WeightGradAccumulation:
 def weight_grad_accumulation_fusion():
     """Let megatron-core's linear layers take their gradient_accumulation_fusion path with
     `WeightGradAccumulation` where apex is absent (apex's module, when found, stays)."""
-    if core_layers._grad_accum_fusion_available:
+    available, kernels = core_overrides.GRAD_ACCUM_FUSION_AVAILABLE, core_overrides.WGRAD_KERNELS
+    if available.resolve():
+        owner, name = kernels.owner_and_name()
+        current = getattr(owner, name, None)
+        if current is None:
+            raise core_overrides.CoreInternalsError(
+                f"{available.target} is True but {kernels.target} is absent -- needed by "
+                f"megatron/{kernels.user}")
+        if current is not WeightGradAccumulation:  # else entered again inside itself
+            log.info("weight-gradient accumulation: apex's %s", name)
         yield
         return
-    core_layers._grad_accum_fusion_available = True
-    core_layers.fused_weight_gradient_mlp_cuda = WeightGradAccumulation
-    try:
+    with available.swapped(True), kernels.swapped(WeightGradAccumulation):
+        log.info("weight-gradient accumulation: %s (ours, apex is absent)",
+                 WeightGradAccumulation.__qualname__)
         yield
-    finally:
-        core_layers._grad_accum_fusion_available = False
-        del core_layers.fused_weight_gradient_mlp_cuda
 
 
 def torch_optimizers(megatron_optimizer) -> list[torch.optim.Optimizer]:

@@ -19,15 +19,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.num_microbatches_calculator import (
-    ConstantNumMicroBatchesCalculator,
-    RampupBatchsizeNumMicroBatchesCalculator,
-)
 
 from megatron.dpp import tracing
 from megatron.dpp.weight_grad import SplitBackwardNoPipelining, WeightGradStore
-from megatron.trainer import checkpointing, fast_path, metrics, no_apex
+from megatron.trainer import checkpointing, core_overrides, fast_path, metrics, no_apex
 from megatron.trainer.arguments import parse_args
+from megatron.trainer.batch_schedule import batch_size_schedule
 from megatron.trainer.checkpoint_config import CheckpointConfig
 from megatron.trainer.cuda_graphs import install_block_graphs
 from megatron.trainer.data import MicroBatchIterator, check_data_paths, microbatch_lengths
@@ -102,6 +99,7 @@ def pretrain(task: ModelTask, argv=None, extra_args_provider=None) -> checkpoint
 
 
 def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
+    core_overrides.verify()  # megatron-core has what the trainer patches and relies on
     check_data_paths(args)  # before the job starts: every rank reads its own files
     device = initialize_distributed(args, stack)
     setup_logging(dist.get_rank(), dist.get_world_size())
@@ -159,11 +157,8 @@ def _padded_vocab_size(vocab_size: int, args) -> int:
 
 
 def _batch_calculator(args):
-    common = (args.global_batch_size, args.micro_batch_size, args.data_parallel_size, False,
-              dist.get_rank())
-    if args.rampup_batch_size is None:
-        return ConstantNumMicroBatchesCalculator(*common)
-    return RampupBatchsizeNumMicroBatchesCalculator(*common, *args.rampup_batch_size)
+    return batch_size_schedule(args.global_batch_size, args.micro_batch_size,
+                               args.data_parallel_size, args.rampup_batch_size)
 
 
 def _install_schedule_hooks(config, model, optimizer, args) -> None:
