@@ -11,6 +11,8 @@ import torch
 
 from megatron.trainer import core_overrides, no_apex
 from megatron.trainer.core_overrides import INTERNALS, CoreInternalsError, Internal, verify
+from megatron.trainer.gpt import GPT_TASK  # imported before a test deletes what they import
+from megatron.trainer.training import setup
 from tests.distributed import run_ranks
 from tests.trainer_runs import TINY, with_flags
 
@@ -21,9 +23,6 @@ def test_installed_megatron_core_has_every_declared_internal():
 
 def _setup_fails(args):
     """The trainer's start-up with these flags; returns its CoreInternalsError."""
-    from megatron.trainer.gpt import GPT_TASK
-    from megatron.trainer.training import setup
-
     with pytest.raises(CoreInternalsError) as error, contextlib.ExitStack() as stack:
         setup(GPT_TASK, args, stack)
     return str(error.value)

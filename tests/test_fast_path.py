@@ -71,7 +71,8 @@ def test_explicit_choices_are_validated_not_defaulted():
     assert args.cross_entropy_fusion_impl == "native"  # Megatron-LM's default with the flag
     explicit = _resolved(FLAGS)  # block as on a GPU, here as if given by the user
     explicit.cuda_graphs_by_default = False
-    with pytest.raises(ArgumentError, match="--cuda-graph-impl block does not support a model"):
+    with pytest.raises(fast_path.GraphsRefused,
+                       match="--cuda-graph-impl block does not support a model"):
         fast_path.resolve_for_model(explicit, True)
 
 

@@ -39,7 +39,7 @@ step() {  # step NAME LOG COMMAND...: runs COMMAND into LOG, notes its exit stat
 
 rm -rf "$SITE"
 if ! step install "$OUT/install.log" "$PY" -m pip install --no-index --no-deps \
-    --no-build-isolation --no-compile --target "$SITE" .whl019/*.whl .; then
+    --no-build-isolation --target "$SITE" .whl019/*.whl .; then
   cat "$SUMMARY"
   exit 1
 fi

@@ -45,6 +45,11 @@ class Machine:
                        "transformer_engine") is not None)
 
 
+class GraphsRefused(ValueError):
+    """An explicit --cuda-graph-impl block that the model cannot replay (the trainer reports
+    it as a flag error)."""
+
+
 def on_gpu(args, machine: Machine) -> bool:
     """Whether this run's ranks compute on GPUs (gloo on a GPU machine runs on the CPU)."""
     return machine.cuda and args.distributed_backend in (None, "nccl")
@@ -90,9 +95,7 @@ def resolve_for_model(args, masked_attention: bool) -> list[str]:
     if not masked_attention or args.cuda_graph_impl != "block":
         return []
     if not args.cuda_graphs_by_default:
-        from megatron.trainer.arguments import ArgumentError
-
-        raise ArgumentError("--cuda-graph-impl block does not support a model whose blocks "
+        raise GraphsRefused("--cuda-graph-impl block does not support a model whose blocks "
                             "take an attention mask (BERT's padding mask): use "
                             "--cuda-graph-impl none")
     args.cuda_graph_impl = "none"

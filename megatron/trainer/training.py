@@ -23,7 +23,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.dpp import tracing
 from megatron.dpp.weight_grad import SplitBackwardNoPipelining, WeightGradStore
 from megatron.trainer import checkpointing, core_overrides, fast_path, metrics, no_apex
-from megatron.trainer.arguments import parse_args
+from megatron.trainer.arguments import ArgumentError, parse_args
 from megatron.trainer.batch_schedule import batch_size_schedule
 from megatron.trainer.checkpoint_config import CheckpointConfig
 from megatron.trainer.cuda_graphs import install_block_graphs
@@ -103,8 +103,11 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     check_data_paths(args)  # before the job starts: every rank reads its own files
     device = initialize_distributed(args, stack)
     setup_logging(dist.get_rank(), dist.get_world_size())
-    fast_path.log_fallbacks(args.fast_path_fallbacks
-                            + fast_path.resolve_for_model(args, task.masked_attention))
+    try:
+        model_fallbacks = fast_path.resolve_for_model(args, task.masked_attention)
+    except fast_path.GraphsRefused as refusal:
+        raise ArgumentError(str(refusal)) from None
+    fast_path.log_fallbacks(args.fast_path_fallbacks + model_fallbacks)
     tokenizer = build_tokenizer(
         args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
         tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
