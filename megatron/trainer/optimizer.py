@@ -36,11 +36,17 @@ def wrap_model_chunks(chunks, args, config, device) -> list[torch.nn.Module]:
     return wrapped
 
 
-def build_optimizer(model_chunks, args):
+def build_optimizer(model_chunks, args, timers=None):
+    """`timers`: megatron-core's optimizer times its phases at level 1 (timers.py)."""
     config = OptimizerConfig(
         optimizer=args.optimizer,
         lr=args.lr,
         min_lr=args.min_lr,
+        # the embedding's and the output layer's own lr (megatron-core's param groups)
+        decoupled_lr=args.decoupled_lr,
+        decoupled_min_lr=args.decoupled_min_lr,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        timers=timers,
         weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2,
