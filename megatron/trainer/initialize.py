@@ -71,12 +71,17 @@ def initialize_distributed(args, stack: contextlib.ExitStack) -> torch.device:
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
         distributed_timeout_minutes=int(max(1, args.distributed_timeout_minutes)),
-        # --use-tp-pp-dp-mapping: pipeline neighbours on adjacent ranks, data-parallel
-        # replicas strided (megatron-core's default puts the pipeline outermost)
-        order="tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp",
+        order=rank_order(args),
     )
     set_seeds(args.seed, use_gpu)
     return device
+
+
+def rank_order(args) -> str:
+    """megatron-core's rank order, innermost first. --use-tp-pp-dp-mapping: pipeline
+    neighbours on adjacent ranks, data-parallel replicas strided (the default puts the
+    pipeline outermost)."""
+    return "tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp"
 
 
 def set_seeds(seed: int, use_gpu: bool) -> None:

@@ -14,6 +14,8 @@ import time
 
 import torch
 
+MAX_LEVEL = 2
+
 
 class Timer:
     """Nested starts count once: the trainer and megatron-core's schedules both time
@@ -80,13 +82,16 @@ class Timers:
         self.inner = None
         self._timers: dict[str, Timer] = {}
 
-    def __call__(self, name: str, log_level: int = 0, barrier: bool = False):
-        inner = self.inner(name, log_level) if self.inner is not None else None
-        if log_level > self.level:
-            return inner if inner is not None else _NULL
+    def __call__(self, name: str, log_level: int | None = None, barrier: bool = False):
+        # megatron-core starts some timers with their level and stops them without one:
+        # a timer once recorded stays recorded; no level means the highest (as Megatron-LM)
+        level = MAX_LEVEL if log_level is None else log_level
+        inner = self.inner(name, level) if self.inner is not None else None
         timer = self._timers.get(name)
-        if timer is None:
+        if timer is None and level <= self.level:
             timer = self._timers[name] = Timer(self.synchronize)
+        if timer is None:
+            return inner if inner is not None else _NULL
         return timer if inner is None else _Both(timer, inner)
 
     def take(self) -> dict[str, float]:
