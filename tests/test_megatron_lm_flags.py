@@ -64,6 +64,9 @@ def runs(tmp_path_factory):
         # dropout on: the reruns must draw the same masks too
         "deterministic_a": with_flags(PP2, hidden_dropout=0.1) + ["--deterministic-mode"],
         "deterministic_b": with_flags(PP2, hidden_dropout=0.1) + ["--deterministic-mode"],
+        "documents_pp2": PP2 + ["--reset-attention-mask"],
+        "dp2_average_in_collective": BASE + ["--ddp-average-in-collective"],
+        "dp2": BASE,
     }
     probe = PP2 + ["--decoupled-lr", "0"]
     results = run_ranks(2, _flags_and_probe, list(configs.values()), 2, probe)
@@ -136,6 +139,22 @@ def test_deterministic_mode_reruns_bitwise(runs):
     assert a["losses"] == b["losses"] and a["grad_norms"] == b["grad_norms"]
     assert any("deterministic mode: torch's deterministic algorithms, NCCL_ALGO=" in m
                for _, m in a["logs"])
+
+
+def test_reset_attention_mask_reaches_attention(runs):
+    """The dataset's mask (made only for --reset-attention-mask) keeps each token to its own
+    document: the same batch gives another loss than the causal mask alone (the first
+    loss does not depend on the layout)."""
+    results, _, _ = runs
+    causal = results["dp2"]["losses"][0]["lm loss"]
+    documents = results["documents_pp2"]["losses"][0]["lm loss"]
+    assert math.isfinite(documents) and abs(documents - causal) > 1e-4
+
+
+def test_average_in_collective_gives_the_same_gradients(runs):
+    results, _, _ = runs
+    assert results["dp2_average_in_collective"]["grad_norms"] == pytest.approx(
+        results["dp2"]["grad_norms"], rel=1e-6)
 
 
 def test_decoupled_lr_zero_freezes_embedding_and_output_layer(runs):
@@ -297,6 +316,10 @@ def test_refusals_name_the_flag_and_the_reason():
     assert "--cuda-graph-impl transformer_engine" in graphs and "dpp" not in graphs.lower()
     assert "use-dpp" in _parse_error(PP2, 2, cuda_graph_impl="local", use_dpp=True)
     assert "--use-legacy-models" in _parse_error(BASE, use_legacy_models=True)
+    assert "--rerun-mode validate_results" in _parse_error(BASE, rerun_mode="validate_results")
+    assert "--spec my.module fn: only --spec local" in _parse_error(BASE, spec=["my.module", "fn"])
+    assert "--spec local contradicts --transformer-impl transformer_engine" in _parse_error(
+        BASE, spec="local", transformer_impl="transformer_engine")
     assert "--decoupled-min-lr 0.1 needs --decoupled-lr" in _parse_error(BASE,
                                                                         decoupled_min_lr=0.1)
     assert "--reset-attention-mask needs the dataset's attention mask" in _parse_error(

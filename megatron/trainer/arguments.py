@@ -794,6 +794,15 @@ def _add_megatron_lm_args(g):
                         "tensor, data, pipeline)")
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
                    help="the same as --virtual-pipeline-model-parallel-size")
+    g.add_argument("--ddp-average-in-collective", action="store_true",
+                   help="average the gradients over data-parallel ranks inside the reduction "
+                        "instead of scaling them before it")
+    g.add_argument("--spec", nargs="+", default=None,
+                   help="'local': megatron-core's local layer spec, the same as "
+                        "--transformer-impl local (other module specs are refused)")
+    g.add_argument("--rerun-mode", default="disabled",
+                   choices=["disabled", "validate_results", "report_stats"],
+                   help="Megatron-LM's rerun state machine: only 'disabled' here")
 
 
 # NCCL_ALGO values that Megatron-LM accepts in --deterministic-mode (NVLS reduces in switches)
@@ -824,6 +833,17 @@ def _resolve_megatron_lm_aliases(args, need):
 
 
 def _validate_megatron_lm_flags(args, need):
+    need(args.rerun_mode == "disabled", f"--rerun-mode {args.rerun_mode}: Megatron-LM's rerun "
+         "state machine (re-running an iteration to tell transient from persistent faults) is "
+         "not implemented here; use --rerun-mode disabled")
+    if args.spec is not None:
+        spec = " ".join(args.spec)
+        need(spec == "local", f"--spec {spec}: only --spec local (megatron-core's local layers) "
+             "is supported; a module path of your own is not loaded")
+        need(spec != "local" or args.transformer_impl in ("auto", "local"),
+             f"--spec local contradicts --transformer-impl {args.transformer_impl}")
+        if spec == "local":
+            args.transformer_impl = "local"
     need(not args.use_legacy_models, "--use-legacy-models: Megatron-LM's legacy models do not "
          "exist here; megatron-core's are always used")
     need(not (args.use_legacy_models and args.use_mcore_models),

@@ -18,6 +18,7 @@ def wrap_model_chunks(chunks, args, config, device) -> list[torch.nn.Module]:
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        average_in_collective=args.ddp_average_in_collective,
         check_for_nan_in_grad=False,
         bucket_size=None,
     )
