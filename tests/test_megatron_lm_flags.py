@@ -311,7 +311,7 @@ def test_tokenizer_defaults_follow_the_model():
     assert parse_args(gpt, world_size=1).tokenizer_type == "GPT2BPETokenizer"
 
 
-def test_refusals_name_the_flag_and_the_reason():
+def test_refusals_name_the_flag_and_the_reason(monkeypatch):
     graphs = _parse_error(BASE, cuda_graph_impl="transformer_engine")
     assert "--cuda-graph-impl transformer_engine" in graphs and "dpp" not in graphs.lower()
     assert "use-dpp" in _parse_error(PP2, 2, cuda_graph_impl="local", use_dpp=True)
@@ -326,3 +326,6 @@ def test_refusals_name_the_flag_and_the_reason():
         BASE, reset_attention_mask=True, no_create_attention_mask_in_dataloader=True)
     assert "--log-memory-to-tensorboard need --tensorboard-dir" in _parse_error(
         BASE, log_memory_to_tensorboard=True)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert "--multi-node but the job runs on one node (WORLD_SIZE 2, LOCAL_WORLD_SIZE 2)" in \
+        _parse_error(PP2, 2, multi_node=True, node_ips="10.0.0.1")

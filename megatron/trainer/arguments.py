@@ -669,6 +669,10 @@ def _validate_dpp(args, need):
              "Transformer Engine layers (their own weight-gradient path): use --transformer-impl local")
     if args.multi_node:
         need(bool(args.node_ips), "--multi-node needs --node-ips ADDR [ADDR ...]")
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+        need(local <= 0 or args.world_size > local,
+             f"--multi-node but the job runs on one node (WORLD_SIZE {args.world_size}, "
+             f"LOCAL_WORLD_SIZE {local})")
     if args.node_ips:
         for ip in args.node_ips:
             need(is_ip_address(ip), f"--node-ips: '{ip}' is not an IP address")
