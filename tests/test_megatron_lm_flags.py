@@ -329,3 +329,20 @@ def test_refusals_name_the_flag_and_the_reason(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert "--multi-node but the job runs on one node (WORLD_SIZE 2, LOCAL_WORLD_SIZE 2)" in \
         _parse_error(PP2, 2, multi_node=True, node_ips="10.0.0.1")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused rope, FlashAttention and "
+                    "CUDA determinism paths need a CUDA GPU")
+def test_gpu_paths_of_the_flags():
+    """On one GPU (Transformer Engine where installed): bitwise reruns under
+    --deterministic-mode, fused and unfused rope agree, --use-flash-attn trains."""
+    gpu = with_flags(BASE, bf16=True, position_embedding_type="rope", hidden_dropout=0.1,
+                     log_memory_to_tensorboard=None)
+    runs = [gpu + ["--deterministic-mode"], gpu + ["--deterministic-mode"],
+            with_flags(gpu, hidden_dropout=0), with_flags(gpu, hidden_dropout=0) +
+            ["--no-rope-fusion"], gpu + ["--use-flash-attn"]]
+    (results,) = run_ranks(1, train_runs, runs, 1, gpu=True)
+    assert results[0]["losses"] == results[1]["losses"]
+    fused, unfused = ([s["lm loss"] for s in r["losses"]] for r in results[2:4])
+    assert fused == pytest.approx(unfused, rel=1e-2)
+    assert all(math.isfinite(s["lm loss"]) for s in results[4]["losses"])
