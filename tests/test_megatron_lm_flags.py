@@ -336,8 +336,7 @@ def test_refusals_name_the_flag_and_the_reason(monkeypatch):
 def test_gpu_paths_of_the_flags():
     """On one GPU (Transformer Engine where installed): bitwise reruns under
     --deterministic-mode, fused and unfused rope agree, --use-flash-attn trains."""
-    gpu = with_flags(BASE, bf16=True, position_embedding_type="rope", hidden_dropout=0.1,
-                     log_memory_to_tensorboard=None)
+    gpu = with_flags(BASE, bf16=True, position_embedding_type="rope", hidden_dropout=0.1)
     runs = [gpu + ["--deterministic-mode"], gpu + ["--deterministic-mode"],
             with_flags(gpu, hidden_dropout=0), with_flags(gpu, hidden_dropout=0) +
             ["--no-rope-fusion"], gpu + ["--use-flash-attn"]]
