@@ -23,7 +23,7 @@ TINY_GPT = [
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (["--cuda-graph-impl", "local"], "replay one fixed microbatch order"),
+    (["--cuda-graph-impl", "local"], "captured by Megatron-LM's training loop"),
     (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size > 1"),
     (["--recompute-activations"], "activation recomputation"),
     (["--overlap-grad-reduce"], "--overlap-grad-reduce"),

@@ -56,7 +56,8 @@ def test_each_switch_turns_its_feature_off_without_a_line():
     ([], dict(triton=False), fast_path.CROSS_ENTROPY, "Triton is not importable"),
     (["--cross-entropy-fusion-impl", "te"], {}, fast_path.CROSS_ENTROPY,
      "needs Transformer Engine"),
-], ids=["te-layers", "attention-local", "no-triton", "te-impl-without-te"])
+    (["--deterministic-mode"], {}, fast_path.CROSS_ENTROPY, "--deterministic-mode"),
+], ids=["te-layers", "attention-local", "no-triton", "te-impl-without-te", "deterministic"])
 def test_conditions_that_need_a_gpu_to_train_name_their_reason(flags, machine, feature, reason):
     """Conditions whose run needs CUDA (or a package this machine lacks): the decision only."""
     (line,) = _resolved([*FLAGS, *flags], **machine).fast_path_fallbacks

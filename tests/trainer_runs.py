@@ -110,7 +110,7 @@ def train_runs(rank, runs, world_size, task_name="gpt", repeat=None):
         logger = logging.getLogger("megatron.trainer")
         logger.addHandler(handler)
         try:
-            args = parse_args(flags, world_size=world_size)
+            args = parse_args(flags, world_size=world_size, model=task_name)
             with contextlib.ExitStack() as stack:
                 trainer = training.setup(task, args, stack)
                 training.train(trainer)

@@ -7,7 +7,10 @@ parsed again without the flags the trainer does not know, and again without each
 whose value argparse refused, so one run lists every reason a configuration fails: unknown
 flags, refused values, and what validation says about the rest.
 
-    python tools/megatron_lm_configs_report.py [--top 30] [--markdown]
+    python tools/megatron_lm_configs_report.py [--top 30] [--markdown] [--strip-checkpoint-flags]
+
+--strip-checkpoint-flags measures the configurations without Megatron-LM's checkpoint
+flags (CHECKPOINT_FLAGS), which another branch of issue 20 implements.
 """
 
 from __future__ import annotations
@@ -30,6 +33,12 @@ from tools.extract_megatron_lm_configs import flag_values  # noqa: E402
 CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data",
                       "megatron_lm_configs.json")
 MAX_RETRIES = 50  # refused values removed one by one: more than any configuration has
+CHECKPOINT_FLAGS = frozenset({
+    "--ckpt-format", "--async-save", "--use-persistent-ckpt-worker", "--dist-ckpt-strictness",
+    "--ckpt-fully-parallel-load", "--ckpt-fully-parallel-save", "--no-ckpt-fully-parallel-save",
+    "--use-checkpoint-opt_param-scheduler", "--save-retain-interval",
+    "--dist-ckpt-optim-fully-reshardable",
+})
 
 
 @dataclass
@@ -67,12 +76,17 @@ def without(argv: list[str], flags: set[str]) -> list[str]:
     return kept
 
 
-def _parse(argv: list[str], world_size: int) -> str | None:
+def model_of(config: dict) -> str:
+    """The entry point's model: pretrain_bert.py -> "bert", else "gpt"."""
+    return "bert" if "bert" in config.get("script", "") else "gpt"
+
+
+def _parse(argv: list[str], world_size: int, model: str) -> str | None:
     """None when accepted; else argparse's or validation's message."""
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):
-            parse_args(argv, world_size=world_size)
+            parse_args(argv, world_size=world_size, model=model)
     except SystemExit:
         lines = [line for line in stderr.getvalue().splitlines() if line.strip()]
         return lines[-1] if lines else "argparse exited without a message"
@@ -86,17 +100,18 @@ def _parse(argv: list[str], world_size: int) -> str | None:
 _REFUSED = re.compile(r"argument (--[\w-]+)(?:/[^:]*)?: (.*)")
 
 
-def check(name: str, argv: list[str], world_size: int, known: set[str]) -> Outcome:
+def check(name: str, argv: list[str], world_size: int, known: set[str],
+          model: str = "gpt") -> Outcome:
     flags = [flag for flag, _, _ in flag_spans(argv)]
     outcome = Outcome(name, accepted=False, flag_occurrences=len(flags))
-    error = _parse(argv, world_size)
+    error = _parse(argv, world_size, model)
     if error is None:
         outcome.accepted = True
         return outcome
     outcome.unknown_flags = sorted({flag for flag in flags if flag not in known})
     remaining = without(argv, set(outcome.unknown_flags))
     for _ in range(MAX_RETRIES):
-        error = _parse(remaining, world_size)
+        error = _parse(remaining, world_size, model)
         refused = _REFUSED.search(error or "")
         if refused is None:
             break
@@ -115,9 +130,11 @@ def load_corpus(path: str = CORPUS) -> dict:
         return json.load(handle)
 
 
-def run(corpus: dict) -> list[Outcome]:
+def run(corpus: dict, strip: frozenset = frozenset()) -> list[Outcome]:
+    """Each configuration's outcome, without the flags in `strip`."""
     known = known_flags()
-    return [check(c["name"], c["argv"], c["world_size"], known) for c in corpus["configs"]]
+    return [check(c["name"], without(c["argv"], strip), c["world_size"], known, model_of(c))
+            for c in corpus["configs"]]
 
 
 def _normalised(problem: str) -> str:
@@ -187,9 +204,11 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument("--failures", action="store_true", help="list each rejected config")
+    parser.add_argument("--strip-checkpoint-flags", action="store_true",
+                        help="drop " + " ".join(sorted(CHECKPOINT_FLAGS)) + " first")
     args = parser.parse_args(argv)
     corpus = load_corpus(args.corpus)
-    outcomes = run(corpus)
+    outcomes = run(corpus, CHECKPOINT_FLAGS if args.strip_checkpoint_flags else frozenset())
     print(render(summary(outcomes, args.top), corpus["megatron_lm_commit"], args.markdown))
     if args.failures:
         for o in outcomes:

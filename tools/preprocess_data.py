@@ -43,6 +43,7 @@ TOKENIZER_TYPES = (
     "BertWordPieceCase",
     "HuggingFaceTokenizer",
     "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
     "NullTokenizer",
 )
 MAX_REPORTED_BAD_LINES = 10

@@ -31,6 +31,8 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     _add_checkpoint_args(parser.add_argument_group("checkpoint format and behaviour"))
     _dpp_args(parser.add_argument_group("dynamic pipeline (DPP)"))
     _fast_path_args(parser.add_argument_group("fast path defaults (fast_path.py)"))
+    _add_logging_args(parser.add_argument_group("logging: TensorBoard and W&B"))
+    _add_megatron_lm_args(parser.add_argument_group("further Megatron-LM flags"))
     if extra_args_provider is not None:
         extra_args_provider(parser)
     return parser
@@ -76,7 +78,9 @@ def _model_args(g):
                         "Transformer Engine's; triton: the project's one pass forward, one "
                         "pass backward (Triton kernels on GPU, torch ops elsewhere; any dtype). "
                         "Default: native with --cross-entropy-loss-fusion, else triton")
-    g.add_argument("--use-flash-attn", action="store_true")
+    g.add_argument("--use-flash-attn", action="store_true",
+                   help="FlashAttention: Transformer Engine's flash backend, or torch's flash "
+                        "SDPA kernel with the local layers (CUDA only)")
     g.add_argument(
         "--attention-backend", default="auto",
         choices=["auto", "flash", "fused", "unfused", "local"],
@@ -85,7 +89,9 @@ def _model_args(g):
         "--transformer-impl", default="auto", choices=["auto", "local", "transformer_engine"],
         help="auto: Transformer Engine on GPU when importable, else the project's SDPA spec",
     )
-    g.add_argument("--use-mcore-models", action="store_true", help="accepted; always true")
+    g.add_argument("--use-mcore-models", action="store_true",
+                   help="megatron-core's models, the only ones here (deprecated in Megatron-LM, "
+                        "where they are the default); contradicts --use-legacy-models")
     g.add_argument("--bert-no-binary-head", action="store_true")
     g.add_argument("--num-tokentypes", type=int, default=2)
     g.add_argument("--mask-prob", type=float, default=0.15)
@@ -194,7 +200,9 @@ def _data_args(g):
     g.add_argument("--split", default="969,30,1")
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--data-cache-path", default=None)
-    g.add_argument("--num-workers", type=int, default=0)
+    g.add_argument("--num-workers", type=int, default=0,
+                   help="processes that read and collate the samples ahead of the step (0: the "
+                        "training process reads them itself)")
     g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES)
     g.add_argument("--tokenizer-model", default=None)
     g.add_argument("--vocab-file", default=None)
@@ -221,7 +229,10 @@ def _io_args(g):
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--log-throughput", action="store_true")
-    g.add_argument("--timing-log-level", type=int, default=0)
+    g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
+                   help="timers recorded: 0 the iteration time; 1 also forward-backward, "
+                        "optimizer and megatron-core's level-1 timers; 2 also its per-"
+                        "microbatch compute and p2p timers (each timer synchronises the GPU)")
     g.add_argument("--trace", action="store_true",
                    help="record per-rank pipeline spans (docs/profiling.md)")
     g.add_argument("--trace-dir", default=None,
@@ -258,9 +269,12 @@ def _dpp_args(g):
                    help="split each backward into input gradients (B) and deferred weight "
                         "gradients (W): with --use-dpp the dynamic schedule places the W "
                         "tasks; at PP=1 each W runs right after its B")
-    g.add_argument("--multi-node", action="store_true")
+    g.add_argument("--multi-node", action="store_true",
+                   help="the job spans nodes: checked against torchrun's WORLD_SIZE and "
+                        "LOCAL_WORLD_SIZE at start-up")
     g.add_argument("--node-ips", nargs="+", default=None,
-                   help="one address per node, in node-rank order")
+                   help="one address per node, in node-rank order; checked against the node "
+                        "count and MASTER_ADDR (node 0)")
     g.add_argument("--workload", type=int, default=None, help=argparse.SUPPRESS)
     g.add_argument("--num-gpus", type=int, default=None, help=argparse.SUPPRESS)
 
@@ -325,18 +339,22 @@ def _add_checkpoint_args(g):
                    help="where non-persistent global checkpoints go (default: SAVE/non_persistent)")
 
 
-def parse_args(argv=None, extra_args_provider=None, world_size=None) -> argparse.Namespace:
+def parse_args(argv=None, extra_args_provider=None, world_size=None,
+               model: str = "gpt") -> argparse.Namespace:
+    """`model` ("gpt" or "bert", the entry point) picks the defaults that differ by model,
+    as Megatron-LM's pretrain_gpt.py and pretrain_bert.py do (the tokenizer)."""
     parser = build_parser(extra_args_provider)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         raise ArgumentError(f"unknown flags: {' '.join(unknown)}")
     world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
-    validate_args(args, world)
+    validate_args(args, world, model)
     return args
 
 
-def validate_args(args, world_size: int) -> None:
+def validate_args(args, world_size: int, model: str = "gpt") -> None:
     """Fill derived values; raise ArgumentError listing every problem found."""
+    args.model = model
     _check_ranges(args)
     _resolve_fast_path(args)
     problems: list[str] = []
@@ -381,6 +399,7 @@ def validate_args(args, world_size: int) -> None:
          f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
          f"{args.max_position_embeddings}")
 
+    _resolve_megatron_lm_aliases(args, need)
     _validate_virtual_pipeline(args, need)
     ramp_sound = _validate_batch(args, need)
     _validate_precision(args, need)
@@ -388,6 +407,8 @@ def validate_args(args, world_size: int) -> None:
     if ramp_sound and args.train_iters is not None:
         _validate_microbatches(args, need)
     _validate_data(args, need)
+    _validate_megatron_lm_flags(args, need)
+    _validate_logging(args, need)
     _validate_dpp(args, need)
     _validate_trace(args, need)
 
@@ -651,19 +672,19 @@ def _validate_schedule(args, need):
 
 
 def _validate_data(args, need):
-    if args.tokenizer_type is None:
-        # Megatron-LM's GPT examples give --vocab-file/--merge-file and no --tokenizer-type;
-        # they keep meaning GPT-2 BPE when --mock-data replaces --data-path
-        bpe_files = args.vocab_file is not None and args.merge_file is not None
-        args.tokenizer_type = (
-            "NullTokenizer" if args.mock_data and not bpe_files else "GPT2BPETokenizer"
-        )
+    chosen = args.tokenizer_type is not None
+    if not chosen:
+        args.tokenizer_type = _default_tokenizer(args)
     need(args.mock_data or args.data_path,
          "no data: give --data-path PREFIX [...] or --mock-data")
     need(not (args.mock_data and args.data_path),
          "--mock-data and --data-path are mutually exclusive")
-    need(args.tokenizer_type != "NullTokenizer" or args.vocab_size is not None,
-         "--tokenizer-type NullTokenizer needs --vocab-size N")
+    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
+        # name what the user typed: the tokenizer only where they chose it
+        need(False, "--tokenizer-type NullTokenizer needs --vocab-size N" if chosen else
+             f"{args.model.upper()} with --mock-data and no tokenizer files needs --vocab-size "
+             "N (or give --vocab-file" + (")" if args.model == "bert" else
+                                          " and --merge-file, or --tokenizer-type)"))
     if args.data_path:
         _parse_blend(args, need)
     need(args.seq_length_cv >= 0, f"--seq-length-cv {args.seq_length_cv} must be >= 0")
@@ -715,6 +736,10 @@ def _validate_dpp(args, need):
              "Transformer Engine layers (their own weight-gradient path): use --transformer-impl local")
     if args.multi_node:
         need(bool(args.node_ips), "--multi-node needs --node-ips ADDR [ADDR ...]")
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+        need(local <= 0 or args.world_size > local,
+             f"--multi-node but the job runs on one node (WORLD_SIZE {args.world_size}, "
+             f"LOCAL_WORLD_SIZE {local})")
     if args.node_ips:
         for ip in args.node_ips:
             need(is_ip_address(ip), f"--node-ips: '{ip}' is not an IP address")
@@ -740,9 +765,13 @@ def _validate_trace(args, need):
 
 def _validate_cuda_graphs(args, need):
     impl = args.cuda_graph_impl
-    need(impl in ("none", "block"),
-         f"--cuda-graph-impl {impl}: megatron-core's graphs replay one fixed microbatch order "
-         "(transformer_engine's also need Transformer Engine); use --cuda-graph-impl block")
+    if impl in ("local", "transformer_engine"):
+        need(False, f"--cuda-graph-impl {impl}: " + (
+            "megatron-core's graphs replay one fixed microbatch order, which --use-dpp does "
+            "not follow" if args.use_dpp else
+            "megatron-core's graphs are captured by Megatron-LM's training loop (its CUDA graph "
+            "manager / Transformer Engine helper), which this trainer does not run") +
+            "; use --cuda-graph-impl block")
     if impl != "block":
         return
     # by default only where fast_path.Machine found CUDA
@@ -809,3 +838,197 @@ def _cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def _add_logging_args(g):
+    """Megatron-LM's logging flags; megatron/trainer/logging_config.py turns them into a
+    LoggingConfig, megatron/trainer/metrics.py writes what they ask for."""
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="the --timing-log-level timers as timers/<name> (ms per iteration)")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="the reporting rank's memory: CUDA allocator figures on GPU, the "
+                        "process's peak resident set on CPU")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true",
+                   help="count the zero entries of the gradient (iteration line and board)")
+    g.add_argument("--log-params-norm", action="store_true",
+                   help="L2 norm of all parameters, each counted once (iteration line and board)")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                   help="validation perplexity exp(loss) next to each validation loss")
+    g.add_argument("--wandb-project", default=None,
+                   help="log the scalars to this Weights & Biases project too (needs wandb)")
+    g.add_argument("--wandb-exp-name", default=None, help="the W&B run's name")
+    g.add_argument("--wandb-entity", default=None, help="the W&B team or user")
+    g.add_argument("--wandb-save-dir", default=None,
+                   help="W&B's local files (default: --save/wandb, else wandb)")
+
+
+def _add_megatron_lm_args(g):
+    """Model, loss, data, optimizer and layout flags of Megatron-LM's scripts."""
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="bitwise-reproducible runs: torch's deterministic algorithms, a fixed "
+                        "NCCL algorithm (NCCL_ALGO, default Ring), cuBLAS workspace "
+                        "(CUBLAS_WORKSPACE_CONFIG, default :4096:8), deterministic TE attention")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="normalise the loss by the tokens of the whole global batch instead of "
+                        "averaging per-microbatch means")
+    g.add_argument("--apply-query-key-layer-scaling", action="store_true",
+                   help="scale Q K^T by 1 / layer number before the (fp32) softmax and back "
+                        "inside it: keeps fp16 scores in range")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="norm weights stored as offsets from 1 (zero-centred gamma)")
+    g.add_argument("--no-rope-fusion", action="store_true",
+                   help="unfused rotary embeddings (the fused kernel, Transformer Engine's, is "
+                        "used on GPU when importable)")
+    g.add_argument("--rotary-interleaved", action="store_true",
+                   help="rotate interleaved pairs of each head's channels instead of its halves")
+    g.add_argument("--squared-relu", action="store_true", help="relu(x)^2 as MLP activation")
+    g.add_argument("--no-persist-layer-norm", action="store_true",
+                   help="no apex persistent layer-norm kernel (none is used here: the norms "
+                        "are torch's or Transformer Engine's)")
+    g.add_argument("--use-legacy-models", action="store_true",
+                   help="refused: only megatron-core's models exist here")
+    g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
+                   dest="create_attention_mask_in_dataloader",
+                   help="GPT: the dataset makes no [s, s] attention mask per sample (the "
+                        "causal mask is implicit in attention)")
+    g.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
+                   help="read the .bin token files with file reads instead of memory maps")
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="learning rate of the input embedding and the output layer")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="their minimum learning rate (needs --decoupled-lr)")
+    g.add_argument("--use-tp-pp-dp-mapping", action="store_true",
+                   help="ranks ordered tensor, then pipeline, then data parallel (default: "
+                        "tensor, data, pipeline)")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                   help="the same as --virtual-pipeline-model-parallel-size")
+    g.add_argument("--ddp-average-in-collective", action="store_true",
+                   help="average the gradients over data-parallel ranks inside the reduction "
+                        "instead of scaling them before it")
+    g.add_argument("--spec", nargs="+", default=None,
+                   help="'local': megatron-core's local layer spec, the same as "
+                        "--transformer-impl local (other module specs are refused)")
+    g.add_argument("--rerun-mode", default="disabled",
+                   choices=["disabled", "validate_results", "report_stats"],
+                   help="Megatron-LM's rerun state machine: only 'disabled' here")
+
+
+# NCCL_ALGO values that Megatron-LM accepts in --deterministic-mode (NVLS reduces in switches)
+DETERMINISTIC_NCCL_ALGOS = ("Tree", "Ring", "CollnetDirect", "CollnetChain", "^NVLS")
+DETERMINISTIC_CUBLAS_WORKSPACES = (":4096:8", ":16:8")
+
+
+def _default_tokenizer(args) -> str:
+    """Megatron-LM's choice when --tokenizer-type is not given: the files say which."""
+    if args.model == "bert":
+        return "BertWordPieceLowerCase" if args.vocab_file is not None else "NullTokenizer"
+    # Megatron-LM's GPT examples give --vocab-file/--merge-file and no --tokenizer-type;
+    # they keep meaning GPT-2 BPE when --mock-data replaces --data-path
+    bpe_files = args.vocab_file is not None and args.merge_file is not None
+    return "NullTokenizer" if args.mock_data and not bpe_files else "GPT2BPETokenizer"
+
+
+def _resolve_megatron_lm_aliases(args, need):
+    """Flags that spell another flag's value differently; before anything reads it."""
+    stages = args.num_virtual_stages_per_pipeline_rank
+    if stages is None:
+        return
+    vpp = args.virtual_pipeline_model_parallel_size
+    need(vpp is None or vpp == stages,
+         f"--num-virtual-stages-per-pipeline-rank {stages} contradicts "
+         f"--virtual-pipeline-model-parallel-size {vpp}")
+    args.virtual_pipeline_model_parallel_size = stages
+
+
+def _validate_megatron_lm_flags(args, need):
+    need(args.rerun_mode == "disabled", f"--rerun-mode {args.rerun_mode}: Megatron-LM's rerun "
+         "state machine (re-running an iteration to tell transient from persistent faults) is "
+         "not implemented here; use --rerun-mode disabled")
+    if args.spec is not None:
+        spec = " ".join(args.spec)
+        need(spec == "local", f"--spec {spec}: only --spec local (megatron-core's local layers) "
+             "is supported; a module path of your own is not loaded")
+        need(spec != "local" or args.transformer_impl in ("auto", "local"),
+             f"--spec local contradicts --transformer-impl {args.transformer_impl}")
+        if spec == "local":
+            args.transformer_impl = "local"
+    need(not args.use_legacy_models, "--use-legacy-models: Megatron-LM's legacy models do not "
+         "exist here; megatron-core's are always used")
+    need(not (args.use_legacy_models and args.use_mcore_models),
+         "--use-mcore-models and --use-legacy-models contradict each other")
+    need(args.decoupled_min_lr is None or args.decoupled_lr is not None,
+         f"--decoupled-min-lr {args.decoupled_min_lr} needs --decoupled-lr")
+    for flag, value in (("--decoupled-lr", args.decoupled_lr),
+                        ("--decoupled-min-lr", args.decoupled_min_lr)):
+        need(value is None or value >= 0, f"{flag} {value} must be >= 0")
+    need(not args.rotary_interleaved or args.position_embedding_type == "rope",
+         "--rotary-interleaved needs --position-embedding-type rope")
+    need(not (args.squared_relu and args.swiglu), "--squared-relu and --swiglu are mutually "
+         "exclusive (two MLP activations)")
+    # megatron-core's BERT head builds its own norm, which without apex or TE is torch's
+    need(not (args.apply_layernorm_1p and args.model == "bert"
+              and args.transformer_impl == "local"),
+         "--apply-layernorm-1p with BERT and --transformer-impl local: megatron-core's BERT "
+         "head norm (torch's without apex) has no zero-centred gamma; use Transformer Engine")
+    if args.reset_attention_mask:
+        need(args.create_attention_mask_in_dataloader, "--reset-attention-mask needs the "
+             "dataset's attention mask (the document boundaries): drop "
+             "--no-create-attention-mask-in-dataloader")
+        middle = (args.pipeline_model_parallel_size > 2
+                  or args.virtual_pipeline_model_parallel_size is not None)
+        need(args.model != "gpt" or not middle, "--reset-attention-mask with more than two "
+             "pipeline stages (virtual ones included): the middle stages read no batch and "
+             "would not see the document boundaries")
+    need(args.num_workers == 0 or args.seq_length_cv == 0,
+         f"--num-workers {args.num_workers} with --seq-length-cv: the microbatches are cut "
+         "to their lengths in the training process; use --num-workers 0")
+    if args.use_flash_attn:
+        need(args.attention_backend in ("auto", "flash"),
+             f"--use-flash-attn contradicts --attention-backend {args.attention_backend}")
+        need(_cuda_available(), "--use-flash-attn needs a CUDA GPU; this machine has none")
+        need(not args.apply_query_key_layer_scaling or args.transformer_impl != "local",
+             "--use-flash-attn and --apply-query-key-layer-scaling with --transformer-impl "
+             "local: the layer scaling materialises the scores, FlashAttention never does")
+    if args.deterministic_mode:
+        _validate_deterministic_mode(args, need)
+
+
+def _validate_deterministic_mode(args, need):
+    """Refuse what would make two runs differ, by name (Megatron-LM refuses the same)."""
+    for bad, what in (
+        (args.use_flash_attn, "--use-flash-attn (its backward accumulates in a varying order)"),
+        (args.attention_backend == "flash",
+         "--attention-backend flash (its backward accumulates in a varying order)"),
+        (args.cross_entropy_loss_fusion, "--cross-entropy-loss-fusion (not deterministic)"),
+        (args.use_dpp, "--use-dpp (each stage runs the backward passes in the order their "
+         "gradients arrive, so the weight gradients accumulate in a varying order)"),
+    ):
+        need(not bad, f"--deterministic-mode does not support {what}")
+    for variable, allowed in (("NCCL_ALGO", DETERMINISTIC_NCCL_ALGOS),
+                              ("CUBLAS_WORKSPACE_CONFIG", DETERMINISTIC_CUBLAS_WORKSPACES),
+                              ("NVTE_ALLOW_NONDETERMINISTIC_ALGO", ("0",))):
+        value = os.environ.get(variable)
+        need(value is None or value in allowed,
+             f"--deterministic-mode: the environment sets {variable}={value}; use one of "
+             f"{', '.join(allowed)} or leave it unset")
+
+
+def _validate_logging(args, need):
+    board_flags = [flag for flag, on in (
+        ("--log-timers-to-tensorboard", args.log_timers_to_tensorboard),
+        ("--log-memory-to-tensorboard", args.log_memory_to_tensorboard),
+        ("--log-validation-ppl-to-tensorboard", args.log_validation_ppl_to_tensorboard),
+    ) if on]
+    need(not board_flags or args.tensorboard_dir or args.wandb_project,
+         f"{' '.join(board_flags)} need --tensorboard-dir DIR (or --wandb-project)")
+    wandb_flags = [flag for flag, value in (
+        ("--wandb-exp-name", args.wandb_exp_name), ("--wandb-entity", args.wandb_entity),
+        ("--wandb-save-dir", args.wandb_save_dir)) if value is not None]
+    if args.wandb_project is None:
+        need(not wandb_flags, f"{' '.join(wandb_flags)} need --wandb-project")
+        return
+    need(bool(args.wandb_exp_name), f"--wandb-project {args.wandb_project} needs "
+         "--wandb-exp-name NAME")
+    need(importlib.util.find_spec("wandb") is not None,
+         f"--wandb-project {args.wandb_project}: the wandb package is not importable here "
+         "(pip install wandb)")

@@ -2,7 +2,9 @@
 
 Drop-in for megatron.core's DotProductAttention (same constructor and forward), but it
 runs on CPU and picks flash / memory-efficient kernels on GPU instead of materialising
-the score matrix.
+the score matrix. With --apply-query-key-layer-scaling it materialises the scores, as
+megatron.core does: Q K^T scaled by 1 / layer number in the inputs' dtype, then the
+softmax in fp32 with the layer number multiplied back.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 
+import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
@@ -44,6 +47,7 @@ class SDPAttention(MegatronModule):
         head_dim = config.kv_channels
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.layer_number = layer_number if config.apply_query_key_layer_scaling else None
 
     def forward(
         self,
@@ -69,10 +73,14 @@ class SDPAttention(MegatronModule):
         sdpa_mask = None if attention_mask is None else ~attention_mask.bool()
         dropout_p = self.dropout_p if self.training else 0.0
         with self._dropout_rng():
-            context = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=sdpa_mask, dropout_p=dropout_p, is_causal=causal,
-                scale=self.softmax_scale,
-            )
+            if self.layer_number is not None:
+                context = _layer_scaled_attention(q, k, v, sdpa_mask, causal, dropout_p,
+                                                  self.softmax_scale, self.layer_number)
+            else:
+                context = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=sdpa_mask, dropout_p=dropout_p, is_causal=causal,
+                    scale=self.softmax_scale,
+                )
         # [b, heads, s, dim] -> [s, b, heads * dim]
         s, b = context.shape[2], context.shape[0]
         return context.permute(2, 0, 1, 3).reshape(s, b, -1)
@@ -87,3 +95,34 @@ class SDPAttention(MegatronModule):
                 and not self.config.sequence_parallel:
             return tensor_parallel.get_cuda_rng_tracker().fork()
         return contextlib.nullcontext()
+
+
+def layer_scaled_scores(q, k, softmax_scale: float, layer_number: int) -> torch.Tensor:
+    """Q K^T x softmax_scale / layer_number in the inputs' dtype, [b, heads, s, s]: the
+    layer number keeps deep layers' fp16 scores in range."""
+    return torch.matmul(q * (softmax_scale / layer_number), k.transpose(-2, -1))
+
+
+def _layer_scaled_attention(q, k, v, keep_mask, causal: bool, dropout_p: float,
+                            softmax_scale: float, layer_number: int) -> torch.Tensor:
+    scores = layer_scaled_scores(q, k, softmax_scale, layer_number).float() * layer_number
+    if causal:
+        s = scores.shape[-1]
+        keep_mask = torch.ones(s, s, dtype=torch.bool, device=scores.device).tril()
+    if keep_mask is not None:
+        scores = scores.masked_fill(~keep_mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p)
+    return torch.matmul(probs, v)
+
+
+class FlashSDPAttention(SDPAttention):
+    """--use-flash-attn with the local layers: torch's FlashAttention kernel only, so a
+    shape or dtype it cannot take is an error instead of a silent fallback."""
+
+    def forward(self, *args, **kwargs):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return super().forward(*args, **kwargs)

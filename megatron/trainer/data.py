@@ -138,7 +138,10 @@ def build_gpt_datasets(args, tokenizer):
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=False,
+        # a causal mask is implicit in attention: a mask is only made where it holds the
+        # document boundaries
+        create_attention_mask=args.reset_attention_mask and args.create_attention_mask_in_dataloader,
+        mmap_bin_files=args.mmap_bin_files,
     )
     dataset_class = MockGPTDataset if args.mock_data else GPTDataset
     return _build(dataset_class, config, split_sizes(args))
@@ -171,6 +174,7 @@ def build_bert_datasets(args, tokenizer):
         masking_use_longer_ngrams=False,
         masking_use_geometric_distribution=False,
         classification_head=not args.bert_no_binary_head,
+        mmap_bin_files=args.mmap_bin_files,
     )
     return _build(BERTMaskedWordPieceDataset, config, split_sizes(args))
 
@@ -217,7 +221,7 @@ class MicroBatchIterator:
 
     def __init__(self, dataset, micro_batch_size: int, consumed_samples: int = 0,
                  dp_rank: int | None = None, dp_size: int | None = None,
-                 seq_length_cv: float = 0.0, seed: int = 0):
+                 seq_length_cv: float = 0.0, seed: int = 0, num_workers: int = 0):
         self.dataset = dataset
         self.seq_length_cv, self.seed = seq_length_cv, seed
         self.micro_batch_size = micro_batch_size
@@ -225,19 +229,45 @@ class MicroBatchIterator:
         self.dp_size = parallel_state.get_data_parallel_world_size() if dp_size is None else dp_size
         self.stride = micro_batch_size * self.dp_size
         self.next_start = consumed_samples
+        self._loader = None
+        if num_workers > 0:
+            # --num-workers: worker processes read and collate the same index lists ahead
+            indices = _IndexLists(self.next_start, self.stride, self.indices)
+            self._loader = iter(torch.utils.data.DataLoader(
+                dataset, batch_sampler=indices, num_workers=num_workers,
+                collate_fn=torch.utils.data.default_collate))
+
+    def indices(self, global_start: int) -> list[int]:
+        """This rank's sample indices of the global micro-batch starting at `global_start`."""
+        start = global_start + self.dp_rank * self.micro_batch_size
+        return [(start + i) % len(self.dataset) for i in range(self.micro_batch_size)]
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        start = self.next_start + self.dp_rank * self.micro_batch_size
-        indices = [(start + i) % len(self.dataset) for i in range(self.micro_batch_size)]
         global_index = self.next_start
         self.next_start += self.stride
-        batch = torch.utils.data.default_collate([self.dataset[i] for i in indices])
+        if self._loader is not None:
+            return next(self._loader)
+        batch = torch.utils.data.default_collate(
+            [self.dataset[i] for i in self.indices(global_index)])
         if self.seq_length_cv > 0:
             batch = _truncate(batch, self.seq_length_cv, self.seed, global_index)
         return batch
+
+
+class _IndexLists:
+    """The endless sequence of a MicroBatchIterator's index lists, as a batch sampler."""
+
+    def __init__(self, first: int, stride: int, indices):
+        self.first, self.stride, self.indices = first, stride, indices
+
+    def __iter__(self):
+        start = self.first
+        while True:
+            yield self.indices(start)
+            start += self.stride
 
 
 def _truncate(batch: dict, cv: float, seed: int, global_index: int) -> dict:

@@ -133,6 +133,8 @@ def _graph_conflicts(args, machine: Machine) -> list[str]:
 
 
 def _cross_entropy_conflicts(args, impl: str, machine: Machine) -> list[str]:
+    if args.deterministic_mode:  # validation refuses the fused cross-entropy there
+        return ["--deterministic-mode (the fused cross-entropy is not among its paths)"]
     if impl == "triton":
         return [] if machine.triton or not machine.cuda else ["Triton is not importable"]
     if impl == "native":  # megatron-core's rounds the logits' gradient to bf16

@@ -27,13 +27,15 @@ def make_forward_step(args, device):
         vp_stage = get_attr_wrapped_model(model, "vp_stage")
         first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
         last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-        tokens = labels = loss_mask = position_ids = None
+        tokens = labels = loss_mask = position_ids = attention_mask = None
         if first or last:
             batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()
                      if torch.is_tensor(v)}
             tokens, position_ids = batch["tokens"], batch["position_ids"]
             labels, loss_mask = batch["labels"], batch["loss_mask"]
-        output = model(tokens, position_ids, None, labels=labels if last else None)
+            # only --reset-attention-mask makes one (document boundaries); else causal
+            attention_mask = batch.get("attention_mask")
+        output = model(tokens, position_ids, attention_mask, labels=labels if last else None)
         return output, functools.partial(gpt_loss, loss_mask)
 
     return forward_step

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
 from megatron.trainer.cpu_compat import CpuCompat
+from megatron.trainer.determinism import deterministic_mode
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ def initialize_distributed(args, stack: contextlib.ExitStack) -> torch.device:
         device = torch.device("cpu")
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         stack.enter_context(CpuCompat())
+    stack.enter_context(deterministic_mode(args.deterministic_mode))
     if not dist.is_initialized():
         dist.init_process_group(
             backend=args.distributed_backend,
@@ -69,9 +71,17 @@ def initialize_distributed(args, stack: contextlib.ExitStack) -> torch.device:
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
         distributed_timeout_minutes=int(max(1, args.distributed_timeout_minutes)),
+        order=rank_order(args),
     )
     set_seeds(args.seed, use_gpu)
     return device
+
+
+def rank_order(args) -> str:
+    """megatron-core's rank order, innermost first. --use-tp-pp-dp-mapping: pipeline
+    neighbours on adjacent ranks, data-parallel replicas strided (the default puts the
+    pipeline outermost)."""
+    return "tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp"
 
 
 def set_seeds(seed: int, use_gpu: bool) -> None:

@@ -287,7 +287,7 @@ def prepare_data_cache(model: str, trainer_argv: list[str], world_size: int) -> 
         from megatron.trainer.gpt import GPT_TASK as task
     else:
         from megatron.trainer.bert import BERT_TASK as task
-    args = parse_args(trainer_argv, world_size=world_size)
+    args = parse_args(trainer_argv, world_size=world_size, model=model)
     if args.mock_data:
         return
     tokenizer = build_tokenizer(

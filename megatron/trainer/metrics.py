@@ -1,9 +1,19 @@
-"""Throughput arithmetic, the iteration log line Megatron users read, TensorBoard scalars."""
+"""Throughput arithmetic, the iteration log line Megatron users read, the scalars for
+TensorBoard and W&B (named as Megatron-LM names them), the parameters' norm and memory."""
 
 from __future__ import annotations
 
 import logging
+import os
+import resource
 from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+from megatron.trainer.configs import LoggingConfig
 
 log = logging.getLogger("megatron.trainer")
 
@@ -52,6 +62,8 @@ class IterationStats:
     world_size: int
     flops: float
     peak_tflops: float | None
+    num_zeros: int | None = None  # --log-num-zeros-in-grad
+    params_norm: float | None = None  # --log-params-norm
 
     def line(self, with_throughput: bool) -> str:
         parts = [
@@ -72,26 +84,71 @@ class IterationStats:
         parts.append(f"loss scale: {self.loss_scale:.1f}")
         if self.grad_norm is not None:
             parts.append(f"grad norm: {self.grad_norm:.3f}")
+        if self.num_zeros is not None:
+            parts.append(f"num zeros: {self.num_zeros}")
+        if self.params_norm is not None:
+            parts.append(f"params norm: {self.params_norm:.3f}")
         parts.append(f"number of skipped iterations: {self.skipped:3d}")
         parts.append(f"number of nan iterations: {self.nan:3d}")
         return " | ".join(parts) + " |"
 
 
-class TensorBoardLog:
-    """Scalars for TensorBoard; a no-op without --tensorboard-dir or on non-reporting ranks."""
+class ScalarLog:
+    """Scalars for TensorBoard (--tensorboard-dir) and W&B (--wandb-project); a no-op on
+    the ranks that do not report or with neither configured."""
 
-    def __init__(self, directory: str | None, enabled: bool):
-        self.writer = None
-        if directory and enabled:
+    def __init__(self, config: LoggingConfig, enabled: bool, run_config: dict | None = None):
+        self.writer = self.wandb_run = None
+        if not enabled:
+            return
+        if config.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=directory)
+            self.writer = SummaryWriter(log_dir=config.tensorboard_dir)
+        if config.wandb is not None:
+            import wandb  # importable: argument validation checked
+
+            os.makedirs(config.wandb.save_dir, exist_ok=True)
+            self.wandb_run = wandb.init(project=config.wandb.project, name=config.wandb.exp_name,
+                                        entity=config.wandb.entity, dir=config.wandb.save_dir,
+                                        config=run_config)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         if self.writer is not None:
             for name, value in values.items():
                 self.writer.add_scalar(name, value, step)
+        if self.wandb_run is not None:
+            self.wandb_run.log(dict(values), step=step)
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def params_norm(model: list[torch.nn.Module], device: torch.device) -> float:
+    """L2 norm of all the model's parameters, each counted once: a tensor-parallel
+    duplicate (a norm, a row-parallel bias) on tensor rank 0 only, the output layer's copy
+    of a tied embedding not at all. A collective of the model-parallel group."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for chunk in model:
+        for param in chunk.parameters():
+            if getattr(param, "shared", False) or not param_is_not_tensor_parallel_duplicate(param):
+                continue
+            total += param.detach().float().square().sum()
+    dist.all_reduce(total, group=parallel_state.get_model_parallel_group())
+    return total.sqrt().item()
+
+
+def memory_scalars(device: torch.device) -> dict[str, float]:
+    """This rank's memory: the CUDA allocator's figures on GPU (Megatron-LM's names), the
+    process's peak resident set on CPU."""
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        return {"mem-reserved-bytes": stats["reserved_bytes.all.current"],
+                "mem-allocated-bytes": stats["allocated_bytes.all.current"],
+                "mem-max-allocated-bytes": stats["allocated_bytes.all.peak"],
+                "mem-allocated-count": stats["allocation.all.current"]}
+    # ru_maxrss is in KiB on Linux
+    return {"mem-max-rss-bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

@@ -23,7 +23,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron.trainer.attention import SDPAttention
+from megatron.trainer.attention import FlashSDPAttention, SDPAttention
 from megatron.trainer.cross_entropy import vocab_parallel_cross_entropy
 from megatron.trainer.fused_layers import install_fused_layers
 from megatron.trainer.norms import SequenceParallelNorm
@@ -72,16 +72,23 @@ def transformer_config_from_args(args) -> TransformerConfig:
         layernorm_epsilon=args.norm_epsilon,
         add_bias_linear=not args.disable_bias_linear,
         gated_linear_unit=args.swiglu,
-        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
+        activation_func=_activation(args),
         # the fused bias ops go through torch.compile: seconds of compilation per process
         # on CPU for no gain there, so only on GPU. As in Megatron-LM, the fused GeLU is
-        # the tanh approximation (differs from the exact GeLU by < 5e-4)
-        bias_activation_fusion=(not args.no_bias_gelu_fusion and on_gpu
+        # the tanh approximation (differs from the exact GeLU by < 5e-4); megatron-core
+        # fuses no squared ReLU
+        bias_activation_fusion=(not args.no_bias_gelu_fusion and on_gpu and not args.squared_relu
                                 and (args.swiglu or not args.disable_bias_linear)),
         bias_dropout_fusion=not args.no_bias_dropout_fusion and on_gpu,
         masked_softmax_fusion=not args.no_masked_softmax_fusion and _fused_softmax_available(),
         apply_residual_connection_post_layernorm=args.apply_residual_connection_post_layernorm,
         attention_softmax_in_fp32=args.attention_softmax_in_fp32,
+        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
+        rotary_interleaved=args.rotary_interleaved,
+        apply_rope_fusion=rope_fusion(args),
+        calculate_per_token_loss=args.calculate_per_token_loss,
+        deterministic_mode=args.deterministic_mode,
         fp32_residual_connection=args.fp32_residual_connection,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -111,7 +118,8 @@ def transformer_config_from_args(args) -> TransformerConfig:
         # duplicates for the grad norm); initialize_layout_independent then overwrites values
         perform_initialization=True,
         use_cpu_initialization=not torch.cuda.is_available(),
-        attention_backend=AttnBackend.auto if te else AttnBackend.local,
+        # megatron-core passes TE's backend choice on through NVTE_* variables
+        attention_backend=_te_attention_backend(args) if te else AttnBackend.local,
         # the weight-gradient GEMM adds into the fp32 main_grad (no_apex.WeightGradAccumulation).
         # On GPU only (it saves a kernel there), unless the B/W split needs the path: it
         # defers exactly those GEMMs (megatron/dpp/weight_grad.py)
@@ -122,6 +130,29 @@ def transformer_config_from_args(args) -> TransformerConfig:
         # megatron-core's validation asks for this whenever variable_seq_lengths is on
         kwargs["moe_token_dispatcher_type"] = "alltoall"
     return TransformerConfig(**kwargs)
+
+
+def _activation(args):
+    if args.swiglu:
+        return torch.nn.functional.silu
+    if args.squared_relu:
+        from megatron.core.activations import squared_relu
+
+        return squared_relu
+    return torch.nn.functional.gelu
+
+
+def _te_attention_backend(args) -> AttnBackend:
+    if args.use_flash_attn:
+        return AttnBackend.flash
+    return AttnBackend[args.attention_backend]
+
+
+def rope_fusion(args) -> bool:
+    """Megatron-LM fuses rotary embeddings unless --no-rope-fusion; megatron-core's fused
+    kernels are Transformer Engine's (GPU), and do not rotate interleaved pairs."""
+    return (args.position_embedding_type == "rope" and not args.no_rope_fusion
+            and not args.rotary_interleaved and transformer_engine_available())
 
 
 def batch_p2p_comm(args) -> bool:
@@ -144,9 +175,10 @@ def _fused_softmax_available() -> bool:
     )
 
 
-def _with_sdpa(spec: ModuleSpec) -> ModuleSpec:
+def _with_sdpa(spec: ModuleSpec, args) -> ModuleSpec:
     spec = copy.deepcopy(spec)
-    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    core = FlashSDPAttention if args.use_flash_attn else SDPAttention
+    spec.submodules.self_attention.submodules.core_attention = core
     return spec
 
 
@@ -159,14 +191,20 @@ def gpt_layer_spec(args) -> ModuleSpec:
         # no normalization argument: TE's fused norm-linear layers read config.normalization
         return get_gpt_layer_with_transformer_engine_spec()
     local = get_gpt_layer_local_spec(normalization=args.normalization)
-    if args.sequence_parallel:
+    if _own_norms(args):
         local = _with_sequence_parallel_norms(local)
-    return local if _stock_attention(args) else _with_sdpa(local)
+    return local if _stock_attention(args) else _with_sdpa(local, args)
+
+
+def _own_norms(args) -> bool:
+    """Local layers whose norms megatron-core's torch fallback cannot build: under sequence
+    parallelism or with zero-centred weights (norms.py)."""
+    return args.sequence_parallel or args.apply_layernorm_1p
 
 
 def _with_sequence_parallel_norms(spec: ModuleSpec) -> ModuleSpec:
     """The local layer spec's norms as SequenceParallelNorm (megatron-core's torch norm
-    refuses sequence parallelism; norms.py)."""
+    refuses sequence parallelism and zero-centred weights; norms.py)."""
     spec = copy.deepcopy(spec)
     spec.submodules.input_layernorm = SequenceParallelNorm
     spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
@@ -177,7 +215,7 @@ def _gpt_block_spec(args, config, vp_stage):
     """The decoder's spec: the layer spec, or under sequence parallelism with local layers
     the block's layers and its final norm, a SequenceParallelNorm too."""
     layer = gpt_layer_spec(args)
-    if not args.sequence_parallel or use_transformer_engine(args):
+    if not _own_norms(args) or use_transformer_engine(args):
         return layer
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer] * layers,
@@ -191,7 +229,8 @@ def bert_layer_spec(args) -> ModuleSpec:
         )
 
         return get_bert_layer_with_transformer_engine_spec()
-    return bert_layer_local_spec if _stock_attention(args) else _with_sdpa(bert_layer_local_spec)
+    return (bert_layer_local_spec if _stock_attention(args)
+            else _with_sdpa(bert_layer_local_spec, args))
 
 
 def _stock_attention(args) -> bool:
@@ -318,6 +357,8 @@ def initialize_layout_independent(module: torch.nn.Module, args) -> None:
     """Initialise every parameter from a seed derived from its canonical name, generating
     the full (unsplit) tensor and keeping this rank's tensor-parallel slice."""
     tied = not args.untie_embeddings_and_output_weights
+    # --apply-layernorm-1p: norm weights are offsets from 1
+    norm_weight = 0.0 if args.apply_layernorm_1p else 1.0
     std = args.init_method_std
     output_std = std / (2.0 * args.num_layers) ** 0.5
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -329,19 +370,19 @@ def initialize_layout_independent(module: torch.nn.Module, args) -> None:
             sharded = getattr(param, "tensor_model_parallel", False) and split_dim >= 0
             if sharded:
                 full_shape[split_dim] *= tp_size
-            values = _initial_values(name, full_shape, std, output_std, args.seed)
+            values = _initial_values(name, full_shape, std, output_std, args.seed, norm_weight)
             if sharded:
                 values = values.chunk(tp_size, dim=split_dim)[tp_rank]
             param.copy_(values.to(param.dtype))
 
 
-def _initial_values(name, shape, std, output_std, seed) -> torch.Tensor:
+def _initial_values(name, shape, std, output_std, seed, norm_weight) -> torch.Tensor:
     leaf = name.rsplit(".", 1)[-1]
     is_norm = "norm" in name or "layernorm" in name
     if leaf == "bias" or leaf.endswith("_bias") or (is_norm and leaf != "weight" and "bias" in leaf):
         return torch.zeros(shape)
     if is_norm:
-        return torch.ones(shape)
+        return torch.full(shape, norm_weight)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     scale = output_std if ("linear_proj" in name or "linear_fc2" in name) else std
     return torch.empty(shape).normal_(0.0, scale, generator=generator)

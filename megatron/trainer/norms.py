@@ -6,12 +6,32 @@ so its norm weights get a partial gradient, and megatron-core sums those over th
 tensor-parallel group only for parameters tagged `sequence_parallel = True`
 (finalize_model_grads), which apex's and TE's norms set and torch's do not.
 `SequenceParallelNorm` is torch's LayerNorm / RMSNorm with that tag, used by the local
-layer specs under --sequence-parallel (megatron/trainer/models.py).
+layer specs under --sequence-parallel (megatron/trainer/models.py). It also keeps the
+weights as offsets from 1 (--apply-layernorm-1p, config.layernorm_zero_centered_gamma),
+which torch's norms cannot.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+
+class ZeroCenteredNorm(torch.nn.Module):
+    """LayerNorm / RMSNorm whose weight w scales by (1 + w): the weights start at 0 and a
+    low-precision copy represents small changes around 1 exactly."""
+
+    def __init__(self, hidden_size: int, eps: float, rms: bool):
+        super().__init__()
+        self.shape, self.eps, self.rms = (hidden_size,), eps, rms
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size))
+        self.bias = None if rms else torch.nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.weight + 1
+        if self.rms:
+            return F.rms_norm(x, self.shape, scale, self.eps)
+        return F.layer_norm(x, self.shape, scale, self.bias, self.eps)
 
 
 class SequenceParallelNorm:
@@ -21,19 +41,21 @@ class SequenceParallelNorm:
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5,
                 persist_layer_norm: bool = False, zero_centered_gamma: bool = False,
                 normalization: str = "LayerNorm") -> torch.nn.Module:
-        unsupported = [name for name in ("layernorm_zero_centered_gamma", "persist_layer_norm",
-                                         "memory_efficient_layer_norm")
+        unsupported = [name for name in ("persist_layer_norm", "memory_efficient_layer_norm")
                        if getattr(config, name, False)]
         if unsupported:
             raise ValueError(f"SequenceParallelNorm (torch's norms): {', '.join(unsupported)} "
                              "need apex or Transformer Engine")
-        if config.normalization == "LayerNorm":
-            norm = torch.nn.LayerNorm(hidden_size, eps=eps)
-        elif config.normalization == "RMSNorm":
-            norm = torch.nn.RMSNorm(hidden_size, eps=eps)
-        else:
+        if config.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"SequenceParallelNorm: normalization {config.normalization!r} is "
                              "not LayerNorm or RMSNorm")
+        rms = config.normalization == "RMSNorm"
+        if config.layernorm_zero_centered_gamma:
+            norm = ZeroCenteredNorm(hidden_size, eps, rms)
+        elif rms:
+            norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        else:
+            norm = torch.nn.LayerNorm(hidden_size, eps=eps)
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel
         return norm

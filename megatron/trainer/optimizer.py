@@ -18,6 +18,7 @@ def wrap_model_chunks(chunks, args, config, device) -> list[torch.nn.Module]:
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        average_in_collective=args.ddp_average_in_collective,
         check_for_nan_in_grad=False,
         bucket_size=None,
     )
@@ -36,11 +37,17 @@ def wrap_model_chunks(chunks, args, config, device) -> list[torch.nn.Module]:
     return wrapped
 
 
-def build_optimizer(model_chunks, args):
+def build_optimizer(model_chunks, args, timers=None):
+    """`timers`: megatron-core's optimizer times its phases at level 1 (timers.py)."""
     config = OptimizerConfig(
         optimizer=args.optimizer,
         lr=args.lr,
         min_lr=args.min_lr,
+        # the embedding's and the output layer's own lr (megatron-core's param groups)
+        decoupled_lr=args.decoupled_lr,
+        decoupled_min_lr=args.decoupled_min_lr,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        timers=timers,
         weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2,

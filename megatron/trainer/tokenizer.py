@@ -20,6 +20,7 @@ TOKENIZER_TYPES = (
     "BertWordPieceCase",
     "HuggingFaceTokenizer",
     "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
     "NullTokenizer",
 )
 
@@ -289,9 +290,11 @@ class HuggingFaceTokenizer(_HFBackedTokenizer):
 
 
 class SentencePieceTokenizer(Tokenizer):
-    """A sentencepiece .model file; EOD is its </s> (eos) piece."""
+    """A sentencepiece .model file; EOD is its </s> (eos) piece, no tokens are added. Also
+    Megatron-LM's GPTSentencePieceTokenizer, which is exactly that."""
 
-    def __init__(self, tokenizer_model: str) -> None:
+    def __init__(self, tokenizer_model: str,
+                 tokenizer_type: str = "SentencePieceTokenizer") -> None:
         try:
             import sentencepiece
         except ImportError as error:
@@ -305,7 +308,7 @@ class SentencePieceTokenizer(Tokenizer):
             raise TokenizerFileError(
                 f"tokenizer model {tokenizer_model}: cannot load: {error}"
             ) from error
-        super().__init__("SentencePieceTokenizer", {"tokenizer_model": tokenizer_model})
+        super().__init__(tokenizer_type, {"tokenizer_model": tokenizer_model})
         size = self._processor.get_piece_size()
         self._vocab = {self._processor.id_to_piece(i): i for i in range(size)}
 
@@ -400,9 +403,9 @@ def build_tokenizer(
     if tokenizer_type == "HuggingFaceTokenizer":
         _require_arg(tokenizer_model, "--tokenizer-model", tokenizer_type)
         return HuggingFaceTokenizer(tokenizer_model)
-    if tokenizer_type == "SentencePieceTokenizer":
+    if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
         _require_arg(tokenizer_model, "--tokenizer-model", tokenizer_type)
-        return SentencePieceTokenizer(tokenizer_model)
+        return SentencePieceTokenizer(tokenizer_model, tokenizer_type)
     if tokenizer_type == "NullTokenizer":
         _require_arg(vocab_size, "--vocab-size", tokenizer_type)
         return NullTokenizer(vocab_size)

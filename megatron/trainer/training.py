@@ -26,6 +26,7 @@ from megatron.trainer import checkpointing, core_overrides, fast_path, metrics, 
 from megatron.trainer.arguments import ArgumentError, parse_args
 from megatron.trainer.batch_schedule import batch_size_schedule
 from megatron.trainer.checkpoint_config import CheckpointConfig
+from megatron.trainer.configs import LoggingConfig, TokenizerConfig
 from megatron.trainer.cuda_graphs import install_block_graphs
 from megatron.trainer.data import MicroBatchIterator, check_data_paths, microbatch_lengths
 from megatron.trainer.failures import exit_on_known_failures
@@ -39,7 +40,7 @@ from megatron.trainer.models import (
 from megatron.trainer.optimizer import build_optimizer, build_scheduler, wrap_model_chunks
 from megatron.trainer.profiler import StepProfiler
 from megatron.trainer.rng import ForwardRng
-from megatron.trainer.tokenizer import build_tokenizer
+from megatron.trainer.timers import Timers
 
 log = logging.getLogger("megatron.trainer")
 
@@ -71,6 +72,8 @@ class Trainer:
     state: checkpointing.TrainingState
     schedule: Callable
     rng: ForwardRng
+    logging: LoggingConfig
+    timers: Timers
     tracer: object = field(default_factory=tracing.NullTracer)  # --trace: see start_tracing
     collector: ManualGC = field(default_factory=lambda: ManualGC(enabled=False))
     checkpointer: checkpointing.Checkpointer | None = None  # None: no --save / --load
@@ -91,7 +94,7 @@ def pretrain(task: ModelTask, argv=None, extra_args_provider=None) -> checkpoint
     Ctrl-C) ends the rank with one line naming the cause (megatron.trainer.failures)."""
     setup_logging(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
     with exit_on_known_failures(sys.argv[0]):
-        args = parse_args(argv, extra_args_provider)
+        args = parse_args(argv, extra_args_provider, model=task.name.lower())
         with contextlib.ExitStack() as stack:
             trainer = setup(task, args, stack)
             train(trainer)
@@ -108,10 +111,8 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     except fast_path.GraphsRefused as refusal:
         raise ArgumentError(str(refusal)) from None
     fast_path.log_fallbacks(args.fast_path_fallbacks + model_fallbacks)
-    tokenizer = build_tokenizer(
-        args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
-        tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
-    )
+    logging_config = LoggingConfig.from_args(args)
+    tokenizer = TokenizerConfig.from_args(args).build()
     args.padded_vocab_size = _padded_vocab_size(tokenizer.vocab_size, args)
     config = transformer_config_from_args(args)
     if config.gradient_accumulation_fusion:
@@ -124,7 +125,8 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
         install_block_graphs(model, args, device, weight_grads)
     if not args.megatron_optimizer_fallbacks:
         stack.enter_context(no_apex.foreach_multi_tensor_ops())
-    optimizer = build_optimizer(model, args)
+    timers = Timers(logging_config.timing_level, synchronize=device.type == "cuda")
+    optimizer = build_optimizer(model, args, timers if timers.level >= 1 else None)
     scheduler = build_scheduler(optimizer, args)
     _install_schedule_hooks(config, model, optimizer, args)
     state = checkpointing.TrainingState()
@@ -151,7 +153,8 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
         ManualGC(args.manual_gc, args.manual_gc_interval, args.manual_gc_eval))
     return Trainer(args, task, device, model, optimizer, scheduler, config,
                    _batch_calculator(args), datasets, state, schedule,
-                   ForwardRng(args.seed, device), collector=collector, checkpointer=checkpointer)
+                   ForwardRng(args.seed, device), logging_config, timers, collector=collector,
+                   checkpointer=checkpointer)
 
 
 def _padded_vocab_size(vocab_size: int, args) -> int:
@@ -204,7 +207,8 @@ def data_iterators(trainer: Trainer, dataset, consumed_samples: int):
         ) or parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
         iterators.append(
             MicroBatchIterator(dataset, args.micro_batch_size, consumed_samples,
-                               seq_length_cv=args.seq_length_cv, seed=args.seed)
+                               seq_length_cv=args.seq_length_cv, seed=args.seed,
+                               num_workers=args.num_workers)
             if needs_data else None
         )
     return iterators if len(iterators) > 1 else iterators[0]
@@ -214,9 +218,12 @@ def start_tracing(trainer: Trainer) -> None:
     """--trace: a Tracer for this rank, fed by the DPP schedule itself or, for megatron.core's
     schedules, through config.timers (which also reports the grad sync under DPP)."""
     trainer.tracer = tracing.open_tracer(trainer.args, trainer.device, len(trainer.model))
-    timers = trainer.tracer.megatron_timers(label_compute=not trainer.args.use_dpp)
-    if timers is not None:
-        trainer.config.timers = timers
+    traced = trainer.tracer.megatron_timers(label_compute=not trainer.args.use_dpp)
+    # megatron-core's timers go to --timing-log-level's Timers, which pass them on to the
+    # tracer's
+    trainer.timers.inner = traced
+    if traced is not None or trainer.timers.level >= 1:
+        trainer.config.timers = trainer.timers
     if hasattr(trainer.schedule, "tracer"):
         trainer.schedule.tracer = trainer.tracer
 
@@ -233,6 +240,8 @@ def train_step(trainer: Trainer, iterator) -> dict:
     if args.use_dpp and args.seq_length_cv > 0:
         # the microbatches' token counts are known before the step: DPP orders by them
         trainer.schedule.set_microbatch_costs(lengths)
+    forward_backward = trainer.timers("forward-backward", log_level=1)
+    forward_backward.start()
     losses = trainer.schedule(
         forward_step_func=trainer.forward_step_func(trainer.state.iteration + 1),
         data_iterator=iterator,
@@ -243,8 +252,12 @@ def train_step(trainer: Trainer, iterator) -> dict:
         decoder_seq_length=args.seq_length,
         forward_only=False,
     )
+    forward_backward.stop()
+    optimizer = trainer.timers("optimizer", log_level=1)
+    optimizer.start()
     with trainer.tracer.span("optimizer"):
-        updated, grad_norm, _ = trainer.optimizer.step()
+        updated, grad_norm, num_zeros = trainer.optimizer.step()
+    optimizer.stop()
     trainer.tracer.end_iteration()
     if updated:
         trainer.scheduler.step(increment=batch)
@@ -253,6 +266,7 @@ def train_step(trainer: Trainer, iterator) -> dict:
     return {
         "losses": reduce_losses(losses, trainer.task.loss_names),
         "grad_norm": grad_norm,
+        "num_zeros": num_zeros,
         "updated": updated,
         "batch": batch,
         "lengths": lengths,
@@ -299,7 +313,8 @@ def train(trainer: Trainer) -> None:
     args, state = trainer.args, trainer.state
     train_set, valid_set, _ = trainer.datasets
     iterator = data_iterators(trainer, train_set, state.consumed_samples)
-    board = metrics.TensorBoardLog(args.tensorboard_dir, trainer.reporting)
+    logging_config = trainer.logging
+    board = metrics.ScalarLog(logging_config, trainer.reporting, _run_config(args))
     peak = metrics.peak_tflops(torch.cuda.get_device_name() if torch.cuda.is_available() else "")
     for chunk in trainer.model:
         chunk.train()
@@ -329,6 +344,11 @@ def train(trainer: Trainer) -> None:
             elapsed = (time.perf_counter() - interval_start) / interval_iters
             # per-rank memory: one tiny all-gather per log interval, only when asked for
             peaks = tracing.gather_peak_memory(trainer.device) if args.log_throughput else None
+            # collectives of the model-parallel group: every rank takes part
+            norm = (metrics.params_norm(trainer.model, trainer.device)
+                    if logging_config.params_norm else None)
+            timed = {name: 1000.0 * seconds / interval_iters
+                     for name, seconds in trainer.timers.take().items()}
             if trainer.reporting:
                 stats = metrics.IterationStats(
                     iteration=state.iteration, train_iters=args.train_iters,
@@ -340,13 +360,17 @@ def train(trainer: Trainer) -> None:
                     nan=nan_iterations, tokens=interval_tokens // interval_iters,
                     world_size=dist.get_world_size(),
                     flops=interval_flops / interval_iters, peak_tflops=peak,
+                    num_zeros=None if result["num_zeros"] is None else int(result["num_zeros"]),
+                    params_norm=norm,
                 )
                 log.info(stats.line(args.log_throughput))
                 if peaks is not None:
                     log.info(tracing.memory_line(peaks, trainer.device))
-                board.scalars(state.iteration, {**{f"train/{k}": v for k, v in losses.items()},
-                                                "train/lr": stats.lr,
-                                                "train/ms_per_iter": stats.elapsed_ms})
+                if timed:
+                    log.info("timers (ms per iteration) | %s |", " | ".join(
+                        f"{name}: {ms:.2f}" for name, ms in timed.items()))
+                board.scalars(state.iteration, _interval_scalars(logging_config, stats, timed,
+                                                                 trainer.device))
             interval_start, interval_tokens, interval_flops, interval_iters = (
                 time.perf_counter(), 0, 0.0, 0)
         if args.eval_interval and args.eval_iters and valid_set is not None and (
@@ -360,7 +384,7 @@ def train(trainer: Trainer) -> None:
                 log.info("validation at iteration %d | %s", state.iteration,
                          " | ".join(f"{k} value: {v:.6E} | {k} PPL: {math.exp(min(v, 20)):.6E}"
                                     for k, v in results.items()))
-                board.scalars(state.iteration, {f"valid/{k}": v for k, v in results.items()})
+                board.scalars(state.iteration, _validation_scalars(logging_config, results))
         _checkpoint(trainer)
         if args.exit_interval and state.iteration % args.exit_interval == 0:
             break
@@ -386,3 +410,36 @@ def _checkpoint(trainer: Trainer) -> None:
     if persistent or non_persistent:
         checkpointer.save(trainer.model, trainer.optimizer, trainer.scheduler, trainer.state,
                           non_persistent=not persistent)
+
+
+def _run_config(args) -> dict:
+    """The flags as W&B's run configuration (plain values only)."""
+    plain = (bool, int, float, str, type(None))
+    return {name: value if isinstance(value, plain) else str(value)
+            for name, value in vars(args).items()}
+
+
+def _interval_scalars(config: LoggingConfig, stats: metrics.IterationStats,
+                      timed: dict[str, float], device: torch.device) -> dict[str, float]:
+    """A log interval's scalars for TensorBoard / W&B, with Megatron-LM's names for the
+    ones its --log-* flags add."""
+    values = {**{f"train/{k}": v for k, v in stats.losses.items()}, "train/lr": stats.lr,
+              "train/ms_per_iter": stats.elapsed_ms}
+    if config.timers_to_tensorboard:
+        values["iteration-time"] = stats.elapsed_ms
+        values.update({f"{name}-time": ms for name, ms in timed.items()})
+    if config.memory_to_tensorboard:
+        values.update(metrics.memory_scalars(device))
+    if stats.num_zeros is not None:
+        values["num-zeros"] = stats.num_zeros
+    if stats.params_norm is not None:
+        values["params-norm"] = stats.params_norm
+    return values
+
+
+def _validation_scalars(config: LoggingConfig, results: dict[str, float]) -> dict[str, float]:
+    values = {f"valid/{k}": v for k, v in results.items()}
+    if config.validation_ppl:
+        # as the log line: exp of the loss, capped at exp(20)
+        values.update({f"valid/{k} ppl": math.exp(min(v, 20.0)) for k, v in results.items()})
+    return values
