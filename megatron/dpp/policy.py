@@ -44,9 +44,9 @@ from the same costs (`microbatch_order_for`).
 
 Memory with variable lengths. The caps above count microbatches; a microbatch of 4x the
 tokens holds 4x the activations. Given the costs (`costs`: token counts), the policy also
-caps the tokens a rank holds from F to its release: the most its own plan holds (the
-static schedule fed the same order: 1F1B, or ZB-H1 with the split) plus the `slack`
-dearest microbatches. A forward runs ahead of the plan, or before a planned W, only if the
+caps the tokens a rank holds from F to its release: the most the static schedule fed the
+same order holds there (1F1B, or ZB-H1 with the split) plus the `slack` dearest
+microbatches. A forward runs ahead of the plan, or before a planned W, only if the
 rest of the plan stays within that cap with it (the planned task itself is never held
 back, so deadlock freedom is the plan's). At slack 0 a rank never holds more tokens than
 the static schedule with the same order.
@@ -325,7 +325,8 @@ class GreedyPolicy:
 
     def _cap_costs(self, costs: list[float]) -> None:
         """The token cap (module docstring): the plan's held cost from each position on,
-        and the cap, the plan's peak plus the slack's dearest microbatches."""
+        and the cap, the static schedule's peak in this order plus the slack's dearest
+        microbatches (the plan's extra warm-up forwards stay within it)."""
         if len(costs) != self.stage.num_microbatches or any(c < 0 for c in costs):
             raise ValueError(f"{len(costs)} microbatch costs (each >= 0) for "
                              f"{self.stage.num_microbatches} microbatches")
@@ -337,8 +338,14 @@ class GreedyPolicy:
             profile.append(profile[-1] + change)
         for k in range(len(profile) - 2, -1, -1):
             profile[k] = max(profile[k], profile[k + 1])
+        # the static schedule: the plan without the slack's extra warm-up forwards
+        held = static_peak_cost = 0
+        for kind, _, k in _plan_shape(self.stage, 0).skeleton:
+            cost = costs[self._order[k]]
+            held += cost if kind == FORWARD else (-cost if kind == release else 0)
+            static_peak_cost = max(static_peak_cost, held)
         self._costs, self._cost_peak_from = costs, profile
-        self._cost_cap = profile[0] + sum(sorted(costs, reverse=True)[:self.stage.slack])
+        self._cost_cap = static_peak_cost + sum(sorted(costs, reverse=True)[:self.stage.slack])
 
     @property
     def cap(self) -> int:
