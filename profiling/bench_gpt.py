@@ -47,6 +47,7 @@ M32 = ["--global-batch-size", "64"]
 M64 = ["--global-batch-size", "128"]
 GRAPHS = ["--cuda-graph-impl", "block"]
 XENT = ["--cross-entropy-fusion-impl", "triton"]
+VARIABLE = ["--seq-length-cv", "0.5"]
 
 CONFIGS = {
     # name: extra flags (a later --global-batch-size overrides --microbatches)
@@ -112,6 +113,14 @@ CONFIGS |= {
     "xent-graphs-m64-dpp-shm-split-slack0": [*FUSED, *XENT, *M64, *GRAPHS, "--use-dpp",
                                              "--dpp-transport", "shm", "--dpp-split-backward",
                                              "--dpp-max-inflight", "0"],
+    # variable lengths against the best static schedule given the same order (issue 19):
+    # plain 1F1B, 1F1B fed the cost order, DPP at slack 0 without and with the split
+    "var2-1f1b": [*FUSED, *XENT, *VARIABLE],
+    "var2-1f1b-cost": [*FUSED, *XENT, *VARIABLE, "--microbatch-order", "cost"],
+    "var2-dpp-shm-slack0": [*FUSED, *XENT, *VARIABLE, "--use-dpp", "--dpp-transport", "shm",
+                            "--dpp-max-inflight", "0"],
+    "var2-dpp-shm-split-slack0": [*FUSED, *XENT, *VARIABLE, "--use-dpp", "--dpp-transport",
+                                  "shm", "--dpp-max-inflight", "0", "--dpp-split-backward"],
 }
 
 # every configuration above was measured before the CUDA-graph blocks and the single-pass
@@ -152,6 +161,8 @@ RATIOS = (
     ("xent-graphs-m64-dpp-torch", "xent-graphs-m64"), ("xent-graphs-m64-dpp-shm", "xent-graphs-m64"),
     ("xent-graphs-m64-dpp-shm", "xent-graphs-m64-dpp-torch"), ("one-fast", "one-default"),
     ("pp1-xent-split", "pp1-xent"), ("pp1-xent-graphs-split", "pp1-xent-graphs"),
+    ("var2-1f1b-cost", "var2-1f1b"), ("var2-dpp-shm-slack0", "var2-1f1b-cost"),
+    ("var2-dpp-shm-split-slack0", "var2-1f1b-cost"), ("var2-dpp-shm-split-slack0", "var2-1f1b"),
     ("xent-graphs-m64-dpp-shm-split", "xent-graphs-m64-dpp-shm"),
     ("xent-graphs-m64-dpp-shm-split-slack0", "xent-graphs-m64"),
     ("one-gpu-default", "one-gpu-fastest"), ("one-gpu-default", "one-gpu-local"),

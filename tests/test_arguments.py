@@ -420,3 +420,57 @@ def test_megatron_lm_gpt_flags_train(tmp_path):
     assert any("no checkpoint under" in m for m in warnings)
     pointer = tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt"
     assert pointer.read_text().strip() == "2"
+
+
+DOCUMENTS = with_flags(BASE, mock_data=None, data_path="corpus_text_document",
+                       variable_seq_lengths=True)
+VARIABLE_LENGTH_REFUSALS = {
+    # name: (flags, world size, the one-line reason)
+    "mock_data": (with_flags(DOCUMENTS, data_path=None, mock_data=True), 1,
+                  "--variable-seq-lengths needs --data-path"),
+    "seq_length_cv": (with_flags(DOCUMENTS, seq_length_cv=0.5), 1,
+                      "--variable-seq-lengths and --seq-length-cv are two sources of lengths"),
+    "rampup": (with_flags(DOCUMENTS, rampup_batch_size=[2, 2, 8], global_batch_size=8), 1,
+               "--variable-seq-lengths with --rampup-batch-size"),
+    "reset_position_ids": (with_flags(DOCUMENTS, reset_position_ids=True), 1,
+                           "--variable-seq-lengths with --reset-position-ids"),
+    "cuda_graphs": (with_flags(DOCUMENTS, cuda_graph_impl="block"), 1,
+                    "--variable-seq-lengths with CUDA graphs"),
+    "core_interleaved_pp2": (
+        with_flags(DOCUMENTS, pipeline_model_parallel_size=2,
+                   virtual_pipeline_model_parallel_size=2, global_batch_size=8), 2,
+        "--variable-seq-lengths with megatron-core's interleaved schedule at "
+        "--pipeline-model-parallel-size 2"),
+    "grouping_without_documents": (with_flags(BASE, group_by_length=True), 1,
+                                   "--group-by-length needs --variable-seq-lengths"),
+    "cost_order_with_fixed_lengths": (with_flags(BASE, microbatch_order="cost"), 1,
+                                      "--microbatch-order cost needs --variable-seq-lengths"),
+}
+
+
+@pytest.mark.parametrize("case", list(VARIABLE_LENGTH_REFUSALS))
+def test_variable_lengths_refuse_what_they_cannot_do(case):
+    flags, world, reason = VARIABLE_LENGTH_REFUSALS[case]
+    assert reason in _error(flags, world)
+
+
+def test_variable_length_defaults():
+    """The order: cost with --use-dpp, natural otherwise (a plain run stays Megatron's);
+    padding: 1 on CPU, and a multiple of TP under sequence parallelism."""
+    plain = parse_args(DOCUMENTS, world_size=1)
+    assert (plain.microbatch_order, plain.pad_to_multiple) == ("natural", 1)
+    dpp = parse_args(with_flags(DOCUMENTS, use_dpp=True, pipeline_model_parallel_size=2),
+                     world_size=2)
+    assert dpp.microbatch_order == "cost"
+    sp = parse_args(with_flags(DOCUMENTS, tensor_model_parallel_size=2, sequence_parallel=True,
+                               pad_to_multiple=3), world_size=2)
+    assert sp.pad_to_multiple == 6
+
+
+def test_bert_refuses_variable_seq_lengths():
+    from megatron.trainer.bert import BERT_TASK
+    from megatron.trainer.training import setup
+
+    args = parse_args(DOCUMENTS, world_size=1)
+    with pytest.raises(ArgumentError, match="--variable-seq-lengths is for GPT"):
+        setup(BERT_TASK, args, None)

@@ -64,6 +64,14 @@ def test_conditions_that_need_a_gpu_to_train_name_their_reason(flags, machine, f
     assert line.startswith(feature + " off: ") and reason in line
 
 
+def test_variable_lengths_fall_back_from_graphs():
+    """Documents of their own lengths (tests/test_variable_lengths.py trains them)."""
+    flags = [flag for flag in FLAGS if flag != "--mock-data"]
+    (line,) = _resolved([*flags, "--variable-seq-lengths", "--data-path", "documents"]
+                        ).fast_path_fallbacks
+    assert line.startswith(fast_path.CUDA_GRAPHS + " off: ") and "--variable-seq-lengths" in line
+
+
 def test_explicit_choices_are_validated_not_defaulted():
     with pytest.raises(ArgumentError, match="--tensor-model-parallel-size > 1"):
         _resolved([*FLAGS, "--cuda-graph-impl", "block", "--tensor-model-parallel-size", "2"],

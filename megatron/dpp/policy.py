@@ -41,6 +41,15 @@ first, dearest about 0.3 of the way, cheap last (`cost_order`). `choose_cost_ord
 one of two such orders (`ORDER_CANDIDATES`) by running this very rule on the known costs
 in the simulator's engine (megatron/dpp/engine.py); every rank computes the same choice
 from the same costs (`microbatch_order_for`).
+
+Memory with variable lengths. The caps above count microbatches; a microbatch of 4x the
+tokens holds 4x the activations. Given the costs (`costs`: token counts), the policy also
+caps the tokens a rank holds from F to its release: the most the static schedule fed the
+same order holds there (1F1B, or ZB-H1 with the split) plus the `slack` dearest
+microbatches. A forward runs ahead of the plan, or before a planned W, only if the
+rest of the plan stays within that cap with it (the planned task itself is never held
+back, so deadlock freedom is the plan's). At slack 0 a rank never holds more tokens than
+the static schedule with the same order.
 """
 
 from __future__ import annotations
@@ -262,10 +271,12 @@ class GreedyPolicy:
                  "_held_peak_from", "_cap", "_held_cap", "_split", "_length", "_done",
                  "_next_pos", "_ahead_forwards", "_next_forward", "_next_backward",
                  "_next_weight", "_in_flight", "_held", "_running", "_running_pos",
-                 "_backward_ahead", "_local_forward_chunk", "_local_backward_chunk")
+                 "_backward_ahead", "_local_forward_chunk", "_local_backward_chunk",
+                 "_costs", "_cost_peak_from", "_cost_cap", "_held_cost", "_ahead_cost")
 
     def __init__(self, stage: StageConfig, extra_warmup: int | None = None,
-                 microbatch_order: list[int] | None = None):
+                 microbatch_order: list[int] | None = None,
+                 costs: list[float] | None = None):
         self.stage = stage
         chunks, m = stage.num_chunks, stage.num_microbatches
         if extra_warmup is None:
@@ -306,6 +317,35 @@ class GreedyPolicy:
         # -1 never matches a chunk: this rank has no local input of that kind
         self._local_forward_chunk = 0 if stage.rank == 0 else -1
         self._local_backward_chunk = chunks - 1 if stage.rank == stage.pp_size - 1 else -1
+        self._held_cost = self._ahead_cost = 0
+        self._costs = self._cost_peak_from = None
+        self._cost_cap = 0
+        if costs is not None and not stage.forward_only:
+            self._cap_costs(list(costs))
+
+    def _cap_costs(self, costs: list[float]) -> None:
+        """The token cap (module docstring): the plan's held cost from each position on,
+        and the cap, the static schedule's peak in this order plus the slack's dearest
+        microbatches (the plan's extra warm-up forwards stay within it)."""
+        if len(costs) != self.stage.num_microbatches or any(c < 0 for c in costs):
+            raise ValueError(f"{len(costs)} microbatch costs (each >= 0) for "
+                             f"{self.stage.num_microbatches} microbatches")
+        release = WEIGHT if self._split else BACKWARD
+        profile = [0]
+        for kind, _, microbatch in self._plan:
+            change = costs[microbatch] if kind == FORWARD else (
+                -costs[microbatch] if kind == release else 0)
+            profile.append(profile[-1] + change)
+        for k in range(len(profile) - 2, -1, -1):
+            profile[k] = max(profile[k], profile[k + 1])
+        # the static schedule: the plan without the slack's extra warm-up forwards
+        held = static_peak_cost = 0
+        for kind, _, k in _plan_shape(self.stage, 0).skeleton:
+            cost = costs[self._order[k]]
+            held += cost if kind == FORWARD else (-cost if kind == release else 0)
+            static_peak_cost = max(static_peak_cost, held)
+        self._costs, self._cost_peak_from = costs, profile
+        self._cost_cap = static_peak_cost + sum(sorted(costs, reverse=True)[:self.stage.slack])
 
     @property
     def cap(self) -> int:
@@ -317,6 +357,23 @@ class GreedyPolicy:
     def activation_cap(self) -> int:
         """The most microbatches this rank holds from F to B."""
         return self._cap
+
+    @property
+    def cost_cap(self) -> float | None:
+        """The most cost (tokens) this rank holds from F to release; None without costs."""
+        return None if self._costs is None else self._cost_cap
+
+    @property
+    def held_cost(self) -> float:
+        """The cost of the microbatches held from F to release (0 without costs)."""
+        return self._held_cost
+
+    def _forward_fits(self, task: Task) -> bool:
+        """Whether a forward run out of the plan's turn keeps the rest of the plan within
+        the token cap (always without costs)."""
+        costs = self._costs
+        return costs is None or (self._cost_peak_from[self._next_pos] + self._ahead_cost
+                                 + costs[task[2]] <= self._cost_cap)
 
     @property
     def in_flight(self) -> int:
@@ -376,6 +433,7 @@ class GreedyPolicy:
         task = plan[pos]
         if task[0] == FORWARD:
             ready = (self._in_flight < self._cap and self._held < self._held_cap
+                     and self._forward_fits(task)
                      and (task[1] == self._local_forward_chunk or arrived(task)))
         else:
             ready = task[1] == self._local_backward_chunk or arrived(task)
@@ -415,7 +473,8 @@ class GreedyPolicy:
                 pos = self._forward_position[chunk][k]
                 if pos < best_pos:
                     task = self._forwards[chunk][k]
-                    if chunk == self._local_forward_chunk or arrived(task):
+                    if self._forward_fits(task) and (
+                            chunk == self._local_forward_chunk or arrived(task)):
                         best, best_pos = task, pos
         if best is not None:
             self._running, self._running_pos = best, best_pos
@@ -428,26 +487,35 @@ class GreedyPolicy:
         pos = self._running_pos
         self._running = None
         kind = task[0]
+        costs = self._costs
+        cost = 0 if costs is None else costs[task[2]]
         if kind == FORWARD:
             self._next_forward[task[1]] += 1
             self._in_flight += 1
             self._held += 1
+            self._held_cost += cost
         elif kind == BACKWARD:
             self._next_backward[task[1]] += 1
             self._in_flight -= 1
+            if not self._split:
+                self._held_cost -= cost
         else:
             self._next_weight[task[1]] += 1
             self._held -= 1
+            self._held_cost -= cost
         done = self._done
         done[pos] = 1
         if pos != self._next_pos:
             if kind == FORWARD:
                 self._ahead_forwards += 1
+                self._ahead_cost += cost
             return
         plan, length = self._plan, self._length
         pos += 1
         while pos < length and done[pos]:
             if plan[pos][0] == FORWARD:
                 self._ahead_forwards -= 1
+                if costs is not None:
+                    self._ahead_cost -= costs[plan[pos][2]]
             pos += 1
         self._next_pos = pos

@@ -80,12 +80,15 @@ class DppSchedule:
         self._coordinator: _TaskCoordinator | None = None
         self.tracer = NullTracer()  # the trainer installs a Tracer under --trace
         self._microbatch_costs: list[float] | None = None
+        self._cost_order = True
 
-    def set_microbatch_costs(self, costs: list[float] | None) -> None:
+    def set_microbatch_costs(self, costs: list[float] | None, reorder: bool = True) -> None:
         """What each microbatch of the next call will cost (its token count), the same list
-        on every rank: the policy then runs cheap microbatches first and last
-        (policy.choose_cost_order). Used by the next call only."""
+        on every rank: the policy caps the tokens a stage holds by them and, with
+        `reorder`, runs cheap microbatches first and last (policy.choose_cost_order). Used
+        by the next call only."""
         self._microbatch_costs = None if costs is None else list(costs)
+        self._cost_order = reorder
 
     def close(self) -> None:
         if self._transport is not None:
@@ -137,7 +140,7 @@ class DppSchedule:
             raise ValueError(f"DppSchedule: {len(costs)} microbatch costs for "
                              f"{num_microbatches} microbatches")
         run = _Iteration(self, model, iterators, forward_step_func, num_microbatches,
-                         config, forward_only, collect_non_loss_data, costs)
+                         config, forward_only, collect_non_loss_data, costs, self._cost_order)
         return run.execute(pg_collection, force_all_reduce)
 
 
@@ -145,7 +148,8 @@ class _Iteration:
     """One call of the schedule: the task loop and the state it needs."""
 
     def __init__(self, schedule: DppSchedule, model, iterators, forward_step_func,
-                 num_microbatches, config, forward_only, collect_non_loss_data, costs):
+                 num_microbatches, config, forward_only, collect_non_loss_data, costs,
+                 cost_order=True):
         self.model, self.iterators = model, iterators
         self.forward_step_func = forward_step_func
         self.config, self.forward_only = config, forward_only
@@ -167,8 +171,8 @@ class _Iteration:
             num_microbatches=num_microbatches, slack=schedule.options.slack,
             forward_only=forward_only, split_backward=self.weight_grads is not None,
         )
-        self.policy = GreedyPolicy(self.stage,
-                                   microbatch_order=microbatch_order_for(self.stage, costs))
+        order = microbatch_order_for(self.stage, costs) if cost_order else None
+        self.policy = GreedyPolicy(self.stage, microbatch_order=order, costs=costs)
         self.executed: list[Task] = []  # the actions in the order they ran
         # inputs the policy found missing at its last look (a timeout names them)
         self._missing: list[MessageKey] = []

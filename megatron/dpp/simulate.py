@@ -157,9 +157,9 @@ class SimResult:
 
 
 def _runner(schedule: str, stage: StageConfig, topology: PipelineTopology,
-            microbatch_order: list[int] | None):
+            microbatch_order: list[int] | None, costs: list[float] | None = None):
     if schedule == "dpp":
-        return GreedyPolicy(stage, microbatch_order=microbatch_order)
+        return GreedyPolicy(stage, microbatch_order=microbatch_order, costs=costs)
     if schedule == "gpipe":
         return StaticReplay(stage.rank, topology, gpipe_order(stage))
     if schedule in ("1f1b", "interleaved", "zb-h1"):
@@ -184,7 +184,8 @@ def simulate(
     """Run one schedule to completion. `record` keeps each rank's task order and a trace.
     `microbatch_costs`: what is known of each microbatch's cost before the iteration (its
     token count; in the cost models the per-microbatch factor, not the per-task jitter).
-    Only DPP uses it, to order the microbatches (policy.microbatch_order_for).
+    Only DPP uses it, to order the microbatches (policy.microbatch_order_for) and to cap
+    the cost each rank holds, as the runtime caps tokens.
     `microbatch_order` runs the microbatches in this order instead (DPP: replaying a
     recorded run; static schedules: DPP's order, default 0..m-1). `split_backward`: DPP
     places B and W tasks (zb-h1 always does; the other static schedules never)."""
@@ -202,7 +203,8 @@ def simulate(
               for r in range(p)]
     if schedule == "dpp" and microbatch_order is None:
         microbatch_order = microbatch_order_for(stages[0], microbatch_costs)
-    runners = [_runner(schedule, s, topology, microbatch_order) for s in stages]
+    runners = [_runner(schedule, s, topology, microbatch_order, microbatch_costs)
+               for s in stages]
     return _result(schedule, run_pipeline(topology, runners, durations.by_kind(split), latency,
                                           record))
 
@@ -383,7 +385,8 @@ def _split_grid_unit(args):
         runs = {name: simulate(name, pp_size, m, durations, microbatch_order=order)
                 for name in ("1f1b", "zb-h1")}
         runs["dpp"] = simulate("dpp", pp_size, m, durations, slack=slack,
-                               microbatch_order=order, split_backward=True)
+                               microbatch_costs=costs, microbatch_order=order,
+                               split_backward=True)
         out[slack] = {name: _split_summary(result, runs["1f1b"])
                       for name, result in runs.items()}
     return out

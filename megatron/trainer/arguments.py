@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 
 from megatron.trainer.addresses import is_ip_address
@@ -33,6 +34,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     _fast_path_args(parser.add_argument_group("fast path defaults (fast_path.py)"))
     _add_logging_args(parser.add_argument_group("logging: TensorBoard and W&B"))
     _add_megatron_lm_args(parser.add_argument_group("further Megatron-LM flags"))
+    _add_variable_length_args(parser)
     if extra_args_provider is not None:
         extra_args_provider(parser)
     return parser
@@ -212,8 +214,9 @@ def _data_args(g):
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
     g.add_argument("--seq-length-cv", type=float, default=0.0,
-                   help="variable-length microbatches: lognormal CV of each microbatch's "
-                        "token count (mean kept at --seq-length); 0 = fixed length")
+                   help="synthetic variable-length microbatches (mock data too): lognormal "
+                        "CV of each microbatch's token count, mean half of --seq-length; "
+                        "0 = fixed length")
 
 
 def _io_args(g):
@@ -410,6 +413,7 @@ def validate_args(args, world_size: int, model: str = "gpt") -> None:
     _validate_megatron_lm_flags(args, need)
     _validate_logging(args, need)
     _validate_dpp(args, need)
+    _validate_variable_lengths(args, need)
     _validate_trace(args, need)
 
     if args.sequence_parallel and tp == 1:
@@ -749,6 +753,68 @@ def _validate_dpp(args, need):
             need(nnodes == len(args.node_ips),
                  f"--node-ips lists {len(args.node_ips)} addresses but the job has {nnodes} "
                  f"nodes (WORLD_SIZE {args.world_size} / LOCAL_WORLD_SIZE {local})")
+
+
+def _add_variable_length_args(parser):
+    g = parser.add_argument_group("variable sequence lengths")
+    g.add_argument("--variable-seq-lengths", action="store_true",
+                   help="GPT: one document per sample (cut at --seq-length, never packed), "
+                        "each microbatch padded to its own longest sample, padding out of "
+                        "the loss; the loss is per token (calculate_per_token_loss)")
+    g.add_argument("--group-by-length", action="store_true",
+                   help="with --variable-seq-lengths: microbatches of samples of similar "
+                        "length within each global batch (the same samples, less padding; "
+                        "docs/variable_lengths.md)")
+    g.add_argument("--pad-to-multiple", type=int, default=None,
+                   help="with --variable-seq-lengths: round each microbatch's length up to "
+                        "this multiple (default 8 on GPU, 1 on CPU; with --sequence-parallel "
+                        "also a multiple of the tensor-parallel size)")
+    g.add_argument("--microbatch-order", choices=("natural", "cost"), default=None,
+                   help="the order an iteration's microbatches run in: cost = by their token "
+                        "counts, cheap first and last (megatron-core's schedules too); "
+                        "default cost with --use-dpp, natural otherwise")
+
+
+def _validate_variable_lengths(args, need):
+    variable = args.variable_seq_lengths
+    if variable:
+        for bad, why in (
+            (args.mock_data or not args.data_path, "needs --data-path (documents of a "
+             ".bin/.idx prefix; --mock-data has no documents)"),
+            (args.seq_length_cv > 0, "and --seq-length-cv are two sources of lengths: give "
+             "one"),
+            (args.rampup_batch_size is not None, "with --rampup-batch-size: the microbatches "
+             "of a global batch are planned from a fixed global batch size"),
+            (args.reset_position_ids or args.reset_attention_mask, "with --reset-position-ids"
+             " / --reset-attention-mask: each sample is one document already"),
+            (args.cuda_graph_impl != "none", "with CUDA graphs (a graph replays one shape)"),
+            (not args.use_dpp and args.pipeline_model_parallel_size == 2
+             and args.virtual_pipeline_model_parallel_size is not None,
+             "with megatron-core's interleaved schedule at --pipeline-model-parallel-size 2: "
+             "its batched shape exchange with the one neighbour mixes up activation and "
+             "gradient shapes; use --use-dpp (or more pipeline stages)"),
+        ):
+            need(not bad, f"--variable-seq-lengths {why}")
+    else:
+        for flag, given in (("--group-by-length", args.group_by_length),
+                            ("--pad-to-multiple", args.pad_to_multiple is not None)):
+            need(not given, f"{flag} needs --variable-seq-lengths")
+    if args.pad_to_multiple is None:
+        args.pad_to_multiple = 8 if _cuda_available() else 1
+    need(args.pad_to_multiple >= 1, f"--pad-to-multiple {args.pad_to_multiple} must be >= 1")
+    tp = args.tensor_model_parallel_size
+    if variable and args.sequence_parallel and tp > 1 and args.pad_to_multiple >= 1:
+        # sequence parallelism splits each microbatch's sequence across the TP ranks
+        args.pad_to_multiple = math.lcm(args.pad_to_multiple, tp)
+        need(args.seq_length % tp == 0, f"--variable-seq-lengths --sequence-parallel: "
+             f"--seq-length {args.seq_length} must be a multiple of "
+             f"--tensor-model-parallel-size {tp} (the longest microbatches are cut there)")
+    lengths_vary = variable or args.seq_length_cv > 0
+    if args.microbatch_order is None:
+        args.microbatch_order = "cost" if args.use_dpp else "natural"
+    elif args.microbatch_order == "cost":
+        need(lengths_vary, "--microbatch-order cost needs --variable-seq-lengths or "
+             "--seq-length-cv (with one length every order is the same)")
 
 
 def _validate_trace(args, need):

@@ -128,6 +128,8 @@ def split_sizes(args) -> SplitSizes:
 
 
 def build_gpt_datasets(args, tokenizer):
+    if args.variable_seq_lengths:
+        return build_gpt_document_datasets(args, tokenizer)
     config = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
@@ -145,6 +147,17 @@ def build_gpt_datasets(args, tokenizer):
     )
     dataset_class = MockGPTDataset if args.mock_data else GPTDataset
     return _build(dataset_class, config, split_sizes(args))
+
+
+def build_gpt_document_datasets(args, tokenizer):
+    """--variable-seq-lengths: one document per sample (megatron/trainer/documents.py)."""
+    from megatron.trainer.documents import DocumentDataConfig, build_document_datasets
+
+    prefixes, weights = args.data_blend
+    config = DocumentDataConfig(prefixes, weights, args.split, args.seq_length, args.seed,
+                                eod_token=tokenizer.eod if args.eod_mask_loss else None)
+    sizes = split_sizes(args)
+    return build_document_datasets(config, (sizes.train, sizes.valid, sizes.test))
 
 
 def build_bert_datasets(args, tokenizer):

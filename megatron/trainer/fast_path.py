@@ -124,6 +124,7 @@ def _graph_conflicts(args, machine: Machine) -> list[str]:
          "inside a replay)"),
         (args.seq_length_cv > 0, f"--seq-length-cv {args.seq_length_cv} (a graph replays one "
          "shape)"),
+        (args.variable_seq_lengths, "--variable-seq-lengths (a graph replays one shape)"),
         (te_layers, "Transformer Engine layers (the graphs are checked with megatron.core's "
          "local layers)"),
         (args.attention_backend == "local", "--attention-backend local (megatron-core's "

@@ -47,4 +47,5 @@ GPT_TASK = ModelTask(
     build_datasets=build_gpt_datasets,
     make_forward_step=make_forward_step,
     loss_names=("lm loss",),
+    documents=True,
 )

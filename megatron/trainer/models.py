@@ -87,7 +87,9 @@ def transformer_config_from_args(args) -> TransformerConfig:
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         rotary_interleaved=args.rotary_interleaved,
         apply_rope_fusion=rope_fusion(args),
-        calculate_per_token_loss=args.calculate_per_token_loss,
+        # documents of different lengths: each token weighs the same in the gradient
+        # (megatron-core's per-microbatch mean would weigh a short document's tokens more)
+        calculate_per_token_loss=args.calculate_per_token_loss or args.variable_seq_lengths,
         deterministic_mode=args.deterministic_mode,
         fp32_residual_connection=args.fp32_residual_connection,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -113,7 +115,7 @@ def transformer_config_from_args(args) -> TransformerConfig:
         # function instead (LanguageModelLoss below)
         cross_entropy_fusion_impl="te" if args.cross_entropy_fusion_impl == "te" else "native",
         deallocate_pipeline_outputs=True,
-        variable_seq_lengths=args.seq_length_cv > 0,
+        variable_seq_lengths=args.seq_length_cv > 0 or args.variable_seq_lengths,
         # megatron's own initialisation also tags tensor-parallel weights (partition dim,
         # duplicates for the grad norm); initialize_layout_independent then overwrites values
         perform_initialization=True,
@@ -126,7 +128,7 @@ def transformer_config_from_args(args) -> TransformerConfig:
         gradient_accumulation_fusion=args.gradient_accumulation_fusion and (
             on_gpu or args.dpp_split_backward),
     )
-    if args.seq_length_cv > 0:
+    if args.seq_length_cv > 0 or args.variable_seq_lengths:
         # megatron-core's validation asks for this whenever variable_seq_lengths is on
         kwargs["moe_token_dispatcher_type"] = "alltoall"
     return TransformerConfig(**kwargs)

@@ -32,6 +32,13 @@ from megatron.trainer.data import MicroBatchIterator, check_data_paths, microbat
 from megatron.trainer.failures import exit_on_known_failures
 from megatron.trainer.initialize import initialize_distributed, setup_logging
 from megatron.trainer.manual_gc import ManualGC
+from megatron.trainer.microbatches import (
+    BatchLayout,
+    DocumentMicrobatches,
+    cost_ordered,
+    plan_global_batch,
+    reorder_data_iterators,
+)
 from megatron.trainer.models import (
     build_model_chunks,
     transformer_config_from_args,
@@ -56,6 +63,7 @@ class ModelTask:
     loss_names: tuple[str, ...]
     data_on_every_stage: bool = False  # BERT: every stage needs the padding mask
     masked_attention: bool = False  # BERT: its blocks take the padding mask (fast_path.py)
+    documents: bool = False  # its datasets read --variable-seq-lengths' documents (GPT)
 
 
 @dataclass
@@ -103,6 +111,9 @@ def pretrain(task: ModelTask, argv=None, extra_args_provider=None) -> checkpoint
 
 def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     core_overrides.verify()  # megatron-core has what the trainer patches and relies on
+    if args.variable_seq_lengths and not task.documents:
+        raise ArgumentError(f"--variable-seq-lengths is for GPT; {task.name}'s samples are "
+                            "not single documents")
     check_data_paths(args)  # before the job starts: every rank reads its own files
     device = initialize_distributed(args, stack)
     setup_logging(dist.get_rank(), dist.get_world_size())
@@ -205,13 +216,41 @@ def data_iterators(trainer: Trainer, dataset, consumed_samples: int):
         needs_data = trainer.task.data_on_every_stage or parallel_state.is_pipeline_first_stage(
             ignore_virtual=False, vp_stage=vp
         ) or parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
-        iterators.append(
-            MicroBatchIterator(dataset, args.micro_batch_size, consumed_samples,
-                               seq_length_cv=args.seq_length_cv, seed=args.seed,
-                               num_workers=args.num_workers)
-            if needs_data else None
-        )
+        if not needs_data:
+            iterators.append(None)
+        elif args.variable_seq_lengths:
+            iterators.append(DocumentMicrobatches(
+                dataset, batch_layout(args), parallel_state.get_data_parallel_rank(),
+                consumed_samples))
+        else:
+            iterators.append(MicroBatchIterator(dataset, args.micro_batch_size, consumed_samples,
+                                                seq_length_cv=args.seq_length_cv,
+                                                seed=args.seed, num_workers=args.num_workers))
     return iterators if len(iterators) > 1 else iterators[0]
+
+
+def batch_layout(args) -> BatchLayout:
+    """How --variable-seq-lengths makes a global batch's microbatches (microbatches.py)."""
+    return BatchLayout(args.micro_batch_size, args.global_batch_size, args.data_parallel_size,
+                       args.group_by_length, args.pad_to_multiple)
+
+
+def iteration_lengths(trainer: Trainer, consumed_samples: int, global_batch: int):
+    """(costs, sequences) of the global batch at `consumed_samples`: costs, the token count
+    of each of this pipeline's microbatches (None when all are alike), which the cost order
+    and DPP's memory cap use; sequences, (length, rows) of every microbatch of every
+    data-parallel rank, for the throughput line."""
+    args = trainer.args
+    if args.variable_seq_lengths:
+        plan = plan_global_batch(trainer.datasets[0], consumed_samples, batch_layout(args))
+        sequences = [(length, len(samples)) for samples_of_rank, lengths_of_rank
+                     in zip(plan.samples, plan.lengths, strict=True)
+                     for samples, length in zip(samples_of_rank, lengths_of_rank, strict=True)]
+        return plan.token_counts(parallel_state.get_data_parallel_rank()), sequences
+    lengths = microbatch_lengths(args, consumed_samples, global_batch)
+    rows = args.micro_batch_size * args.data_parallel_size
+    costs = lengths if args.seq_length_cv > 0 else None
+    return costs, [(length, rows) for length in lengths]
 
 
 def start_tracing(trainer: Trainer) -> None:
@@ -236,10 +275,15 @@ def train_step(trainer: Trainer, iterator) -> dict:
         chunk.zero_grad_buffer()
     trainer.optimizer.zero_grad()
     batch = trainer.batch_calculator.get_current_global_batch_size()
-    lengths = microbatch_lengths(args, trainer.state.consumed_samples, batch)
-    if args.use_dpp and args.seq_length_cv > 0:
-        # the microbatches' token counts are known before the step: DPP orders by them
-        trainer.schedule.set_microbatch_costs(lengths)
+    costs, sequences = iteration_lengths(trainer, trainer.state.consumed_samples, batch)
+    # the microbatches' token counts are known before the step: DPP orders by them (and caps
+    # the tokens a stage holds); megatron-core's schedule gets the same order by reading
+    # the microbatches in it
+    if costs is not None and args.use_dpp:
+        trainer.schedule.set_microbatch_costs(costs, reorder=args.microbatch_order == "cost")
+    elif costs is not None and args.microbatch_order == "cost":
+        order = cost_ordered(costs, args.pipeline_model_parallel_size)
+        iterator = reorder_data_iterators(iterator, order)
     forward_backward = trainer.timers("forward-backward", log_level=1)
     forward_backward.start()
     losses = trainer.schedule(
@@ -269,7 +313,7 @@ def train_step(trainer: Trainer, iterator) -> dict:
         "num_zeros": num_zeros,
         "updated": updated,
         "batch": batch,
-        "lengths": lengths,
+        "sequences": sequences,
     }
 
 
@@ -327,10 +371,9 @@ def train(trainer: Trainer) -> None:
         profiler.step_begin(state.iteration + 1)
         result = train_step(trainer, iterator)
         profiler.step_end(state.iteration + 1)
-        stride = args.micro_batch_size * args.data_parallel_size
-        for length in result["lengths"]:
-            interval_tokens += length * stride
-            interval_flops += length * stride * metrics.flops_per_token(args, length)
+        for length, rows in result["sequences"]:
+            interval_tokens += length * rows
+            interval_flops += length * rows * metrics.flops_per_token(args, length)
         state.iteration += 1
         trainer.collector.after_step(state.iteration)
         state.consumed_samples += result["batch"]

@@ -1,0 +1,124 @@
+"""DPP against the best static schedules given the same information, at their memory:
+the view of issue 19 (variable lengths). Per pipeline depth and seed, the simulator's
+cv cost model (a per-microbatch factor, standing for its token count, known before the
+iteration) runs:
+
+* plain 1F1B: megatron's natural microbatch order;
+* 1F1B fed the cost order DPP runs (`policy.microbatch_order_for`);
+* ZB-H1 fed the same order (B and W tasks);
+* DPP with the split backward at the given slack (the runtime's rule, token cap included).
+
+Memory is counted two ways per rank: microbatches held (F to B for 1F1B, F to W with the
+split) and their cost (the tokens they hold, every held microbatch counted whole until its
+release, so the split schedules' smaller W-pending memory is not credited). A table row
+gives the mean and minimum speed-ups, the largest per-rank microbatch count, and the
+largest per-rank token peak relative to plain 1F1B's (mean and max over the seeds).
+
+    python -m megatron.dpp.baselines --pp 2 4 8 --cv 0.5 --slack 0 --seeds 10
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron.dpp.actions import BACKWARD, FORWARD, WEIGHT
+from megatron.dpp.plan import StageConfig
+from megatron.dpp.policy import microbatch_order_for
+from megatron.dpp.simulate import CostModel, SimResult, sample_durations, simulate
+
+SCHEDULES = ("1f1b plain", "1f1b ordered", "zb-h1 ordered", "dpp")
+
+
+def held_cost_peaks(result: SimResult, costs: list[float], split: bool) -> list[float]:
+    """Per rank: the most cost held at once, from each F to its release (W with the split,
+    else B), from a recorded run's per-rank task order (a rank runs one task at a time)."""
+    release = WEIGHT if split else BACKWARD
+    peaks = []
+    for order in result.orders:
+        held = peak = 0.0
+        for kind, _, microbatch in order:
+            if kind == FORWARD:
+                held += costs[microbatch]
+                peak = max(peak, held)
+            elif kind == release:
+                held -= costs[microbatch]
+        peaks.append(peak)
+    return peaks
+
+
+def compare_one(pp_size: int, cv: float, slack: int, seed: int) -> dict[str, dict]:
+    """The four schedules on one sample of durations (m = 4p)."""
+    m = 4 * pp_size
+    durations = sample_durations(CostModel(cv=cv), pp_size, 1, m, seed, split_backward=True)
+    costs = list(durations.microbatch_factor)
+    order = microbatch_order_for(
+        StageConfig(0, pp_size, 1, m, slack=slack, split_backward=True), costs)
+    runs = {
+        "1f1b plain": (simulate("1f1b", pp_size, m, durations, record=True), False),
+        "1f1b ordered": (simulate("1f1b", pp_size, m, durations, microbatch_order=order,
+                                  record=True), False),
+        "zb-h1 ordered": (simulate("zb-h1", pp_size, m, durations, microbatch_order=order,
+                                   record=True), True),
+        "dpp": (simulate("dpp", pp_size, m, durations, slack=slack, microbatch_costs=costs,
+                         microbatch_order=order, split_backward=True, record=True), True),
+    }
+    return {name: {"makespan": result.makespan,
+                   "held": max(result.peak_in_flight),
+                   "held_cost": max(held_cost_peaks(result, costs, split))}
+            for name, (result, split) in runs.items()}
+
+
+def table(pps, cv: float, slack: int, seeds: int) -> list[dict]:
+    rows = []
+    for p in pps:
+        cells = [compare_one(p, cv, slack, seed) for seed in range(seeds)]
+        row = {"pp": p, "microbatches": 4 * p}
+        for base in SCHEDULES[:-1]:
+            ratios = [c[base]["makespan"] / c["dpp"]["makespan"] for c in cells]
+            row[f"{base} mean"], row[f"{base} min"] = sum(ratios) / len(ratios), min(ratios)
+        for name in SCHEDULES:
+            row[f"{name} held"] = max(c[name]["held"] for c in cells)
+            # the cost peak relative to what megatron's plain 1F1B holds on the same batch
+            ratios = [c[name]["held_cost"] / c["1f1b plain"]["held_cost"] for c in cells]
+            row[f"{name} cost"] = (sum(ratios) / len(ratios), max(ratios))
+        rows.append(row)
+    return rows
+
+
+def format_table(rows: list[dict], cv: float, slack: int, seeds: int) -> str:
+    lines = [
+        f"cv {cv}, slack {slack}, m = 4p, {seeds} seeds; DPP with the split backward",
+        "",
+        "| p | m | DPP / 1F1B plain mean (min) | DPP / 1F1B ordered mean (min) "
+        "| DPP / ZB-H1 ordered mean (min) | peak microbatches 1F1B / 1F1B ord. / ZB-H1 / DPP "
+        "| peak tokens / plain 1F1B's, mean (max): 1F1B ordered / ZB-H1 / DPP |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ratios = " | ".join(f"{r[f'{b} mean']:.3f}x ({r[f'{b} min']:.3f}x)"
+                            for b in SCHEDULES[:-1])
+        held = " / ".join(str(r[f"{name} held"]) for name in SCHEDULES)
+        cost = " / ".join(f"{r[f'{name} cost'][0]:.3f} ({r[f'{name} cost'][1]:.3f})"
+                          for name in SCHEDULES[1:])
+        lines.append(f"| {r['pp']} | {r['microbatches']} | {ratios} | {held} | {cost} |")
+    means = {b: sum(r[f"{b} mean"] for r in rows) / len(rows) for b in SCHEDULES[:-1]}
+    lines += ["", "mean over the rows: " + ", ".join(
+        f"DPP / {b} {value:.3f}x" for b, value in means.items())]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pp", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--cv", type=float, default=0.5)
+    parser.add_argument("--slack", type=int, default=0)
+    parser.add_argument("--seeds", type=int, default=10)
+    args = parser.parse_args(argv)
+    if min(args.pp) < 2 or args.cv <= 0 or args.slack < 0 or args.seeds < 1:
+        parser.error("need --pp values >= 2, --cv > 0, --slack >= 0, --seeds >= 1")
+    print(format_table(table(args.pp, args.cv, args.slack, args.seeds), args.cv, args.slack,
+                       args.seeds))
+
+
+if __name__ == "__main__":
+    main()
