@@ -66,7 +66,18 @@ def _inherited_environment(values: dict[str, str]):
 def run_ranks(world_size: int, fn, *args, timeout: float = DEFAULT_TIMEOUT, env=None,
               reporting=None, gpu: bool = False):
     """`reporting`: the ranks whose results to wait for (default all; a test that kills a
-    rank on purpose waits only for the survivors). `gpu`: let the ranks see the GPUs."""
+    rank on purpose waits only for the survivors). `gpu`: let the ranks see the GPUs.
+    A rendezvous port taken by another process between `free_port` and the ranks' listen
+    (other jobs on the machine) starts the ranks again once, on a new port."""
+    try:
+        return _run_ranks_once(world_size, fn, args, timeout, env, reporting, gpu)
+    except AssertionError as error:
+        if "EADDRINUSE" not in str(error):
+            raise
+        return _run_ranks_once(world_size, fn, args, timeout, env, reporting, gpu)
+
+
+def _run_ranks_once(world_size, fn, args, timeout, env, reporting, gpu):
     reporting = list(range(world_size)) if reporting is None else list(reporting)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
