@@ -1029,6 +1029,5 @@ def _validate_logging(args, need):
         return
     need(bool(args.wandb_exp_name), f"--wandb-project {args.wandb_project} needs "
          "--wandb-exp-name NAME")
-    need(importlib.util.find_spec("wandb") is not None,
-         f"--wandb-project {args.wandb_project}: the wandb package is not importable here "
-         "(pip install wandb)")
+    # whether wandb is installed is checked at start-up (metrics.require_wandb), not here:
+    # validation depends on the flags alone

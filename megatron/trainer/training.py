@@ -104,6 +104,7 @@ def pretrain(task: ModelTask, argv=None, extra_args_provider=None) -> checkpoint
 def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     core_overrides.verify()  # megatron-core has what the trainer patches and relies on
     check_data_paths(args)  # before the job starts: every rank reads its own files
+    metrics.require_wandb(LoggingConfig.from_args(args))
     device = initialize_distributed(args, stack)
     setup_logging(dist.get_rank(), dist.get_world_size())
     try:
