@@ -11,6 +11,7 @@ import importlib.util
 import os
 
 from megatron.trainer.addresses import is_ip_address
+from megatron.trainer.batch_schedule import BatchScheduleError, StepSchedule, batch_size_schedule
 from megatron.trainer.tokenizer import TOKENIZER_TYPES
 
 
@@ -33,6 +34,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     _fast_path_args(parser.add_argument_group("fast path defaults (fast_path.py)"))
     _add_logging_args(parser.add_argument_group("logging: TensorBoard and W&B"))
     _add_megatron_lm_args(parser.add_argument_group("further Megatron-LM flags"))
+    _add_batch_schedule_args(parser.add_argument_group("step batch-size schedule"))
     if extra_args_provider is not None:
         extra_args_provider(parser)
     return parser
@@ -401,9 +403,11 @@ def validate_args(args, world_size: int, model: str = "gpt") -> None:
 
     _resolve_megatron_lm_aliases(args, need)
     _validate_virtual_pipeline(args, need)
+    _resolve_step_batch_schedule(args, need)
     ramp_sound = _validate_batch(args, need)
     _validate_precision(args, need)
     _validate_schedule(args, need)
+    _validate_step_batch_schedule(args, need)
     if ramp_sound and args.train_iters is not None:
         _validate_microbatches(args, need)
     _validate_data(args, need)
@@ -1031,3 +1035,57 @@ def _validate_logging(args, need):
          "--wandb-exp-name NAME")
     # whether wandb is installed is checked at start-up (metrics.require_wandb), not here:
     # validation depends on the flags alone
+
+
+def _add_batch_schedule_args(g):
+    g.add_argument("--step-batch-size-schedule", default=None,
+                   help='Megatron-LM\'s step schedule "THRESHOLD:SIZE ...": the global batch '
+                        "size of the last threshold reached, thresholds in tokens (K, M, B, T "
+                        "suffixes), e.g. \"0:16 2.4B:320\"")
+
+
+def _resolve_step_batch_schedule(args, need):
+    """--step-batch-size-schedule sets --global-batch-size to its final size. Megatron-LM
+    refuses both flags together; here both are accepted where they agree."""
+    if args.step_batch_size_schedule is None:
+        return
+    text = args.step_batch_size_schedule
+    need(args.rampup_batch_size is None,
+         "--step-batch-size-schedule and --rampup-batch-size exclude each other")
+    try:
+        final = StepSchedule.parse(text, args.seq_length).end
+    except BatchScheduleError as error:
+        need(False, str(error))
+        args.step_batch_size_schedule = None  # the rest of validation uses the global size
+        return
+    need(args.global_batch_size in (None, final),
+         f"--global-batch-size {args.global_batch_size} differs from the final size {final} "
+         f"of --step-batch-size-schedule {text!r} (leave --global-batch-size out)")
+    args.global_batch_size = final
+
+
+def _validate_step_batch_schedule(args, need):
+    """Each size the run reaches splits into microbatches (in groups of the pipeline size
+    with virtual stages); --train-samples counts the steps through the schedule."""
+    if args.step_batch_size_schedule is None or args.rampup_batch_size is not None:
+        return
+    schedule = batch_size_schedule(None, args.micro_batch_size, args.data_parallel_size,
+                                   step_batch_size_schedule=args.step_batch_size_schedule,
+                                   seq_length=args.seq_length)
+    if args.train_samples is not None:
+        args.train_iters = schedule.iterations_for_samples(args.train_samples)
+    if args.train_iters is None:
+        return
+    per_round = args.micro_batch_size * args.data_parallel_size
+    group = args.pipeline_model_parallel_size
+    interleaved = args.virtual_pipeline_model_parallel_size is not None
+    for size, iteration in schedule.first_iterations(args.train_iters).items():
+        if size == args.global_batch_size:
+            continue  # named by the --global-batch-size checks
+        what = (f"--step-batch-size-schedule {args.step_batch_size_schedule!r}: global batch "
+                f"size {size} (from iteration {iteration})")
+        need(size % per_round == 0, f"{what} is not divisible by --micro-batch-size "
+             f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}")
+        need(not interleaved or size % per_round or (size // per_round) % group == 0,
+             f"{what} gives {size // per_round} microbatches; with virtual pipeline stages "
+             f"they must be a multiple of --pipeline-model-parallel-size {group}")

@@ -165,7 +165,8 @@ def _padded_vocab_size(vocab_size: int, args) -> int:
 
 def _batch_calculator(args):
     return batch_size_schedule(args.global_batch_size, args.micro_batch_size,
-                               args.data_parallel_size, args.rampup_batch_size)
+                               args.data_parallel_size, args.rampup_batch_size,
+                               args.step_batch_size_schedule, args.seq_length)
 
 
 def _install_schedule_hooks(config, model, optimizer, args) -> None:

@@ -1,0 +1,52 @@
+"""Megatron-LM flags of issue 20's second batch, each by its effect: the step batch-size
+schedule followed by the training loop, megatron-core settings that reach the core config
+and change what the schedule or DDP does, and the refusals that name what cannot be
+honoured. All training runs share one pair of processes (`train_runs`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import run_ranks
+from tests.trainer_runs import TINY, train_runs, with_flags
+
+DP2 = with_flags(TINY, global_batch_size=8, train_iters=2, lr=1e-2, lr_decay_style="constant")
+PP2 = with_flags(DP2, pipeline_model_parallel_size=2)
+# 64 tokens = 4 samples of --seq-length 16; 4 per step (micro-batch 2 x 2 replicas), then 8
+STEPS = with_flags(DP2, global_batch_size=None, train_iters=None, train_samples=28,
+                   step_batch_size_schedule="0:4 128:8")
+
+
+@pytest.fixture(scope="module")
+def runs():
+    configs = {
+        "steps": STEPS,
+    }
+    results = run_ranks(2, train_runs, list(configs.values()), 2)
+    return {name: results[-1][i] for i, name in enumerate(configs)}
+
+
+def _parse_error(argv, world_size=2, **overrides) -> str:
+    from megatron.trainer.arguments import ArgumentError, parse_args
+
+    with pytest.raises(ArgumentError) as error:
+        parse_args(with_flags(argv, **overrides), world_size=world_size)
+    return str(error.value)
+
+
+def test_step_batch_size_schedule_sets_each_steps_global_batch(runs):
+    from megatron.trainer.arguments import parse_args
+
+    args = parse_args(STEPS, world_size=2)
+    # the steps through the schedule until --train-samples are consumed (as Megatron-LM)
+    assert (args.global_batch_size, args.train_iters) == (8, 5)
+    assert runs["steps"]["batches"] == [4, 4, 8, 8, 8]
+    assert runs["steps"]["state"]["consumed_samples"] == 32
+    # the final size may be repeated in --global-batch-size, nothing else
+    assert parse_args(with_flags(STEPS, global_batch_size=8), world_size=2).train_iters == 5
+    assert "differs from the final size 8" in _parse_error(STEPS, global_batch_size=16)
+    assert "exclude each other" in _parse_error(STEPS, rampup_batch_size=[4, 4, 8])
+    assert "global batch size 6 (from iteration 1) is not divisible by --micro-batch-size 2 x " \
+        "data-parallel size 2" in _parse_error(STEPS, step_batch_size_schedule="0:6 128:8")
+    assert "the first threshold must be 0" in _parse_error(STEPS,
+                                                           step_batch_size_schedule="64:4")
