@@ -5,7 +5,10 @@ honoured. All training runs share one pair of processes (`train_runs`)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
+import torch
 
 from tests.distributed import run_ranks
 from tests.trainer_runs import TINY, train_runs, with_flags
@@ -17,13 +20,46 @@ STEPS = with_flags(DP2, global_batch_size=None, train_iters=None, train_samples=
                    step_batch_size_schedule="0:4 128:8")
 
 
+HASHED = with_flags(DP2, check_weight_hash_across_dp_replicas_interval=1)
+
+
+def _perturbed_replica_then_runs(rank, runs, world_size):
+    """Rank function: a --check-weight-hash run whose rank 1 starts from a nudged weight
+    (the message each rank raised), then `runs`."""
+    from megatron.trainer import initialize, training
+    from megatron.trainer.arguments import parse_args
+    from megatron.trainer.gpt import GPT_TASK
+    from megatron.trainer.replica_check import ReplicaMismatch
+    from tests import trainer_runs
+
+    initialize._shutdown = trainer_runs._destroy_model_parallel_only
+    with contextlib.ExitStack() as stack:
+        trainer = training.setup(GPT_TASK, parse_args(HASHED, world_size=world_size), stack)
+        if rank == 1:
+            with torch.no_grad():
+                next(trainer.model[0].parameters()).view(-1)[0] += 1e-3
+        try:
+            training.train(trainer)
+            caught = None
+        except ReplicaMismatch as error:
+            caught = (str(error), trainer.state.iteration)
+    return {"caught": caught, "runs": train_runs(rank, runs, world_size)}
+
+
 @pytest.fixture(scope="module")
-def runs():
+def ranks():
     configs = {
         "steps": STEPS,
+        "hashed": HASHED,
     }
-    results = run_ranks(2, train_runs, list(configs.values()), 2)
-    return {name: results[-1][i] for i, name in enumerate(configs)}
+    results = run_ranks(2, _perturbed_replica_then_runs, list(configs.values()), 2)
+    return [{"caught": r["caught"], "runs": dict(zip(configs, r["runs"], strict=True))}
+            for r in results]
+
+
+@pytest.fixture(scope="module")
+def runs(ranks):
+    return ranks[-1]["runs"]
 
 
 def _parse_error(argv, world_size=2, **overrides) -> str:
@@ -50,3 +86,15 @@ def test_step_batch_size_schedule_sets_each_steps_global_batch(runs):
         "data-parallel size 2" in _parse_error(STEPS, step_batch_size_schedule="0:6 128:8")
     assert "the first threshold must be 0" in _parse_error(STEPS,
                                                            step_batch_size_schedule="64:4")
+
+
+def test_weight_hash_check_stops_replicas_that_differ(ranks, runs):
+    for rank in ranks:
+        message, iteration = rank["caught"]
+        assert iteration == 1  # the first check
+        assert "after iteration 1 the data-parallel replicas (global ranks [0, 1]) hold " \
+            "different weights" in message
+        assert "chunk 0 module.embedding.word_embeddings.weight: ranks [0] vs ranks [1]" in message
+    # unperturbed replicas pass every check and train on
+    assert len(runs["hashed"]["losses"]) == 2
+    assert "must be >= 1" in _parse_error(DP2, check_weight_hash_across_dp_replicas_interval=0)

@@ -35,6 +35,8 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     _add_logging_args(parser.add_argument_group("logging: TensorBoard and W&B"))
     _add_megatron_lm_args(parser.add_argument_group("further Megatron-LM flags"))
     _add_batch_schedule_args(parser.add_argument_group("step batch-size schedule"))
+    _add_core_extras_args(parser.add_argument_group(
+        "megatron-core settings and checks of Megatron-LM's functional tests"))
     if extra_args_provider is not None:
         extra_args_provider(parser)
     return parser
@@ -413,6 +415,7 @@ def validate_args(args, world_size: int, model: str = "gpt") -> None:
     _validate_data(args, need)
     _validate_megatron_lm_flags(args, need)
     _validate_logging(args, need)
+    _validate_core_extras(args, need)
     _validate_dpp(args, need)
     _validate_trace(args, need)
 
@@ -1089,3 +1092,15 @@ def _validate_step_batch_schedule(args, need):
         need(not interleaved or size % per_round or (size // per_round) % group == 0,
              f"{what} gives {size // per_round} microbatches; with virtual pipeline stages "
              f"they must be a multiple of --pipeline-model-parallel-size {group}")
+
+
+def _add_core_extras_args(g):
+    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
+                   help="every N iterations compare a hash of the weights across data-parallel "
+                        "replicas; stop naming the ranks if they differ")
+
+
+def _validate_core_extras(args, need):
+    interval = args.check_weight_hash_across_dp_replicas_interval
+    need(interval is None or interval >= 1,
+         f"--check-weight-hash-across-dp-replicas-interval {interval} must be >= 1")

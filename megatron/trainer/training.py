@@ -22,7 +22,14 @@ from megatron.core.distributed import finalize_model_grads
 
 from megatron.dpp import tracing
 from megatron.dpp.weight_grad import SplitBackwardNoPipelining, WeightGradStore
-from megatron.trainer import checkpointing, core_overrides, fast_path, metrics, no_apex
+from megatron.trainer import (
+    checkpointing,
+    core_overrides,
+    fast_path,
+    metrics,
+    no_apex,
+    replica_check,
+)
 from megatron.trainer.arguments import ArgumentError, parse_args
 from megatron.trainer.batch_schedule import batch_size_schedule
 from megatron.trainer.checkpoint_config import CheckpointConfig
@@ -387,6 +394,11 @@ def train(trainer: Trainer) -> None:
                          " | ".join(f"{k} value: {v:.6E} | {k} PPL: {math.exp(min(v, 20)):.6E}"
                                     for k, v in results.items()))
                 board.scalars(state.iteration, _validation_scalars(logging_config, results))
+        interval = args.check_weight_hash_across_dp_replicas_interval
+        if interval and state.iteration % interval == 0:
+            replica_check.check_replicas_agree(
+                trainer.model, state.iteration,
+                args.use_distributed_optimizer and args.overlap_param_gather)
         _checkpoint(trainer)
         if args.exit_interval and state.iteration % args.exit_interval == 0:
             break
