@@ -21,39 +21,62 @@ STEPS = with_flags(DP2, global_batch_size=None, train_iters=None, train_samples=
 
 
 HASHED = with_flags(DP2, check_weight_hash_across_dp_replicas_interval=1)
+# the distributed optimizer's all-gather, deferred to the next forward, is completed before
+# hashing (else each replica would show only its own shard updated)
+HASHED_LAZY = HASHED + ["--use-distributed-optimizer", "--overlap-param-gather",
+                        "--disable-gloo-process-groups"]
+INSTANCES = DP2 + ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]
+TWO_GPUS = torch.cuda.device_count() >= 2
+SHARDED = DP2 + ["--use-distributed-optimizer"]
 
 
-def _perturbed_replica_then_runs(rank, runs, world_size):
-    """Rank function: a --check-weight-hash run whose rank 1 starts from a nudged weight
-    (the message each rank raised), then `runs`."""
-    from megatron.trainer import initialize, training
+def _probe(rank, flags, world_size, nudge: bool) -> dict:
+    """Set up and train `flags` (rank 1's first weight nudged first if `nudge`); what the
+    run built and the replica check it raised."""
+    from megatron.core import parallel_state
+
+    from megatron.trainer import training
     from megatron.trainer.arguments import parse_args
     from megatron.trainer.gpt import GPT_TASK
     from megatron.trainer.replica_check import ReplicaMismatch
-    from tests import trainer_runs
 
-    initialize._shutdown = trainer_runs._destroy_model_parallel_only
     with contextlib.ExitStack() as stack:
-        trainer = training.setup(GPT_TASK, parse_args(HASHED, world_size=world_size), stack)
-        if rank == 1:
+        trainer = training.setup(GPT_TASK, parse_args(flags, world_size=world_size), stack)
+        optimizer = getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])[0]
+        sharded_over = getattr(optimizer, "data_parallel_group", None)  # distributed optimizer
+        facts = {"gloo_groups": parallel_state._DATA_PARALLEL_GROUP_GLOO is not None,
+                 "optimizer_shards": sharded_over and sharded_over.size(), "caught": None}
+        if nudge and rank == 1:
             with torch.no_grad():
                 next(trainer.model[0].parameters()).view(-1)[0] += 1e-3
         try:
             training.train(trainer)
-            caught = None
         except ReplicaMismatch as error:
-            caught = (str(error), trainer.state.iteration)
-    return {"caught": caught, "runs": train_runs(rank, runs, world_size)}
+            facts["caught"] = (str(error), trainer.state.iteration)
+    return facts
+
+
+def _probes_then_runs(rank, probes, runs, world_size):
+    from megatron.trainer import initialize
+    from tests import trainer_runs
+
+    initialize._shutdown = trainer_runs._destroy_model_parallel_only
+    facts = {name: _probe(rank, flags, world_size, nudge) for name, (flags, nudge)
+             in probes.items()}
+    return {"probes": facts, "runs": train_runs(rank, runs, world_size)}
 
 
 @pytest.fixture(scope="module")
 def ranks():
+    probes = {"nudged": (HASHED, True), "lazy_gather": (HASHED_LAZY, False),
+              "sharded": (SHARDED, False)}
     configs = {
         "steps": STEPS,
         "hashed": HASHED,
+        "sharded": SHARDED,
     }
-    results = run_ranks(2, _perturbed_replica_then_runs, list(configs.values()), 2)
-    return [{"caught": r["caught"], "runs": dict(zip(configs, r["runs"], strict=True))}
+    results = run_ranks(2, _probes_then_runs, probes, list(configs.values()), 2)
+    return [{"probes": r["probes"], "runs": dict(zip(configs, r["runs"], strict=True))}
             for r in results]
 
 
@@ -90,11 +113,50 @@ def test_step_batch_size_schedule_sets_each_steps_global_batch(runs):
 
 def test_weight_hash_check_stops_replicas_that_differ(ranks, runs):
     for rank in ranks:
-        message, iteration = rank["caught"]
+        message, iteration = rank["probes"]["nudged"]["caught"]
         assert iteration == 1  # the first check
         assert "after iteration 1 the data-parallel replicas (global ranks [0, 1]) hold " \
             "different weights" in message
-        assert "chunk 0 module.embedding.word_embeddings.weight: ranks [0] vs ranks [1]" in message
+        assert "chunk 0 module.embedding.word_embeddings.weight: ranks [0] vs ranks [1]" \
+            in message
+        assert rank["probes"]["lazy_gather"]["caught"] is None
     # unperturbed replicas pass every check and train on
     assert len(runs["hashed"]["losses"]) == 2
     assert "must be >= 1" in _parse_error(DP2, check_weight_hash_across_dp_replicas_interval=0)
+
+
+def test_disable_gloo_process_groups_reaches_megatron_core(ranks):
+    probes = ranks[0]["probes"]
+    assert probes["sharded"]["gloo_groups"] and not probes["lazy_gather"]["gloo_groups"]
+    assert probes["sharded"]["optimizer_shards"] == 2
+    assert "cannot save or load --ckpt-format torch" in _parse_error(
+        SHARDED, disable_gloo_process_groups=True, ckpt_format="torch", save="/tmp/x")
+
+
+@pytest.mark.skipif(not TWO_GPUS, reason="megatron-core reduces between distributed-optimizer "
+                    "instances on a CUDA stream: needs 2 GPUs")
+def test_optimizer_instances_each_keep_the_whole_state():
+    probes = [r["probes"] for r in run_ranks(2, _probes_then_runs, {
+        "instances": (INSTANCES, False), "sharded": (SHARDED, False)}, [], 2, gpu=True)]
+    for rank in probes:
+        # two instances of one rank each: every rank keeps the whole optimizer state
+        assert (rank["sharded"]["optimizer_shards"], rank["instances"]["optimizer_shards"]) \
+            == (2, 1)
+
+
+def test_optimizer_instances_are_validated(monkeypatch):
+    from megatron.trainer import fast_path, training
+    from megatron.trainer.arguments import ArgumentError, parse_args
+    from megatron.trainer.gpt import GPT_TASK
+
+    args = parse_args(INSTANCES, world_size=2)
+    assert args.num_distributed_optimizer_instances == 2
+    monkeypatch.setattr(fast_path, "on_gpu", lambda *a: False)
+    with pytest.raises(ArgumentError, match="--num-distributed-optimizer-instances 2 needs GPUs"):
+        training.setup(GPT_TASK, args, contextlib.ExitStack())
+    assert "needs --use-distributed-optimizer" in _parse_error(
+        DP2, num_distributed_optimizer_instances=2)
+    assert "does not divide the data-parallel size 2" in _parse_error(
+        SHARDED, num_distributed_optimizer_instances=3)
+    assert "cannot save or load --ckpt-format torch" in _parse_error(
+        SHARDED, disable_gloo_process_groups=True, ckpt_format="torch", save="/tmp/x")

@@ -1098,9 +1098,28 @@ def _add_core_extras_args(g):
     g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
                    help="every N iterations compare a hash of the weights across data-parallel "
                         "replicas; stop naming the ranks if they differ")
+    g.add_argument("--disable-gloo-process-groups", action="store_true",
+                   help="create no gloo twins of megatron-core's process groups")
+    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
+                   help="split the data-parallel ranks into this many groups, each sharding "
+                        "a whole copy of the optimizer state (megatron-core)")
 
 
 def _validate_core_extras(args, need):
     interval = args.check_weight_hash_across_dp_replicas_interval
     need(interval is None or interval >= 1,
          f"--check-weight-hash-across-dp-replicas-interval {interval} must be >= 1")
+    need(not (args.disable_gloo_process_groups and args.use_distributed_optimizer
+              and args.ckpt_format == "torch" and (args.save or args.load)),
+         "--disable-gloo-process-groups with --use-distributed-optimizer cannot save or load "
+         "--ckpt-format torch (megatron-core gathers its optimizer state over gloo); use "
+         "torch_dist")
+    instances, dp = args.num_distributed_optimizer_instances, args.data_parallel_size
+    if instances != 1:
+        need(instances >= 1, f"--num-distributed-optimizer-instances {instances} must be >= 1")
+        need(args.use_distributed_optimizer,
+             f"--num-distributed-optimizer-instances {instances} needs "
+             "--use-distributed-optimizer")
+        need(instances < 1 or dp % instances == 0,
+             f"--num-distributed-optimizer-instances {instances} does not divide the "
+             f"data-parallel size {dp}")

@@ -21,6 +21,7 @@ def wrap_model_chunks(chunks, args, config, device) -> list[torch.nn.Module]:
         average_in_collective=args.ddp_average_in_collective,
         check_for_nan_in_grad=False,
         bucket_size=None,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
     )
     for index, chunk in enumerate(chunks):
         chunk.to(device)
@@ -65,7 +66,8 @@ def build_optimizer(model_chunks, args, timers=None):
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_param_gather=args.overlap_param_gather,
     )
-    return get_megatron_optimizer(config, model_chunks)
+    return get_megatron_optimizer(config, model_chunks,
+                                  use_gloo_process_groups=not args.disable_gloo_process_groups)
 
 
 def build_scheduler(optimizer, args) -> OptimizerParamScheduler:

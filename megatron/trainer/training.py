@@ -7,6 +7,7 @@ says what differs between models (stage builder, datasets, forward step).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import math
 import os
@@ -112,6 +113,7 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     core_overrides.verify()  # megatron-core has what the trainer patches and relies on
     check_data_paths(args)  # before the job starts: every rank reads its own files
     metrics.require_wandb(LoggingConfig.from_args(args))
+    _require_optimizer_instance_support(args)
     device = initialize_distributed(args, stack)
     setup_logging(dist.get_rank(), dist.get_world_size())
     try:
@@ -163,6 +165,18 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
                    _batch_calculator(args), datasets, state, schedule,
                    ForwardRng(args.seed, device), logging_config, timers, collector=collector,
                    checkpointer=checkpointer)
+
+
+def _require_optimizer_instance_support(args) -> None:
+    """megatron-core builds the groups of several optimizer instances with einops and
+    reduces between them on a CUDA stream."""
+    instances = args.num_distributed_optimizer_instances
+    if instances > 1 and importlib.util.find_spec("einops") is None:
+        raise ArgumentError(f"--num-distributed-optimizer-instances {instances}: the einops "
+                            "package is not importable here (pip install einops)")
+    if instances > 1 and not fast_path.on_gpu(args, fast_path.Machine.detect()):
+        raise ArgumentError(f"--num-distributed-optimizer-instances {instances} needs GPUs "
+                            "(megatron-core reduces between the instances on a CUDA stream)")
 
 
 def _padded_vocab_size(vocab_size: int, args) -> int:
