@@ -26,6 +26,11 @@ HASHED = with_flags(DP2, check_weight_hash_across_dp_replicas_interval=1)
 HASHED_LAZY = HASHED + ["--use-distributed-optimizer", "--overlap-param-gather",
                         "--disable-gloo-process-groups"]
 INSTANCES = DP2 + ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]
+# 2 stages x 2 virtual stages, 4 microbatches (one replica: the gather is megatron-core's
+# code path all the same)
+INTERLEAVED = with_flags(PP2, num_layers_per_virtual_pipeline_stage=1) + [
+    "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+GATHER_IN_STEP = INTERLEAVED + ["--overlap-param-gather-with-optimizer-step"]
 TWO_GPUS = torch.cuda.device_count() >= 2
 SHARDED = DP2 + ["--use-distributed-optimizer"]
 
@@ -45,7 +50,10 @@ def _probe(rank, flags, world_size, nudge: bool) -> dict:
         optimizer = getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])[0]
         sharded_over = getattr(optimizer, "data_parallel_group", None)  # distributed optimizer
         facts = {"gloo_groups": parallel_state._DATA_PARALLEL_GROUP_GLOO is not None,
-                 "optimizer_shards": sharded_over and sharded_over.size(), "caught": None}
+                 "optimizer_shards": sharded_over and sharded_over.size(), "caught": None,
+                 "optimizers": len(getattr(trainer.optimizer, "chained_optimizers", [None])),
+                 "gathers_in_step": [chunk.overlap_param_gather_with_optimizer_step
+                                     for chunk in trainer.model]}
         if nudge and rank == 1:
             with torch.no_grad():
                 next(trainer.model[0].parameters()).view(-1)[0] += 1e-3
@@ -69,11 +77,13 @@ def _probes_then_runs(rank, probes, runs, world_size):
 @pytest.fixture(scope="module")
 def ranks():
     probes = {"nudged": (HASHED, True), "lazy_gather": (HASHED_LAZY, False),
-              "sharded": (SHARDED, False)}
+              "sharded": (SHARDED, False), "gather_in_step": (GATHER_IN_STEP, False)}
     configs = {
         "steps": STEPS,
         "hashed": HASHED,
         "sharded": SHARDED,
+        "interleaved": INTERLEAVED,
+        "gather_in_step": GATHER_IN_STEP,
     }
     results = run_ranks(2, _probes_then_runs, probes, list(configs.values()), 2)
     return [{"probes": r["probes"], "runs": dict(zip(configs, r["runs"], strict=True))}
@@ -160,3 +170,16 @@ def test_optimizer_instances_are_validated(monkeypatch):
         SHARDED, num_distributed_optimizer_instances=3)
     assert "cannot save or load --ckpt-format torch" in _parse_error(
         SHARDED, disable_gloo_process_groups=True, ckpt_format="torch", save="/tmp/x")
+
+
+def test_param_gather_with_optimizer_step_trains_as_without(ranks, runs):
+    # megatron-core splits the optimizer: the first chunk's own, whose step starts its gather
+    facts = ranks[0]["probes"]["gather_in_step"]
+    assert (facts["optimizers"], facts["gathers_in_step"]) == (2, [True, False])
+    assert ranks[0]["probes"]["sharded"]["gathers_in_step"] == [False]
+    assert len(runs["interleaved"]["losses"]) == 2
+    assert runs["gather_in_step"]["losses"] == runs["interleaved"]["losses"]
+    message = _parse_error(with_flags(GATHER_IN_STEP, num_layers_per_virtual_pipeline_stage=None))
+    assert "--overlap-param-gather-with-optimizer-step needs virtual pipeline stages" in message
+    assert "--ckpt-format torch" in _parse_error(GATHER_IN_STEP, save="/tmp/x")
+    assert "not --use-dpp" in _parse_error(GATHER_IN_STEP, use_dpp=True)

@@ -1098,6 +1098,9 @@ def _add_core_extras_args(g):
     g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
                    help="every N iterations compare a hash of the weights across data-parallel "
                         "replicas; stop naming the ranks if they differ")
+    g.add_argument("--overlap-param-gather-with-optimizer-step", action="store_true",
+                   help="start the first model chunk's parameter all-gather in the optimizer "
+                        "step (distributed optimizer, --overlap-param-gather, virtual stages)")
     g.add_argument("--disable-gloo-process-groups", action="store_true",
                    help="create no gloo twins of megatron-core's process groups")
     g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
@@ -1114,6 +1117,16 @@ def _validate_core_extras(args, need):
          "--disable-gloo-process-groups with --use-distributed-optimizer cannot save or load "
          "--ckpt-format torch (megatron-core gathers its optimizer state over gloo); use "
          "torch_dist")
+    if args.overlap_param_gather_with_optimizer_step:
+        missing = [what for what, ok in (
+            ("--use-distributed-optimizer", args.use_distributed_optimizer),
+            ("--overlap-param-gather", args.overlap_param_gather),
+            ("virtual pipeline stages", args.virtual_pipeline_model_parallel_size is not None),
+            ("--ckpt-format torch (megatron-core cannot save it in torch_dist yet)",
+             args.ckpt_format == "torch" or not (args.save or args.load)),
+            ("megatron-core's schedule (not --use-dpp)", not args.use_dpp)) if not ok]
+        need(not missing, "--overlap-param-gather-with-optimizer-step needs "
+             + ", ".join(missing))
     instances, dp = args.num_distributed_optimizer_instances, args.data_parallel_size
     if instances != 1:
         need(instances >= 1, f"--num-distributed-optimizer-instances {instances} must be >= 1")

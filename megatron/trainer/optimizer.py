@@ -31,7 +31,8 @@ def wrap_model_chunks(chunks, args, config, device) -> list[torch.nn.Module]:
             config=config,
             ddp_config=ddp_config,
             module=chunk,
-            disable_bucketing=index > 0,
+            # the first chunk's all-gather starts in the optimizer step, all of it at once
+            disable_bucketing=index > 0 or args.overlap_param_gather_with_optimizer_step,
         )
         chunk.broadcast_params()
         wrapped.append(chunk)
@@ -65,6 +66,7 @@ def build_optimizer(model_chunks, args, timers=None):
         clip_grad=args.clip_grad,
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_param_gather=args.overlap_param_gather,
+        overlap_param_gather_with_optimizer_step=args.overlap_param_gather_with_optimizer_step,
     )
     return get_megatron_optimizer(config, model_chunks,
                                   use_gloo_process_groups=not args.disable_gloo_process_groups)
