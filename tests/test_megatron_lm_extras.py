@@ -61,6 +61,9 @@ def _probe(rank, flags, world_size, nudge: bool) -> dict:
             training.train(trainer)
         except ReplicaMismatch as error:
             facts["caught"] = (str(error), trainer.state.iteration)
+        saver = trainer.checkpointer and trainer.checkpointer._save_strategy
+        saver = getattr(saver, "base_strategy", saver)  # inside the fully parallel wrapper
+        facts["plan_reused"] = bool(saver and saver.validated_cache_reuse)
     return facts
 
 
@@ -75,8 +78,18 @@ def _probes_then_runs(rank, probes, runs, world_size):
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    probes = {"nudged": (HASHED, True), "lazy_gather": (HASHED_LAZY, False),
+def saved(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("constant_structure"))
+
+
+def _constant(save_dir):
+    return with_flags(DP2, train_iters=4, exit_interval=3, save=save_dir, save_interval=1) + [
+        "--ckpt-assume-constant-structure"]
+
+
+@pytest.fixture(scope="module")
+def ranks(saved):
+    probes = {"constant": (_constant(saved), False),"nudged": (HASHED, True), "lazy_gather": (HASHED_LAZY, False),
               "sharded": (SHARDED, False), "gather_in_step": (GATHER_IN_STEP, False)}
     configs = {
         "steps": STEPS,
@@ -84,6 +97,8 @@ def ranks():
         "sharded": SHARDED,
         "interleaved": INTERLEAVED,
         "gather_in_step": GATHER_IN_STEP,
+        "resumed": with_flags(DP2, train_iters=4, load=saved),
+        "continuous": with_flags(DP2, train_iters=4),
     }
     results = run_ranks(2, _probes_then_runs, probes, list(configs.values()), 2)
     return [{"probes": r["probes"], "runs": dict(zip(configs, r["runs"], strict=True))}
@@ -183,3 +198,13 @@ def test_param_gather_with_optimizer_step_trains_as_without(ranks, runs):
     assert "--overlap-param-gather-with-optimizer-step needs virtual pipeline stages" in message
     assert "--ckpt-format torch" in _parse_error(GATHER_IN_STEP, save="/tmp/x")
     assert "not --use-dpp" in _parse_error(GATHER_IN_STEP, use_dpp=True)
+
+
+def test_constant_structure_saves_reuse_the_plan_and_load(ranks, runs):
+    # three saves: the second validates the first's plan, the third reuses it
+    assert all(rank["probes"]["constant"]["plan_reused"] for rank in ranks)
+    assert not ranks[0]["probes"]["sharded"]["plan_reused"]
+    assert runs["resumed"]["losses"] == runs["continuous"]["losses"][3:]
+    assert "--ckpt-format torch has none" in _parse_error(
+        DP2, ckpt_assume_constant_structure=True, ckpt_format="torch")
+    assert "--async-strategy nvrx: only mcore" in _parse_error(DP2, async_strategy="nvrx")

@@ -1101,6 +1101,11 @@ def _add_core_extras_args(g):
     g.add_argument("--overlap-param-gather-with-optimizer-step", action="store_true",
                    help="start the first model chunk's parameter all-gather in the optimizer "
                         "step (distributed optimizer, --overlap-param-gather, virtual stages)")
+    g.add_argument("--ckpt-assume-constant-structure", action="store_true",
+                   help="torch_dist saves reuse the first save's plan and metadata (the model "
+                        "and optimizer structure must not change during the run)")
+    g.add_argument("--async-strategy", default="mcore", choices=["mcore", "nvrx"],
+                   help="writer of --async-save: megatron-core's own (mcore)")
     g.add_argument("--disable-gloo-process-groups", action="store_true",
                    help="create no gloo twins of megatron-core's process groups")
     g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
@@ -1127,6 +1132,11 @@ def _validate_core_extras(args, need):
             ("megatron-core's schedule (not --use-dpp)", not args.use_dpp)) if not ok]
         need(not missing, "--overlap-param-gather-with-optimizer-step needs "
              + ", ".join(missing))
+    need(args.async_strategy == "mcore", f"--async-strategy {args.async_strategy}: only "
+         "mcore (megatron-core's writer); nvrx needs nvidia-resiliency-ext's checkpointing")
+    need(not args.ckpt_assume_constant_structure or args.ckpt_format == "torch_dist",
+         f"--ckpt-assume-constant-structure caches megatron-core's torch_dist save plan; "
+         f"--ckpt-format {args.ckpt_format} has none")
     instances, dp = args.num_distributed_optimizer_instances, args.data_parallel_size
     if instances != 1:
         need(instances >= 1, f"--num-distributed-optimizer-instances {instances} must be >= 1")

@@ -170,6 +170,9 @@ class Checkpointer:
         self._pending: _PendingSave | None = None
         self._results = None  # the writers' results queue for asynchronous saves
         self._manager = None
+        # kept between saves when the structure is constant: megatron-core caches the plan
+        self._save_strategy = _torch_dist_save_strategy(config) \
+            if config.assume_constant_structure else None
 
     def save(self, model, optimizer, scheduler, state: TrainingState,
              non_persistent: bool = False) -> str:
@@ -181,7 +184,7 @@ class Checkpointer:
         iteration = state.iteration
         _use_results_queue(queue.Queue() if self._calls is None else self._async_results_queue())
         final = _save(root, model, optimizer, scheduler, state, config, non_persistent,
-                      self._calls)
+                      self._calls, self._save_strategy)
         if self._calls is not None:
             self._pending = _PendingSave(root, final + ".tmp", iteration)
         return final
@@ -267,7 +270,8 @@ def save_checkpoint(root: str, model, optimizer, scheduler, state: TrainingState
 
 
 def _save(root: str, model, optimizer, scheduler, state: TrainingState,
-          config: CheckpointConfig, non_persistent: bool, calls: AsyncCallsQueue | None) -> str:
+          config: CheckpointConfig, non_persistent: bool, calls: AsyncCallsQueue | None,
+          strategy=None) -> str:
     _require_psutil()
     iteration = state.iteration  # the loop goes on while an asynchronous save is written
     final = checkpoint_dir(root, iteration)
@@ -289,7 +293,7 @@ def _save(root: str, model, optimizer, scheduler, state: TrainingState,
                 request = None
             else:
                 request = _save_torch_dist(staging, model, optimizer, scheduler, state, config,
-                                           asynchronous=calls is not None)
+                                           asynchronous=calls is not None, strategy=strategy)
 
         def publish():
             dist.barrier()
@@ -315,19 +319,33 @@ def _save(root: str, model, optimizer, scheduler, state: TrainingState,
 
 
 def _save_torch_dist(staging: str, model, optimizer, scheduler, state: TrainingState,
-                     config: CheckpointConfig, asynchronous: bool):
-    """megatron.core's save; with `asynchronous` the AsyncRequest that writes the shards."""
+                     config: CheckpointConfig, asynchronous: bool, strategy=None):
+    """megatron.core's save; with `asynchronous` the AsyncRequest that writes the shards.
+    `strategy`: one kept between saves (--ckpt-assume-constant-structure), else a new one."""
     metadata = _optimizer_metadata(config)
     sharded = _sharded_state(model, optimizer, scheduler, state, metadata, False)
-    strategy = TorchDistSaveShardedStrategy("torch_dist", 1)
-    if config.fully_parallel_save:
-        strategy = FullyParallelSaveStrategyWrapper(
-            strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+    strategy = strategy or _torch_dist_save_strategy(config)
     options = {}
     if asynchronous and "async_strategy" in _SAVE_PARAMETERS:
-        options["async_strategy"] = "mcore"  # megatron-core >= 0.17 defaults to NVRx's
+        # megatron-core >= 0.17 defaults to NVRx's writer; 0.16 has only its own
+        options["async_strategy"] = config.async_strategy
     return dist_checkpointing.save(sharded, staging, strategy, async_sharded_save=asynchronous,
-                                   content_metadata=metadata or None, **options)
+                                   content_metadata=metadata or None,
+                                   # a constant structure was validated by the first save
+                                   validate_access_integrity=not config.assume_constant_structure,
+                                   **options)
+
+
+def _torch_dist_save_strategy(config: CheckpointConfig):
+    """With a constant structure, megatron-core reuses the first save's plan, metadata and
+    (fully parallel) shard distribution in later saves by the same strategy object."""
+    constant = config.assume_constant_structure
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=constant)
+    if config.fully_parallel_save:
+        strategy = FullyParallelSaveStrategyWrapper(
+            strategy, parallel_state.get_data_parallel_group(with_context_parallel=True),
+            do_cache_distribution=constant)
+    return strategy
 
 
 _SAVE_PARAMETERS = inspect.signature(dist_checkpointing.save).parameters
