@@ -31,13 +31,14 @@ INSTANCES = DP2 + ["--use-distributed-optimizer", "--num-distributed-optimizer-i
 INTERLEAVED = with_flags(PP2, num_layers_per_virtual_pipeline_stage=1) + [
     "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
 GATHER_IN_STEP = INTERLEAVED + ["--overlap-param-gather-with-optimizer-step"]
+QK = DP2 + ["--qk-layernorm"]
 TWO_GPUS = torch.cuda.device_count() >= 2
 SHARDED = DP2 + ["--use-distributed-optimizer"]
 
 
-def _probe(rank, flags, world_size, nudge: bool) -> dict:
-    """Set up and train `flags` (rank 1's first weight nudged first if `nudge`); what the
-    run built and the replica check it raised."""
+def _probe(rank, flags, world_size, nudge: str | None) -> dict:
+    """Set up and train `flags` (on rank 1 the first weight whose name contains `nudge`
+    nudged first); what the run built and the replica check it raised."""
     from megatron.core import parallel_state
 
     from megatron.trainer import training
@@ -54,12 +55,17 @@ def _probe(rank, flags, world_size, nudge: bool) -> dict:
                  "optimizers": len(getattr(trainer.optimizer, "chained_optimizers", [None])),
                  "gathers_in_step": [chunk.overlap_param_gather_with_optimizer_step
                                      for chunk in trainer.model]}
+        names = [name for chunk in trainer.model for name, _ in chunk.named_parameters()]
+        facts["qk_norms"] = sum("q_layernorm" in name or "k_layernorm" in name for name in names)
         if nudge and rank == 1:
             with torch.no_grad():
-                next(trainer.model[0].parameters()).view(-1)[0] += 1e-3
+                next(p for name, p in trainer.model[0].named_parameters()
+                     if nudge in name).view(-1)[0] += 1e-3
         try:
             training.train(trainer)
         except ReplicaMismatch as error:
+            facts["caught"] = (str(error), trainer.state.iteration)
+        except AssertionError as error:  # megatron-core's --test-mode checks
             facts["caught"] = (str(error), trainer.state.iteration)
         saver = trainer.checkpointer and trainer.checkpointer._save_strategy
         saver = getattr(saver, "base_strategy", saver)  # inside the fully parallel wrapper
@@ -89,8 +95,9 @@ def _constant(save_dir):
 
 @pytest.fixture(scope="module")
 def ranks(saved):
-    probes = {"constant": (_constant(saved), False),"nudged": (HASHED, True), "lazy_gather": (HASHED_LAZY, False),
-              "sharded": (SHARDED, False), "gather_in_step": (GATHER_IN_STEP, False)}
+    probes = {"constant": (_constant(saved), None),
+              "test_mode": (QK + ["--test-mode"], "q_layernorm.weight"),"nudged": (HASHED, "word_embeddings"), "lazy_gather": (HASHED_LAZY, None),
+              "sharded": (SHARDED, None), "gather_in_step": (GATHER_IN_STEP, None)}
     configs = {
         "steps": STEPS,
         "hashed": HASHED,
@@ -99,6 +106,8 @@ def ranks(saved):
         "gather_in_step": GATHER_IN_STEP,
         "resumed": with_flags(DP2, train_iters=4, load=saved),
         "continuous": with_flags(DP2, train_iters=4),
+        "qk": QK,
+        "qk_test_mode": QK + ["--test-mode"],
     }
     results = run_ranks(2, _probes_then_runs, probes, list(configs.values()), 2)
     return [{"probes": r["probes"], "runs": dict(zip(configs, r["runs"], strict=True))}
@@ -110,11 +119,11 @@ def runs(ranks):
     return ranks[-1]["runs"]
 
 
-def _parse_error(argv, world_size=2, **overrides) -> str:
+def _parse_error(argv, world_size=2, model="gpt", **overrides) -> str:
     from megatron.trainer.arguments import ArgumentError, parse_args
 
     with pytest.raises(ArgumentError) as error:
-        parse_args(with_flags(argv, **overrides), world_size=world_size)
+        parse_args(with_flags(argv, **overrides), world_size=world_size, model=model)
     return str(error.value)
 
 
@@ -162,7 +171,7 @@ def test_disable_gloo_process_groups_reaches_megatron_core(ranks):
                     "instances on a CUDA stream: needs 2 GPUs")
 def test_optimizer_instances_each_keep_the_whole_state():
     probes = [r["probes"] for r in run_ranks(2, _probes_then_runs, {
-        "instances": (INSTANCES, False), "sharded": (SHARDED, False)}, [], 2, gpu=True)]
+        "instances": (INSTANCES, None), "sharded": (SHARDED, None)}, [], 2, gpu=True)]
     for rank in probes:
         # two instances of one rank each: every rank keeps the whole optimizer state
         assert (rank["sharded"]["optimizer_shards"], rank["instances"]["optimizer_shards"]) \
@@ -208,3 +217,17 @@ def test_constant_structure_saves_reuse_the_plan_and_load(ranks, runs):
     assert "--ckpt-format torch has none" in _parse_error(
         DP2, ckpt_assume_constant_structure=True, ckpt_format="torch")
     assert "--async-strategy nvrx: only mcore" in _parse_error(DP2, async_strategy="nvrx")
+
+
+def test_qk_layernorm_normalizes_queries_and_keys_and_test_mode_checks_them(ranks, runs):
+    probes = ranks[0]["probes"]
+    # a q and a k norm (weight and bias each) in each of the 4 layers
+    assert (probes["sharded"]["qk_norms"], probes["test_mode"]["qk_norms"]) == (0, 16)
+    assert runs["qk"]["losses"][0] != runs["continuous"]["losses"][0]
+    # the checks change nothing when the replicas agree, and stop a replica that drifted
+    assert runs["qk_test_mode"]["losses"] == runs["qk"]["losses"]
+    message, iteration = probes["test_mode"]["caught"]
+    assert iteration == 0 and "Discrepancy between q_w in DP ranks" in message
+    assert "megatron-core's BERT layer specs" in _parse_error(QK, model="bert")
+    assert "--test-mode: it checks only the q/k norms" in _parse_error(DP2, test_mode=True)
+    assert "not --use-dpp" in _parse_error(with_flags(QK, use_dpp=True), test_mode=True)

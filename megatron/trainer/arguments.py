@@ -1106,6 +1106,11 @@ def _add_core_extras_args(g):
                         "and optimizer structure must not change during the run)")
     g.add_argument("--async-strategy", default="mcore", choices=["mcore", "nvrx"],
                    help="writer of --async-save: megatron-core's own (mcore)")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="normalize queries and keys per head before the attention scores")
+    g.add_argument("--test-mode", action="store_true",
+                   help="megatron-core's real-time checks: every attention forward compares the "
+                        "q/k norm weights across data- and tensor-parallel ranks")
     g.add_argument("--disable-gloo-process-groups", action="store_true",
                    help="create no gloo twins of megatron-core's process groups")
     g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
@@ -1132,6 +1137,16 @@ def _validate_core_extras(args, need):
             ("megatron-core's schedule (not --use-dpp)", not args.use_dpp)) if not ok]
         need(not missing, "--overlap-param-gather-with-optimizer-step needs "
              + ", ".join(missing))
+    need(not args.qk_layernorm or args.model == "gpt",
+         "--qk-layernorm: megatron-core's BERT layer specs have no query/key norms")
+    if args.test_mode:
+        why = [reason for reason, bad in (
+            ("it checks only the q/k norms of --qk-layernorm", not args.qk_layernorm),
+            ("its checks need the norms' biases (--normalization LayerNorm)",
+             args.normalization != "LayerNorm"),
+            ("its collectives inside each forward need the ranks in step, not --use-dpp",
+             args.use_dpp)) if bad]
+        need(not why, "--test-mode: " + "; ".join(why))
     need(args.async_strategy == "mcore", f"--async-strategy {args.async_strategy}: only "
          "mcore (megatron-core's writer); nvrx needs nvidia-resiliency-ext's checkpointing")
     need(not args.ckpt_assume_constant_structure or args.ckpt_format == "torch_dist",

@@ -89,6 +89,8 @@ def transformer_config_from_args(args) -> TransformerConfig:
         apply_rope_fusion=rope_fusion(args),
         calculate_per_token_loss=args.calculate_per_token_loss,
         deterministic_mode=args.deterministic_mode,
+        qk_layernorm=args.qk_layernorm,
+        test_mode=args.test_mode,
         fp32_residual_connection=args.fp32_residual_connection,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -189,8 +191,9 @@ def gpt_layer_spec(args) -> ModuleSpec:
         )
 
         # no normalization argument: TE's fused norm-linear layers read config.normalization
-        return get_gpt_layer_with_transformer_engine_spec()
-    local = get_gpt_layer_local_spec(normalization=args.normalization)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
+    local = get_gpt_layer_local_spec(normalization=args.normalization,
+                                     qk_layernorm=args.qk_layernorm)
     if _own_norms(args):
         local = _with_sequence_parallel_norms(local)
     return local if _stock_attention(args) else _with_sdpa(local, args)
