@@ -32,6 +32,9 @@ INTERLEAVED = with_flags(PP2, num_layers_per_virtual_pipeline_stage=1) + [
     "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
 GATHER_IN_STEP = INTERLEAVED + ["--overlap-param-gather-with-optimizer-step"]
 QK = DP2 + ["--qk-layernorm"]
+# 5 microbatches over 2 stages x 2 virtual stages: megatron-core's default groups of 2 leave
+# a last group of 1 (refused); groups of 5, or of 3 then 2, are its valid orders
+FIVE = with_flags(PP2, num_layers_per_virtual_pipeline_stage=1, global_batch_size=10)
 TWO_GPUS = torch.cuda.device_count() >= 2
 SHARDED = DP2 + ["--use-distributed-optimizer"]
 
@@ -107,6 +110,8 @@ def ranks(saved):
         "resumed": with_flags(DP2, train_iters=4, load=saved),
         "continuous": with_flags(DP2, train_iters=4),
         "qk": QK,
+        "group5": with_flags(FIVE, microbatch_group_size_per_virtual_pipeline_stage=5),
+        "group3": with_flags(FIVE, microbatch_group_size_per_virtual_pipeline_stage=3),
         "qk_test_mode": QK + ["--test-mode"],
     }
     results = run_ranks(2, _probes_then_runs, probes, list(configs.values()), 2)
@@ -231,3 +236,31 @@ def test_qk_layernorm_normalizes_queries_and_keys_and_test_mode_checks_them(rank
     assert "megatron-core's BERT layer specs" in _parse_error(QK, model="bert")
     assert "--test-mode: it checks only the q/k norms" in _parse_error(DP2, test_mode=True)
     assert "not --use-dpp" in _parse_error(with_flags(QK, use_dpp=True), test_mode=True)
+
+
+def test_microbatch_groups_reorder_the_interleaved_schedule_with_the_same_losses(runs):
+    assert len(runs["group5"]["losses"]) == 2
+    for five, three in zip(runs["group5"]["losses"], runs["group3"]["losses"], strict=True):
+        assert three["lm loss"] == pytest.approx(five["lm loss"], rel=1e-6)
+    assert "gives 5 microbatches" in _parse_error(FIVE)  # the default groups of 2
+    assert "need at least --microbatch-group-size-per-virtual-pipeline-stage 6" in \
+        _parse_error(FIVE, microbatch_group_size_per_virtual_pipeline_stage=6)
+    assert "--use-dpp runs the microbatches of a virtual stage in groups" in _parse_error(
+        FIVE, microbatch_group_size_per_virtual_pipeline_stage=5, use_dpp=True)
+
+
+def test_warmup_flush_overlap_reaches_the_interleaved_schedule():
+    from megatron.trainer.arguments import parse_args
+    from megatron.trainer.models import transformer_config_from_args
+
+    flags = with_flags(DP2, pipeline_model_parallel_size=4, num_layers=8,
+                       num_layers_per_virtual_pipeline_stage=1) + [
+        "--overlap-p2p-communication-warmup-flush"]
+    config = transformer_config_from_args(parse_args(flags, world_size=4))
+    # megatron-core accepts the warm-up/flush overlap only on overlapped, unbatched p2p
+    assert (config.overlap_p2p_comm_warmup_flush, config.overlap_p2p_comm,
+            config.batch_p2p_comm) == (True, True, False)
+    assert "the one neighbour would match activations and gradients" in _parse_error(
+        with_flags(FIVE, overlap_p2p_communication_warmup_flush=True))
+    assert "needs virtual pipeline stages and not --use-dpp" in _parse_error(
+        DP2, overlap_p2p_communication_warmup_flush=True)

@@ -551,7 +551,7 @@ def _validate_microbatches(args, need):
     micro-batches over the data-parallel ranks; with virtual stages, megatron-core's
     interleaved schedule and the DPP policy (StageConfig) both run the microbatches in
     groups of --pipeline-model-parallel-size and need a multiple of it."""
-    dp, mbs, pp = args.data_parallel_size, args.micro_batch_size, args.pipeline_model_parallel_size
+    dp, mbs = args.data_parallel_size, args.micro_batch_size
     interleaved = args.virtual_pipeline_model_parallel_size is not None
     for size, iteration in _global_batch_sizes(args).items():
         if args.rampup_batch_size is None:
@@ -565,10 +565,12 @@ def _validate_microbatches(args, need):
                  f"--micro-batch-size {mbs} x data-parallel size {dp}")
             continue
         count = size // (mbs * dp)
-        need(not interleaved or count % pp == 0,
+        # --microbatch-group-size-per-virtual-pipeline-stage: megatron-core's own rule
+        problem = _interleaved_group_problem(args, count) if interleaved else None
+        need(problem is None,
              f"{what} gives {count} microbatches (--micro-batch-size {mbs} x data-parallel size "
              f"{dp}); with virtual pipeline stages megatron-core's interleaved schedule and "
-             f"--use-dpp both need a multiple of --pipeline-model-parallel-size {pp}")
+             f"--use-dpp both need {problem}")
 
 
 def _global_batch_sizes(args) -> dict[int, int]:
@@ -1111,6 +1113,12 @@ def _add_core_extras_args(g):
     g.add_argument("--test-mode", action="store_true",
                    help="megatron-core's real-time checks: every attention forward compares the "
                         "q/k norm weights across data- and tensor-parallel ranks")
+    g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int, default=None,
+                   help="megatron-core's interleaved schedule runs this many consecutive "
+                        "microbatches on each virtual stage (default: the pipeline size)")
+    g.add_argument("--overlap-p2p-communication-warmup-flush", action="store_true",
+                   help="megatron-core's interleaved schedule overlaps its p2p with compute "
+                        "in warm-up and flush too (unbatched p2p)")
     g.add_argument("--disable-gloo-process-groups", action="store_true",
                    help="create no gloo twins of megatron-core's process groups")
     g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
@@ -1147,6 +1155,7 @@ def _validate_core_extras(args, need):
             ("its collectives inside each forward need the ranks in step, not --use-dpp",
              args.use_dpp)) if bad]
         need(not why, "--test-mode: " + "; ".join(why))
+    _validate_interleaved_schedule_tuning(args, need)
     need(args.async_strategy == "mcore", f"--async-strategy {args.async_strategy}: only "
          "mcore (megatron-core's writer); nvrx needs nvidia-resiliency-ext's checkpointing")
     need(not args.ckpt_assume_constant_structure or args.ckpt_format == "torch_dist",
@@ -1161,3 +1170,40 @@ def _validate_core_extras(args, need):
         need(instances < 1 or dp % instances == 0,
              f"--num-distributed-optimizer-instances {instances} does not divide the "
              f"data-parallel size {dp}")
+
+
+def _validate_interleaved_schedule_tuning(args, need):
+    """Settings of megatron-core's interleaved schedule: virtual stages and that schedule
+    (DPP orders its tasks by readiness, not in groups)."""
+    pp, interleaved = args.pipeline_model_parallel_size, \
+        args.virtual_pipeline_model_parallel_size is not None
+    group = args.microbatch_group_size_per_virtual_pipeline_stage
+    if group is not None:
+        flag = f"--microbatch-group-size-per-virtual-pipeline-stage {group}"
+        need(interleaved, f"{flag} needs virtual pipeline stages")
+        need(not args.use_dpp or group == pp, f"{flag}: --use-dpp runs the microbatches of "
+             f"a virtual stage in groups of --pipeline-model-parallel-size {pp}")
+        need(group >= pp, f"{flag} is below --pipeline-model-parallel-size {pp}")
+    if args.overlap_p2p_communication_warmup_flush:
+        flag = "--overlap-p2p-communication-warmup-flush"
+        need(interleaved and not args.use_dpp,
+             f"{flag} tunes megatron-core's interleaved schedule: needs virtual pipeline "
+             "stages and not --use-dpp")
+        # overlapped unbatched p2p posts both directions to the one neighbour at once
+        need(pp != 2, f"{flag} at --pipeline-model-parallel-size 2: the one neighbour would "
+             "match activations and gradients by posting order")
+
+
+def _interleaved_group_problem(args, count: int) -> str | None:
+    """Why megatron-core's interleaved schedule refuses `count` microbatches, or None."""
+    pp = args.pipeline_model_parallel_size
+    group = args.microbatch_group_size_per_virtual_pipeline_stage
+    if group is None or args.use_dpp:
+        return None if count % pp == 0 else (
+            f"a multiple of --pipeline-model-parallel-size {pp}")
+    if count < group:
+        return f"at least --microbatch-group-size-per-virtual-pipeline-stage {group}"
+    if 0 < count % group < pp:
+        return (f"a multiple of --microbatch-group-size-per-virtual-pipeline-stage {group} "
+                f"or one whose last group has at least --pipeline-model-parallel-size {pp}")
+    return None

@@ -108,7 +108,12 @@ def transformer_config_from_args(args) -> TransformerConfig:
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
-        batch_p2p_comm=batch_p2p_comm(args),
+        batch_p2p_comm=batch_p2p_comm(args) and not args.overlap_p2p_communication_warmup_flush,
+        # the interleaved schedule's overlapped p2p, also in warm-up and flush (megatron-core
+        # allows the warm-up/flush overlap only on top of it, unbatched)
+        overlap_p2p_comm=args.overlap_p2p_communication_warmup_flush,
+        overlap_p2p_comm_warmup_flush=args.overlap_p2p_communication_warmup_flush,
+        microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_virtual_pipeline_stage,
         batch_p2p_sync=args.batch_p2p_sync,
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
         # megatron-core knows native and te; the project's triton passes replace its loss
