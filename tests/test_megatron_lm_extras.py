@@ -93,7 +93,7 @@ def saved(tmp_path_factory):
 
 def _constant(save_dir):
     return with_flags(DP2, train_iters=4, exit_interval=3, save=save_dir, save_interval=1) + [
-        "--ckpt-assume-constant-structure"]
+        "--ckpt-assume-constant-structure", "--verify-integrity"]
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +107,7 @@ def ranks(saved):
         "sharded": SHARDED,
         "interleaved": INTERLEAVED,
         "gather_in_step": GATHER_IN_STEP,
-        "resumed": with_flags(DP2, train_iters=4, load=saved),
+        "resumed": with_flags(DP2, train_iters=4, load=saved) + ["--verify-integrity"],
         "continuous": with_flags(DP2, train_iters=4),
         "qk": QK,
         "group5": with_flags(FIVE, microbatch_group_size_per_virtual_pipeline_stage=5),
@@ -264,3 +264,28 @@ def test_warmup_flush_overlap_reaches_the_interleaved_schedule():
         with_flags(FIVE, overlap_p2p_communication_warmup_flush=True))
     assert "needs virtual pipeline stages and not --use-dpp" in _parse_error(
         DP2, overlap_p2p_communication_warmup_flush=True)
+
+
+def test_verify_integrity_manifest_is_written_checked_and_catches_a_changed_file(
+        runs, saved, tmp_path):
+    import os
+    import shutil
+
+    from megatron.trainer.checkpointing import INTEGRITY_MANIFEST, integrity_problem
+
+    # every save of the run wrote one; the resumed run loaded iteration 3 through the check
+    for iteration in (1, 2, 3):
+        saved_dir = os.path.join(saved, f"iter_{iteration:07d}")
+        assert os.path.isfile(os.path.join(saved_dir, INTEGRITY_MANIFEST))
+    assert any("every file matches its SHA-256" in m for _, m in runs["resumed"]["logs"])
+    copy = shutil.copytree(saved_dir, tmp_path / "copy")
+    assert integrity_problem(str(copy)) is None
+    victim = sorted(p for p in copy.rglob("*") if p.is_file() and p.name != INTEGRITY_MANIFEST)[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 1
+    victim.write_bytes(bytes(data))
+    problem = integrity_problem(str(copy))
+    assert f"{victim.relative_to(copy)}: SHA-256 differs from the manifest" in problem
+    os.remove(copy / INTEGRITY_MANIFEST)
+    assert "saved without --verify-integrity" in integrity_problem(str(copy))
+    assert "--verify-integrity needs --save or --load" in _parse_error(DP2, verify_integrity=True)

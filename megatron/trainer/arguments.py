@@ -1106,6 +1106,9 @@ def _add_core_extras_args(g):
     g.add_argument("--ckpt-assume-constant-structure", action="store_true",
                    help="torch_dist saves reuse the first save's plan and metadata (the model "
                         "and optimizer structure must not change during the run)")
+    g.add_argument("--verify-integrity", action="store_true",
+                   help="write a SHA-256 manifest of each saved checkpoint and check the "
+                        "loaded checkpoint against it")
     g.add_argument("--async-strategy", default="mcore", choices=["mcore", "nvrx"],
                    help="writer of --async-save: megatron-core's own (mcore)")
     g.add_argument("--qk-layernorm", action="store_true",
@@ -1156,6 +1159,8 @@ def _validate_core_extras(args, need):
              args.use_dpp)) if bad]
         need(not why, "--test-mode: " + "; ".join(why))
     _validate_interleaved_schedule_tuning(args, need)
+    need(not args.verify_integrity or args.save or args.load,
+         "--verify-integrity needs --save or --load")
     need(args.async_strategy == "mcore", f"--async-strategy {args.async_strategy}: only "
          "mcore (megatron-core's writer); nvrx needs nvidia-resiliency-ext's checkpointing")
     need(not args.ckpt_assume_constant_structure or args.ckpt_format == "torch_dist",

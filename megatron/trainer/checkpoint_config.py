@@ -49,6 +49,7 @@ class CheckpointConfig:
     # --ckpt-assume-constant-structure: every torch_dist save reuses the first one's plan
     assume_constant_structure: bool = False
     async_strategy: str = "mcore"  # megatron-core's own writer (>= 0.17 also offers NVRx's)
+    verify_integrity: bool = False  # a SHA-256 manifest written at save, checked at load
 
     @classmethod
     def from_args(cls, args) -> CheckpointConfig:
@@ -75,6 +76,7 @@ class CheckpointConfig:
             non_persistent_dir=non_persistent_dir,
             assume_constant_structure=args.ckpt_assume_constant_structure,
             async_strategy=args.async_strategy,
+            verify_integrity=args.verify_integrity,
         )
 
     @property

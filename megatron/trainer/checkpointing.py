@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import hashlib
 import inspect
 import logging
 import os
@@ -57,6 +58,7 @@ from megatron.trainer.checkpoint_config import CheckpointConfig
 log = logging.getLogger(__name__)
 
 POINTER = "latest_checkpointed_iteration.txt"
+INTEGRITY_MANIFEST = "integrity.sha256"  # --verify-integrity
 # Less free space than this after a failed write means the disk filled up (a write that
 # fails for want of space first fills the filesystem to the last block).
 FULL_DISK_BYTES = 1 << 20
@@ -366,6 +368,8 @@ def _publish(root: str, staging: str, final: str, iteration: int, config: Checkp
     say is no longer kept: the previous checkpoint unless --save-retain-interval retains it
     (Megatron-LM's rule), or every older non-persistent checkpoint."""
     previous = latest_iteration(root)
+    if config.verify_integrity:
+        write_integrity_manifest(staging)
     _move_into_place(root, staging, final, iteration)
     if non_persistent:
         older = [name for name in os.listdir(root) if _ITERATION_DIRECTORY.fullmatch(name)
@@ -375,6 +379,55 @@ def _publish(root: str, staging: str, final: str, iteration: int, config: Checkp
     elif (config.retain_interval is not None and previous is not None and previous > 0
           and previous != iteration and previous % config.retain_interval != 0):
         _delete_checkpoint(checkpoint_dir(root, previous))
+
+
+def _file_digests(path: str) -> dict[str, str]:
+    """SHA-256 of every file under `path` but the manifest, by relative path."""
+    digests = {}
+    for directory, _, names in os.walk(path):
+        for name in names:
+            full = os.path.join(directory, name)
+            relative = os.path.relpath(full, path)
+            if relative != INTEGRITY_MANIFEST:
+                with open(full, "rb") as handle:
+                    digests[relative] = hashlib.file_digest(handle, "sha256").hexdigest()
+    return digests
+
+
+def write_integrity_manifest(path: str) -> None:
+    """--verify-integrity at save: one `digest  file` line per file of the checkpoint."""
+    lines = [f"{digest}  {name}\n" for name, digest in sorted(_file_digests(path).items())]
+    with open(os.path.join(path, INTEGRITY_MANIFEST), "w") as handle:
+        handle.writelines(lines)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def integrity_problem(path: str) -> str | None:
+    """--verify-integrity at load: what differs from the manifest written at save, or None."""
+    manifest = os.path.join(path, INTEGRITY_MANIFEST)
+    if not os.path.isfile(manifest):
+        return f"{path} has no {INTEGRITY_MANIFEST} (saved without --verify-integrity)"
+    with open(manifest) as handle:
+        expected = dict(reversed(line.rstrip("\n").split("  ", 1)) for line in handle)
+    found = _file_digests(path)
+    problems = [f"{name}: missing" for name in sorted(expected.keys() - found.keys())]
+    problems += [f"{name}: SHA-256 differs from the manifest" for name in sorted(expected)
+                 if name in found and found[name] != expected[name]]
+    problems += [f"{name}: not in the manifest" for name in sorted(found.keys() - expected.keys())]
+    if not problems:
+        return None
+    return f"{path} fails --verify-integrity: " + "; ".join(problems[:5]) + (
+        f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
+
+
+def _verify_on_rank0(path: str) -> None:
+    """Rank 0 re-hashes the checkpoint; every rank raises its verdict."""
+    problem = [integrity_problem(path) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise CheckpointError(problem[0])
+    log.info("%s: every file matches its SHA-256 in %s", path, INTEGRITY_MANIFEST)
 
 
 def _delete_checkpoint(path: str) -> None:
@@ -604,6 +657,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler,
     path = checkpoint_dir(root, iteration)
     if not os.path.isdir(path):
         raise CheckpointError(f"{root}/{POINTER} names iteration {iteration} but {path} is missing")
+    if config.verify_integrity:
+        _verify_on_rank0(path)
     load_optim = optimizer is not None and config.load_optim and not config.finetune
     torch_format = torch_checkpoint.is_torch_format(path)
     with torch.no_grad():
