@@ -270,15 +270,23 @@ def test_deterministic_mode_refuses_what_would_vary(monkeypatch):
     assert "the environment sets NCCL_ALGO=NVLS" in _parse_error(BASE, deterministic_mode=True)
 
 
-def test_wandb_needs_its_package_and_gets_the_scalars(monkeypatch, tmp_path):
-    from megatron.trainer.arguments import parse_args
+def test_wandb_needs_its_package_at_start_up_and_gets_the_scalars(monkeypatch, tmp_path):
+    from megatron.trainer import training
+    from megatron.trainer.arguments import ArgumentError, parse_args
     from megatron.trainer.configs import LoggingConfig
+    from megatron.trainer.gpt import GPT_TASK
     from megatron.trainer.metrics import ScalarLog
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # not importable
     flags = with_flags(BASE, wandb_project="p", wandb_exp_name="e",
                        wandb_save_dir=str(tmp_path / "w"))
-    assert "the wandb package is not importable here (pip install wandb)" in _parse_error(flags)
+    args = parse_args(flags, world_size=1)  # validation does not depend on installed packages
+    built = []
+    monkeypatch.setattr(training, "initialize_distributed", lambda *a: built.append(a))
+    with pytest.raises(ArgumentError, match=r"--wandb-project p: the wandb package is not "
+                       r"importable here \(pip install wandb\)"):
+        training.setup(GPT_TASK, args, contextlib.ExitStack())
+    assert built == []  # stopped before the process group and the model
     assert "--wandb-entity need --wandb-project" in _parse_error(BASE, wandb_entity="team")
 
     logged = []

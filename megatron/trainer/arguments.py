@@ -12,6 +12,7 @@ import math
 import os
 
 from megatron.trainer.addresses import is_ip_address
+from megatron.trainer.batch_schedule import BatchScheduleError, StepSchedule, batch_size_schedule
 from megatron.trainer.tokenizer import TOKENIZER_TYPES
 
 
@@ -35,6 +36,9 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     _add_logging_args(parser.add_argument_group("logging: TensorBoard and W&B"))
     _add_megatron_lm_args(parser.add_argument_group("further Megatron-LM flags"))
     _add_variable_length_args(parser)
+    _add_batch_schedule_args(parser.add_argument_group("step batch-size schedule"))
+    _add_core_extras_args(parser.add_argument_group(
+        "megatron-core settings and checks of Megatron-LM's functional tests"))
     if extra_args_provider is not None:
         extra_args_provider(parser)
     return parser
@@ -404,14 +408,17 @@ def validate_args(args, world_size: int, model: str = "gpt") -> None:
 
     _resolve_megatron_lm_aliases(args, need)
     _validate_virtual_pipeline(args, need)
+    _resolve_step_batch_schedule(args, need)
     ramp_sound = _validate_batch(args, need)
     _validate_precision(args, need)
     _validate_schedule(args, need)
+    _validate_step_batch_schedule(args, need)
     if ramp_sound and args.train_iters is not None:
         _validate_microbatches(args, need)
     _validate_data(args, need)
     _validate_megatron_lm_flags(args, need)
     _validate_logging(args, need)
+    _validate_core_extras(args, need)
     _validate_dpp(args, need)
     _validate_variable_lengths(args, need)
     _validate_trace(args, need)
@@ -548,7 +555,7 @@ def _validate_microbatches(args, need):
     micro-batches over the data-parallel ranks; with virtual stages, megatron-core's
     interleaved schedule and the DPP policy (StageConfig) both run the microbatches in
     groups of --pipeline-model-parallel-size and need a multiple of it."""
-    dp, mbs, pp = args.data_parallel_size, args.micro_batch_size, args.pipeline_model_parallel_size
+    dp, mbs = args.data_parallel_size, args.micro_batch_size
     interleaved = args.virtual_pipeline_model_parallel_size is not None
     for size, iteration in _global_batch_sizes(args).items():
         if args.rampup_batch_size is None:
@@ -562,10 +569,12 @@ def _validate_microbatches(args, need):
                  f"--micro-batch-size {mbs} x data-parallel size {dp}")
             continue
         count = size // (mbs * dp)
-        need(not interleaved or count % pp == 0,
+        # --microbatch-group-size-per-virtual-pipeline-stage: megatron-core's own rule
+        problem = _interleaved_group_problem(args, count) if interleaved else None
+        need(problem is None,
              f"{what} gives {count} microbatches (--micro-batch-size {mbs} x data-parallel size "
              f"{dp}); with virtual pipeline stages megatron-core's interleaved schedule and "
-             f"--use-dpp both need a multiple of --pipeline-model-parallel-size {pp}")
+             f"--use-dpp both need {problem}")
 
 
 def _global_batch_sizes(args) -> dict[int, int]:
@@ -1095,6 +1104,177 @@ def _validate_logging(args, need):
         return
     need(bool(args.wandb_exp_name), f"--wandb-project {args.wandb_project} needs "
          "--wandb-exp-name NAME")
-    need(importlib.util.find_spec("wandb") is not None,
-         f"--wandb-project {args.wandb_project}: the wandb package is not importable here "
-         "(pip install wandb)")
+    # whether wandb is installed is checked at start-up (metrics.require_wandb), not here:
+    # validation depends on the flags alone
+
+
+def _add_batch_schedule_args(g):
+    g.add_argument("--step-batch-size-schedule", default=None,
+                   help='Megatron-LM\'s step schedule "THRESHOLD:SIZE ...": the global batch '
+                        "size of the last threshold reached, thresholds in tokens (K, M, B, T "
+                        "suffixes), e.g. \"0:16 2.4B:320\"")
+
+
+def _resolve_step_batch_schedule(args, need):
+    """--step-batch-size-schedule sets --global-batch-size to its final size. Megatron-LM
+    refuses both flags together; here both are accepted where they agree."""
+    if args.step_batch_size_schedule is None:
+        return
+    text = args.step_batch_size_schedule
+    need(args.rampup_batch_size is None,
+         "--step-batch-size-schedule and --rampup-batch-size exclude each other")
+    try:
+        final = StepSchedule.parse(text, args.seq_length).end
+    except BatchScheduleError as error:
+        need(False, str(error))
+        args.step_batch_size_schedule = None  # the rest of validation uses the global size
+        return
+    need(args.global_batch_size in (None, final),
+         f"--global-batch-size {args.global_batch_size} differs from the final size {final} "
+         f"of --step-batch-size-schedule {text!r} (leave --global-batch-size out)")
+    args.global_batch_size = final
+
+
+def _validate_step_batch_schedule(args, need):
+    """Each size the run reaches splits into microbatches (in groups of the pipeline size
+    with virtual stages); --train-samples counts the steps through the schedule."""
+    if args.step_batch_size_schedule is None or args.rampup_batch_size is not None:
+        return
+    schedule = batch_size_schedule(None, args.micro_batch_size, args.data_parallel_size,
+                                   step_batch_size_schedule=args.step_batch_size_schedule,
+                                   seq_length=args.seq_length)
+    if args.train_samples is not None:
+        args.train_iters = schedule.iterations_for_samples(args.train_samples)
+    if args.train_iters is None:
+        return
+    per_round = args.micro_batch_size * args.data_parallel_size
+    group = args.pipeline_model_parallel_size
+    interleaved = args.virtual_pipeline_model_parallel_size is not None
+    for size, iteration in schedule.first_iterations(args.train_iters).items():
+        if size == args.global_batch_size:
+            continue  # named by the --global-batch-size checks
+        what = (f"--step-batch-size-schedule {args.step_batch_size_schedule!r}: global batch "
+                f"size {size} (from iteration {iteration})")
+        need(size % per_round == 0, f"{what} is not divisible by --micro-batch-size "
+             f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}")
+        need(not interleaved or size % per_round or (size // per_round) % group == 0,
+             f"{what} gives {size // per_round} microbatches; with virtual pipeline stages "
+             f"they must be a multiple of --pipeline-model-parallel-size {group}")
+
+
+def _add_core_extras_args(g):
+    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
+                   help="every N iterations compare a hash of the weights across data-parallel "
+                        "replicas; stop naming the ranks if they differ")
+    g.add_argument("--overlap-param-gather-with-optimizer-step", action="store_true",
+                   help="start the first model chunk's parameter all-gather in the optimizer "
+                        "step (distributed optimizer, --overlap-param-gather, virtual stages)")
+    g.add_argument("--ckpt-assume-constant-structure", action="store_true",
+                   help="torch_dist saves reuse the first save's plan and metadata (the model "
+                        "and optimizer structure must not change during the run)")
+    g.add_argument("--verify-integrity", action="store_true",
+                   help="write a SHA-256 manifest of each saved checkpoint and check the "
+                        "loaded checkpoint against it")
+    g.add_argument("--async-strategy", default="mcore", choices=["mcore", "nvrx"],
+                   help="writer of --async-save: megatron-core's own (mcore)")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="normalize queries and keys per head before the attention scores")
+    g.add_argument("--test-mode", action="store_true",
+                   help="megatron-core's real-time checks: every attention forward compares the "
+                        "q/k norm weights across data- and tensor-parallel ranks")
+    g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int, default=None,
+                   help="megatron-core's interleaved schedule runs this many consecutive "
+                        "microbatches on each virtual stage (default: the pipeline size)")
+    g.add_argument("--overlap-p2p-communication-warmup-flush", action="store_true",
+                   help="megatron-core's interleaved schedule overlaps its p2p with compute "
+                        "in warm-up and flush too (unbatched p2p)")
+    g.add_argument("--disable-gloo-process-groups", action="store_true",
+                   help="create no gloo twins of megatron-core's process groups")
+    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
+                   help="split the data-parallel ranks into this many groups, each sharding "
+                        "a whole copy of the optimizer state (megatron-core)")
+
+
+def _validate_core_extras(args, need):
+    interval = args.check_weight_hash_across_dp_replicas_interval
+    need(interval is None or interval >= 1,
+         f"--check-weight-hash-across-dp-replicas-interval {interval} must be >= 1")
+    need(not (args.disable_gloo_process_groups and args.use_distributed_optimizer
+              and args.ckpt_format == "torch" and (args.save or args.load)),
+         "--disable-gloo-process-groups with --use-distributed-optimizer cannot save or load "
+         "--ckpt-format torch (megatron-core gathers its optimizer state over gloo); use "
+         "torch_dist")
+    if args.overlap_param_gather_with_optimizer_step:
+        missing = [what for what, ok in (
+            ("--use-distributed-optimizer", args.use_distributed_optimizer),
+            ("--overlap-param-gather", args.overlap_param_gather),
+            ("virtual pipeline stages", args.virtual_pipeline_model_parallel_size is not None),
+            ("--ckpt-format torch (megatron-core cannot save it in torch_dist yet)",
+             args.ckpt_format == "torch" or not (args.save or args.load)),
+            ("megatron-core's schedule (not --use-dpp)", not args.use_dpp)) if not ok]
+        need(not missing, "--overlap-param-gather-with-optimizer-step needs "
+             + ", ".join(missing))
+    need(not args.qk_layernorm or args.model == "gpt",
+         "--qk-layernorm: megatron-core's BERT layer specs have no query/key norms")
+    if args.test_mode:
+        why = [reason for reason, bad in (
+            ("it checks only the q/k norms of --qk-layernorm", not args.qk_layernorm),
+            ("its checks need the norms' biases (--normalization LayerNorm)",
+             args.normalization != "LayerNorm"),
+            ("its collectives inside each forward need the ranks in step, not --use-dpp",
+             args.use_dpp)) if bad]
+        need(not why, "--test-mode: " + "; ".join(why))
+    _validate_interleaved_schedule_tuning(args, need)
+    need(not args.verify_integrity or args.save or args.load,
+         "--verify-integrity needs --save or --load")
+    need(args.async_strategy == "mcore", f"--async-strategy {args.async_strategy}: only "
+         "mcore (megatron-core's writer); nvrx needs nvidia-resiliency-ext's checkpointing")
+    need(not args.ckpt_assume_constant_structure or args.ckpt_format == "torch_dist",
+         f"--ckpt-assume-constant-structure caches megatron-core's torch_dist save plan; "
+         f"--ckpt-format {args.ckpt_format} has none")
+    instances, dp = args.num_distributed_optimizer_instances, args.data_parallel_size
+    if instances != 1:
+        need(instances >= 1, f"--num-distributed-optimizer-instances {instances} must be >= 1")
+        need(args.use_distributed_optimizer,
+             f"--num-distributed-optimizer-instances {instances} needs "
+             "--use-distributed-optimizer")
+        need(instances < 1 or dp % instances == 0,
+             f"--num-distributed-optimizer-instances {instances} does not divide the "
+             f"data-parallel size {dp}")
+
+
+def _validate_interleaved_schedule_tuning(args, need):
+    """Settings of megatron-core's interleaved schedule: virtual stages and that schedule
+    (DPP orders its tasks by readiness, not in groups)."""
+    pp, interleaved = args.pipeline_model_parallel_size, \
+        args.virtual_pipeline_model_parallel_size is not None
+    group = args.microbatch_group_size_per_virtual_pipeline_stage
+    if group is not None:
+        flag = f"--microbatch-group-size-per-virtual-pipeline-stage {group}"
+        need(interleaved, f"{flag} needs virtual pipeline stages")
+        need(not args.use_dpp or group == pp, f"{flag}: --use-dpp runs the microbatches of "
+             f"a virtual stage in groups of --pipeline-model-parallel-size {pp}")
+        need(group >= pp, f"{flag} is below --pipeline-model-parallel-size {pp}")
+    if args.overlap_p2p_communication_warmup_flush:
+        flag = "--overlap-p2p-communication-warmup-flush"
+        need(interleaved and not args.use_dpp,
+             f"{flag} tunes megatron-core's interleaved schedule: needs virtual pipeline "
+             "stages and not --use-dpp")
+        # overlapped unbatched p2p posts both directions to the one neighbour at once
+        need(pp != 2, f"{flag} at --pipeline-model-parallel-size 2: the one neighbour would "
+             "match activations and gradients by posting order")
+
+
+def _interleaved_group_problem(args, count: int) -> str | None:
+    """Why megatron-core's interleaved schedule refuses `count` microbatches, or None."""
+    pp = args.pipeline_model_parallel_size
+    group = args.microbatch_group_size_per_virtual_pipeline_stage
+    if group is None or args.use_dpp:
+        return None if count % pp == 0 else (
+            f"a multiple of --pipeline-model-parallel-size {pp}")
+    if count < group:
+        return f"at least --microbatch-group-size-per-virtual-pipeline-stage {group}"
+    if 0 < count % group < pp:
+        return (f"a multiple of --microbatch-group-size-per-virtual-pipeline-stage {group} "
+                f"or one whose last group has at least --pipeline-model-parallel-size {pp}")
+    return None

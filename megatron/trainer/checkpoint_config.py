@@ -46,6 +46,10 @@ class CheckpointConfig:
     retain_interval: int | None = None
     non_persistent_interval: int | None = None
     non_persistent_dir: str | None = None
+    # --ckpt-assume-constant-structure: every torch_dist save reuses the first one's plan
+    assume_constant_structure: bool = False
+    async_strategy: str = "mcore"  # megatron-core's own writer (>= 0.17 also offers NVRx's)
+    verify_integrity: bool = False  # a SHA-256 manifest written at save, checked at load
 
     @classmethod
     def from_args(cls, args) -> CheckpointConfig:
@@ -70,6 +74,9 @@ class CheckpointConfig:
             scheduler_source=source, retain_interval=args.save_retain_interval,
             non_persistent_interval=args.non_persistent_save_interval,
             non_persistent_dir=non_persistent_dir,
+            assume_constant_structure=args.ckpt_assume_constant_structure,
+            async_strategy=args.async_strategy,
+            verify_integrity=args.verify_integrity,
         )
 
     @property

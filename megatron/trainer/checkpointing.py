@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import hashlib
 import inspect
 import logging
 import os
@@ -57,6 +58,7 @@ from megatron.trainer.checkpoint_config import CheckpointConfig
 log = logging.getLogger(__name__)
 
 POINTER = "latest_checkpointed_iteration.txt"
+INTEGRITY_MANIFEST = "integrity.sha256"  # --verify-integrity
 # Less free space than this after a failed write means the disk filled up (a write that
 # fails for want of space first fills the filesystem to the last block).
 FULL_DISK_BYTES = 1 << 20
@@ -170,6 +172,9 @@ class Checkpointer:
         self._pending: _PendingSave | None = None
         self._results = None  # the writers' results queue for asynchronous saves
         self._manager = None
+        # kept between saves when the structure is constant: megatron-core caches the plan
+        self._save_strategy = _torch_dist_save_strategy(config) \
+            if config.assume_constant_structure else None
 
     def save(self, model, optimizer, scheduler, state: TrainingState,
              non_persistent: bool = False) -> str:
@@ -181,7 +186,7 @@ class Checkpointer:
         iteration = state.iteration
         _use_results_queue(queue.Queue() if self._calls is None else self._async_results_queue())
         final = _save(root, model, optimizer, scheduler, state, config, non_persistent,
-                      self._calls)
+                      self._calls, self._save_strategy)
         if self._calls is not None:
             self._pending = _PendingSave(root, final + ".tmp", iteration)
         return final
@@ -267,7 +272,8 @@ def save_checkpoint(root: str, model, optimizer, scheduler, state: TrainingState
 
 
 def _save(root: str, model, optimizer, scheduler, state: TrainingState,
-          config: CheckpointConfig, non_persistent: bool, calls: AsyncCallsQueue | None) -> str:
+          config: CheckpointConfig, non_persistent: bool, calls: AsyncCallsQueue | None,
+          strategy=None) -> str:
     _require_psutil()
     iteration = state.iteration  # the loop goes on while an asynchronous save is written
     final = checkpoint_dir(root, iteration)
@@ -289,7 +295,7 @@ def _save(root: str, model, optimizer, scheduler, state: TrainingState,
                 request = None
             else:
                 request = _save_torch_dist(staging, model, optimizer, scheduler, state, config,
-                                           asynchronous=calls is not None)
+                                           asynchronous=calls is not None, strategy=strategy)
 
         def publish():
             dist.barrier()
@@ -315,19 +321,33 @@ def _save(root: str, model, optimizer, scheduler, state: TrainingState,
 
 
 def _save_torch_dist(staging: str, model, optimizer, scheduler, state: TrainingState,
-                     config: CheckpointConfig, asynchronous: bool):
-    """megatron.core's save; with `asynchronous` the AsyncRequest that writes the shards."""
+                     config: CheckpointConfig, asynchronous: bool, strategy=None):
+    """megatron.core's save; with `asynchronous` the AsyncRequest that writes the shards.
+    `strategy`: one kept between saves (--ckpt-assume-constant-structure), else a new one."""
     metadata = _optimizer_metadata(config)
     sharded = _sharded_state(model, optimizer, scheduler, state, metadata, False)
-    strategy = TorchDistSaveShardedStrategy("torch_dist", 1)
-    if config.fully_parallel_save:
-        strategy = FullyParallelSaveStrategyWrapper(
-            strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
+    strategy = strategy or _torch_dist_save_strategy(config)
     options = {}
     if asynchronous and "async_strategy" in _SAVE_PARAMETERS:
-        options["async_strategy"] = "mcore"  # megatron-core >= 0.17 defaults to NVRx's
+        # megatron-core >= 0.17 defaults to NVRx's writer; 0.16 has only its own
+        options["async_strategy"] = config.async_strategy
     return dist_checkpointing.save(sharded, staging, strategy, async_sharded_save=asynchronous,
-                                   content_metadata=metadata or None, **options)
+                                   content_metadata=metadata or None,
+                                   # a constant structure was validated by the first save
+                                   validate_access_integrity=not config.assume_constant_structure,
+                                   **options)
+
+
+def _torch_dist_save_strategy(config: CheckpointConfig):
+    """With a constant structure, megatron-core reuses the first save's plan, metadata and
+    (fully parallel) shard distribution in later saves by the same strategy object."""
+    constant = config.assume_constant_structure
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=constant)
+    if config.fully_parallel_save:
+        strategy = FullyParallelSaveStrategyWrapper(
+            strategy, parallel_state.get_data_parallel_group(with_context_parallel=True),
+            do_cache_distribution=constant)
+    return strategy
 
 
 _SAVE_PARAMETERS = inspect.signature(dist_checkpointing.save).parameters
@@ -348,6 +368,8 @@ def _publish(root: str, staging: str, final: str, iteration: int, config: Checkp
     say is no longer kept: the previous checkpoint unless --save-retain-interval retains it
     (Megatron-LM's rule), or every older non-persistent checkpoint."""
     previous = latest_iteration(root)
+    if config.verify_integrity:
+        write_integrity_manifest(staging)
     _move_into_place(root, staging, final, iteration)
     if non_persistent:
         older = [name for name in os.listdir(root) if _ITERATION_DIRECTORY.fullmatch(name)
@@ -357,6 +379,55 @@ def _publish(root: str, staging: str, final: str, iteration: int, config: Checkp
     elif (config.retain_interval is not None and previous is not None and previous > 0
           and previous != iteration and previous % config.retain_interval != 0):
         _delete_checkpoint(checkpoint_dir(root, previous))
+
+
+def _file_digests(path: str) -> dict[str, str]:
+    """SHA-256 of every file under `path` but the manifest, by relative path."""
+    digests = {}
+    for directory, _, names in os.walk(path):
+        for name in names:
+            full = os.path.join(directory, name)
+            relative = os.path.relpath(full, path)
+            if relative != INTEGRITY_MANIFEST:
+                with open(full, "rb") as handle:
+                    digests[relative] = hashlib.file_digest(handle, "sha256").hexdigest()
+    return digests
+
+
+def write_integrity_manifest(path: str) -> None:
+    """--verify-integrity at save: one `digest  file` line per file of the checkpoint."""
+    lines = [f"{digest}  {name}\n" for name, digest in sorted(_file_digests(path).items())]
+    with open(os.path.join(path, INTEGRITY_MANIFEST), "w") as handle:
+        handle.writelines(lines)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def integrity_problem(path: str) -> str | None:
+    """--verify-integrity at load: what differs from the manifest written at save, or None."""
+    manifest = os.path.join(path, INTEGRITY_MANIFEST)
+    if not os.path.isfile(manifest):
+        return f"{path} has no {INTEGRITY_MANIFEST} (saved without --verify-integrity)"
+    with open(manifest) as handle:
+        expected = dict(reversed(line.rstrip("\n").split("  ", 1)) for line in handle)
+    found = _file_digests(path)
+    problems = [f"{name}: missing" for name in sorted(expected.keys() - found.keys())]
+    problems += [f"{name}: SHA-256 differs from the manifest" for name in sorted(expected)
+                 if name in found and found[name] != expected[name]]
+    problems += [f"{name}: not in the manifest" for name in sorted(found.keys() - expected.keys())]
+    if not problems:
+        return None
+    return f"{path} fails --verify-integrity: " + "; ".join(problems[:5]) + (
+        f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
+
+
+def _verify_on_rank0(path: str) -> None:
+    """Rank 0 re-hashes the checkpoint; every rank raises its verdict."""
+    problem = [integrity_problem(path) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise CheckpointError(problem[0])
+    log.info("%s: every file matches its SHA-256 in %s", path, INTEGRITY_MANIFEST)
 
 
 def _delete_checkpoint(path: str) -> None:
@@ -586,6 +657,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler,
     path = checkpoint_dir(root, iteration)
     if not os.path.isdir(path):
         raise CheckpointError(f"{root}/{POINTER} names iteration {iteration} but {path} is missing")
+    if config.verify_integrity:
+        _verify_on_rank0(path)
     load_optim = optimizer is not None and config.load_optim and not config.finetune
     torch_format = torch_checkpoint.is_torch_format(path)
     with torch.no_grad():

@@ -24,6 +24,7 @@ from megatron.trainer.batch_schedule import BatchScheduleError
 from megatron.trainer.checkpointing import CheckpointError
 from megatron.trainer.core_overrides import CoreInternalsError
 from megatron.trainer.data import DataError
+from megatron.trainer.replica_check import ReplicaMismatch
 
 log = logging.getLogger("megatron.trainer.failures")
 
@@ -42,7 +43,7 @@ def known_failure(error: BaseException) -> tuple[str, int] | None:
         return f"pipeline transport: {error}", EXIT_FAILED
     if isinstance(error, CheckpointError):
         return f"checkpoint: {error}", EXIT_FAILED
-    if isinstance(error, CoreInternalsError | BatchScheduleError):
+    if isinstance(error, CoreInternalsError | BatchScheduleError | ReplicaMismatch):
         return str(error), EXIT_FAILED
     if peer_failure(error):
         return (f"a peer rank failed, disconnected or timed out in a collective operation: "

@@ -72,6 +72,8 @@ def initialize_distributed(args, stack: contextlib.ExitStack) -> torch.device:
         context_parallel_size=args.context_parallel_size,
         distributed_timeout_minutes=int(max(1, args.distributed_timeout_minutes)),
         order=rank_order(args),
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        create_gloo_process_groups=not args.disable_gloo_process_groups,
     )
     set_seeds(args.seed, use_gpu)
     return device

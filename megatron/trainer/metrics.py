@@ -3,6 +3,7 @@ TensorBoard and W&B (named as Megatron-LM names them), the parameters' norm and 
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import resource
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
+from megatron.trainer.arguments import ArgumentError
 from megatron.trainer.configs import LoggingConfig
 
 log = logging.getLogger("megatron.trainer")
@@ -93,6 +95,13 @@ class IterationStats:
         return " | ".join(parts) + " |"
 
 
+def require_wandb(config: LoggingConfig) -> None:
+    """Start-up check (before the model is built): --wandb-project needs wandb importable."""
+    if config.wandb is not None and importlib.util.find_spec("wandb") is None:
+        raise ArgumentError(f"--wandb-project {config.wandb.project}: the wandb package is not "
+                            "importable here (pip install wandb)")
+
+
 class ScalarLog:
     """Scalars for TensorBoard (--tensorboard-dir) and W&B (--wandb-project); a no-op on
     the ranks that do not report or with neither configured."""
@@ -106,7 +115,7 @@ class ScalarLog:
 
             self.writer = SummaryWriter(log_dir=config.tensorboard_dir)
         if config.wandb is not None:
-            import wandb  # importable: argument validation checked
+            import wandb  # importable: require_wandb checked at start-up
 
             os.makedirs(config.wandb.save_dir, exist_ok=True)
             self.wandb_run = wandb.init(project=config.wandb.project, name=config.wandb.exp_name,

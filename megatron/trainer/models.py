@@ -91,6 +91,8 @@ def transformer_config_from_args(args) -> TransformerConfig:
         # (megatron-core's per-microbatch mean would weigh a short document's tokens more)
         calculate_per_token_loss=args.calculate_per_token_loss or args.variable_seq_lengths,
         deterministic_mode=args.deterministic_mode,
+        qk_layernorm=args.qk_layernorm,
+        test_mode=args.test_mode,
         fp32_residual_connection=args.fp32_residual_connection,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -108,7 +110,12 @@ def transformer_config_from_args(args) -> TransformerConfig:
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
-        batch_p2p_comm=batch_p2p_comm(args),
+        batch_p2p_comm=batch_p2p_comm(args) and not args.overlap_p2p_communication_warmup_flush,
+        # the interleaved schedule's overlapped p2p, also in warm-up and flush (megatron-core
+        # allows the warm-up/flush overlap only on top of it, unbatched)
+        overlap_p2p_comm=args.overlap_p2p_communication_warmup_flush,
+        overlap_p2p_comm_warmup_flush=args.overlap_p2p_communication_warmup_flush,
+        microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_virtual_pipeline_stage,
         batch_p2p_sync=args.batch_p2p_sync,
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
         # megatron-core knows native and te; the project's triton passes replace its loss
@@ -191,8 +198,9 @@ def gpt_layer_spec(args) -> ModuleSpec:
         )
 
         # no normalization argument: TE's fused norm-linear layers read config.normalization
-        return get_gpt_layer_with_transformer_engine_spec()
-    local = get_gpt_layer_local_spec(normalization=args.normalization)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
+    local = get_gpt_layer_local_spec(normalization=args.normalization,
+                                     qk_layernorm=args.qk_layernorm)
     if _own_norms(args):
         local = _with_sequence_parallel_norms(local)
     return local if _stock_attention(args) else _with_sdpa(local, args)

@@ -21,6 +21,7 @@ def wrap_model_chunks(chunks, args, config, device) -> list[torch.nn.Module]:
         average_in_collective=args.ddp_average_in_collective,
         check_for_nan_in_grad=False,
         bucket_size=None,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
     )
     for index, chunk in enumerate(chunks):
         chunk.to(device)
@@ -30,7 +31,8 @@ def wrap_model_chunks(chunks, args, config, device) -> list[torch.nn.Module]:
             config=config,
             ddp_config=ddp_config,
             module=chunk,
-            disable_bucketing=index > 0,
+            # the first chunk's all-gather starts in the optimizer step, all of it at once
+            disable_bucketing=index > 0 or args.overlap_param_gather_with_optimizer_step,
         )
         chunk.broadcast_params()
         wrapped.append(chunk)
@@ -64,8 +66,10 @@ def build_optimizer(model_chunks, args, timers=None):
         clip_grad=args.clip_grad,
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_param_gather=args.overlap_param_gather,
+        overlap_param_gather_with_optimizer_step=args.overlap_param_gather_with_optimizer_step,
     )
-    return get_megatron_optimizer(config, model_chunks)
+    return get_megatron_optimizer(config, model_chunks,
+                                  use_gloo_process_groups=not args.disable_gloo_process_groups)
 
 
 def build_scheduler(optimizer, args) -> OptimizerParamScheduler:

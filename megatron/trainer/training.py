@@ -7,6 +7,7 @@ says what differs between models (stage builder, datasets, forward step).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import math
 import os
@@ -22,7 +23,14 @@ from megatron.core.distributed import finalize_model_grads
 
 from megatron.dpp import tracing
 from megatron.dpp.weight_grad import SplitBackwardNoPipelining, WeightGradStore
-from megatron.trainer import checkpointing, core_overrides, fast_path, metrics, no_apex
+from megatron.trainer import (
+    checkpointing,
+    core_overrides,
+    fast_path,
+    metrics,
+    no_apex,
+    replica_check,
+)
 from megatron.trainer.arguments import ArgumentError, parse_args
 from megatron.trainer.batch_schedule import batch_size_schedule
 from megatron.trainer.checkpoint_config import CheckpointConfig
@@ -115,6 +123,8 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
         raise ArgumentError(f"--variable-seq-lengths is for GPT; {task.name}'s samples are "
                             "not single documents")
     check_data_paths(args)  # before the job starts: every rank reads its own files
+    metrics.require_wandb(LoggingConfig.from_args(args))
+    _require_optimizer_instance_support(args)
     device = initialize_distributed(args, stack)
     setup_logging(dist.get_rank(), dist.get_world_size())
     try:
@@ -168,6 +178,18 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
                    checkpointer=checkpointer)
 
 
+def _require_optimizer_instance_support(args) -> None:
+    """megatron-core builds the groups of several optimizer instances with einops and
+    reduces between them on a CUDA stream."""
+    instances = args.num_distributed_optimizer_instances
+    if instances > 1 and importlib.util.find_spec("einops") is None:
+        raise ArgumentError(f"--num-distributed-optimizer-instances {instances}: the einops "
+                            "package is not importable here (pip install einops)")
+    if instances > 1 and not fast_path.on_gpu(args, fast_path.Machine.detect()):
+        raise ArgumentError(f"--num-distributed-optimizer-instances {instances} needs GPUs "
+                            "(megatron-core reduces between the instances on a CUDA stream)")
+
+
 def _padded_vocab_size(vocab_size: int, args) -> int:
     multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
     return int(math.ceil(vocab_size / multiple) * multiple)
@@ -175,7 +197,8 @@ def _padded_vocab_size(vocab_size: int, args) -> int:
 
 def _batch_calculator(args):
     return batch_size_schedule(args.global_batch_size, args.micro_batch_size,
-                               args.data_parallel_size, args.rampup_batch_size)
+                               args.data_parallel_size, args.rampup_batch_size,
+                               args.step_batch_size_schedule, args.seq_length)
 
 
 def _install_schedule_hooks(config, model, optimizer, args) -> None:
@@ -428,6 +451,11 @@ def train(trainer: Trainer) -> None:
                          " | ".join(f"{k} value: {v:.6E} | {k} PPL: {math.exp(min(v, 20)):.6E}"
                                     for k, v in results.items()))
                 board.scalars(state.iteration, _validation_scalars(logging_config, results))
+        interval = args.check_weight_hash_across_dp_replicas_interval
+        if interval and state.iteration % interval == 0:
+            replica_check.check_replicas_agree(
+                trainer.model, state.iteration,
+                args.use_distributed_optimizer and args.overlap_param_gather)
         _checkpoint(trainer)
         if args.exit_interval and state.iteration % args.exit_interval == 0:
             break
