@@ -72,6 +72,13 @@ def test_variable_lengths_fall_back_from_graphs():
     assert line.startswith(fast_path.CUDA_GRAPHS + " off: ") and "--variable-seq-lengths" in line
 
 
+def test_split_backward_in_a_pipeline_falls_back_from_graphs():
+    (line,) = _resolved([*FLAGS, "--use-dpp", "--dpp-split-backward",
+                         "--pipeline-model-parallel-size", "2"], world_size=2).fast_path_fallbacks
+    assert line.startswith(fast_path.CUDA_GRAPHS + " off: ") and "--dpp-split-backward" in line
+    assert _resolved([*FLAGS, "--dpp-split-backward"]).cuda_graph_impl == "block"  # PP=1
+
+
 def test_explicit_choices_are_validated_not_defaulted():
     with pytest.raises(ArgumentError, match="--tensor-model-parallel-size > 1"):
         _resolved([*FLAGS, "--cuda-graph-impl", "block", "--tensor-model-parallel-size", "2"],

@@ -25,6 +25,10 @@ CUDA_GRAPHS = "CUDA-graph blocks (--cuda-graph-impl block)"
 CROSS_ENTROPY = "single-pass cross-entropy (--cross-entropy-loss-fusion)"
 GRAD_ACCUMULATION = "gradient-accumulation fusion"
 
+# tests/test_weight_grad.py's graphed B/W test, W out of order, fails on an H200 (the capture
+# is invalidated); at PP=1 the trainer runs each W right after its B, measured fine
+SPLIT_GRAPHS_UNCHECKED = "the graphed weight-gradient tasks out of order fail on a GPU"
+
 
 @dataclasses.dataclass(frozen=True)
 class Machine:
@@ -125,6 +129,8 @@ def _graph_conflicts(args, machine: Machine) -> list[str]:
         (args.seq_length_cv > 0, f"--seq-length-cv {args.seq_length_cv} (a graph replays one "
          "shape)"),
         (args.variable_seq_lengths, "--variable-seq-lengths (a graph replays one shape)"),
+        (args.dpp_split_backward and args.pipeline_model_parallel_size > 1,
+         f"--dpp-split-backward at PP > 1 ({SPLIT_GRAPHS_UNCHECKED})"),
         (te_layers, "Transformer Engine layers (the graphs are checked with megatron.core's "
          "local layers)"),
         (args.attention_backend == "local", "--attention-backend local (megatron-core's "
