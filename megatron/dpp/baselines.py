@@ -20,6 +20,7 @@ largest per-rank token peak relative to plain 1F1B's (mean and max over the seed
 from __future__ import annotations
 
 import argparse
+import sys
 
 from megatron.dpp.actions import BACKWARD, FORWARD, WEIGHT
 from megatron.dpp.plan import StageConfig
@@ -116,8 +117,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if min(args.pp) < 2 or args.cv <= 0 or args.slack < 0 or args.seeds < 1:
         parser.error("need --pp values >= 2, --cv > 0, --slack >= 0, --seeds >= 1")
-    print(format_table(table(args.pp, args.cv, args.slack, args.seeds), args.cv, args.slack,
-                       args.seeds))
+    rows = table(args.pp, args.cv, args.slack, args.seeds)
+    sys.stdout.write(format_table(rows, args.cv, args.slack, args.seeds) + "\n")
 
 
 if __name__ == "__main__":

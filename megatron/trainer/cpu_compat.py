@@ -10,6 +10,7 @@ never pays for it.
 from __future__ import annotations
 
 import contextlib
+from unittest import mock
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -81,7 +82,7 @@ class CpuCompat(contextlib.ExitStack):
         super().__enter__()
         self.enter_context(_CudaToCpuMode())
         backward = torch.autograd.function.BackwardCFunction
-        self.enter_context(_patched(backward, "apply", _backward_in_mode(backward.apply)))
+        self.enter_context(mock.patch.object(backward, "apply", _backward_in_mode(backward.apply)))
         host_stream = _HostStream()
         for name, value in (
             ("current_device", lambda: 0),
@@ -89,19 +90,10 @@ class CpuCompat(contextlib.ExitStack):
             ("device_count", lambda: 0),
             ("current_stream", lambda *a, **k: host_stream),
         ):
-            self.enter_context(_patched(torch.cuda, name, value))
+            self.enter_context(mock.patch.object(torch.cuda, name, value))
         # activation recomputation saves and restores the CUDA generator next to the CPU one;
         # on CPU every draw comes from the CPU generator, which it restores as well
         self.enter_context(core_overrides.GET_CUDA_RNG_STATE.swapped(lambda *a, **k: None))
         self.enter_context(core_overrides.SET_CUDA_RNG_STATE.swapped(lambda *a, **k: None))
         return self
 
-
-@contextlib.contextmanager
-def _patched(owner, name, value):
-    original = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)

@@ -21,6 +21,7 @@ import csv
 import logging
 import sys
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script: import the repository's packages
@@ -118,7 +119,7 @@ def record_rank(rank: int, configs: list[tuple[int, int, int]]) -> list[tuple]:
                    else schedules.forward_backward_pipelining_without_interleaving)
             patched = contextlib.ExitStack()
             for name in ("forward_step", "backward_step"):
-                patched.enter_context(_patch(schedules, name, getattr(recorder, name)))
+                patched.enter_context(mock.patch.object(schedules, name, getattr(recorder, name)))
             try:
                 with patched:
                     run(forward_step_func=None, data_iterator=[None] * chunks, model=model,
@@ -133,15 +134,6 @@ def record_rank(rank: int, configs: list[tuple[int, int, int]]) -> list[tuple]:
         dist.destroy_process_group()
     return results
 
-
-@contextlib.contextmanager
-def _patch(owner, name, value):
-    original = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
 
 
 def main(argv=None) -> int:
