@@ -38,13 +38,16 @@ for line in open(sys.argv[1]):
     if not line:
         continue
     requirement = Requirement(line)
+    if requirement.marker is not None and not requirement.marker.evaluate():
+        continue  # for another Python (megatron-core's release per Python version)
+    wanted = f"{requirement.name}{requirement.specifier}"  # one word, for pip's command line
     try:
         installed = metadata.version(requirement.name)
     except metadata.PackageNotFoundError:
-        print(line)
+        print(wanted)
         continue
     if not requirement.specifier.contains(installed, prereleases=True):
-        print(line)
+        print(wanted)
 PYEOF
 )
 pip_local=()
