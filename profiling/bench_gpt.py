@@ -137,6 +137,9 @@ CONFIGS |= {
     "one-gpu-default": [],
     "one-gpu-fastest": [*FUSED[:1], *XENT, *GRAPHS],
     "one-gpu-local": CONFIGS["local"],
+    # the attention kernels apart: FlashAttention-2 only, cuDNN's only
+    "one-gpu-flash": [*FUSED[:1], *XENT, *GRAPHS, "--attention-backend", "flash"],
+    "one-gpu-cudnn": [*FUSED[:1], *XENT, *GRAPHS, "--attention-backend", "fused"],
 }
 # issue 23's acceptance: the defaults' share of the fastest flags' tokens/s, and their MFU
 ACCEPTANCE = {"one-gpu-default": ("one-gpu-fastest", 0.98, 55.0)}
@@ -166,7 +169,8 @@ RATIOS = (
     ("xent-graphs-m64-dpp-shm-split", "xent-graphs-m64-dpp-shm"),
     ("xent-graphs-m64-dpp-shm-split-slack0", "xent-graphs-m64"),
     ("one-gpu-default", "one-gpu-fastest"), ("one-gpu-default", "one-gpu-local"),
-    ("one-gpu-default", "one-default"),
+    ("one-gpu-default", "one-default"), ("one-gpu-cudnn", "one-gpu-flash"),
+    ("one-gpu-default", "one-gpu-flash"),
 )
 
 LINE = re.compile(

@@ -1,8 +1,8 @@
 """Core attention through torch.nn.functional.scaled_dot_product_attention.
 
 Drop-in for megatron.core's DotProductAttention (same constructor and forward), but it
-runs on CPU and picks flash / memory-efficient kernels on GPU instead of materialising
-the score matrix. With --apply-query-key-layer-scaling it materialises the scores, as
+runs on CPU and uses fused kernels on GPU instead of materialising the score matrix; which
+ones, in which order of preference, is `--attention-backend`'s (`kernel_order`). With --apply-query-key-layer-scaling it materialises the scores, as
 megatron.core does: Q K^T scaled by 1 / layer number in the inputs' dtype, then the
 softmax in fp32 with the layer number multiplied back.
 """
@@ -10,6 +10,7 @@ softmax in fp32 with the layer number multiplied back.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 
 import torch
@@ -18,9 +19,24 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# torch < 2.6 takes a set of kernels without an order of preference
+_ORDERED_CHOICE = "set_priority" in inspect.signature(sdpa_kernel).parameters
+
+# --attention-backend -> the SDPA kernels a GPU may use, the preferred first. TE's "fused"
+# backend is cuDNN's attention; "auto" puts cuDNN's first: at the GPT's shape on an H100/H200
+# its forward+backward is faster than FlashAttention-2's (docs/benchmarks/)
+KERNEL_ORDER = {
+    "auto": (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+             SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH),
+    "flash": (SDPBackend.FLASH_ATTENTION,),
+    "fused": (SDPBackend.CUDNN_ATTENTION,),
+}
 
 
 class SDPAttention(MegatronModule):
+    kernel_order = KERNEL_ORDER["auto"]
     def __init__(
         self,
         config,
@@ -72,7 +88,7 @@ class SDPAttention(MegatronModule):
         # megatron masks mark positions to drop with True; SDPA's boolean mask marks positions kept
         sdpa_mask = None if attention_mask is None else ~attention_mask.bool()
         dropout_p = self.dropout_p if self.training else 0.0
-        with self._dropout_rng():
+        with self._dropout_rng(), self._kernels(q):
             if self.layer_number is not None:
                 context = _layer_scaled_attention(q, k, v, sdpa_mask, causal, dropout_p,
                                                   self.softmax_scale, self.layer_number)
@@ -84,6 +100,15 @@ class SDPAttention(MegatronModule):
         # [b, heads, s, dim] -> [s, b, heads * dim]
         s, b = context.shape[2], context.shape[0]
         return context.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _kernels(self, q: torch.Tensor):
+        """On a GPU, the SDPA kernels of `kernel_order`, the first that takes the inputs; a
+        single kernel that cannot is an error instead of a silent fallback."""
+        if not q.is_cuda:
+            return contextlib.nullcontext()
+        if _ORDERED_CHOICE:
+            return sdpa_kernel(list(self.kernel_order), set_priority=True)
+        return sdpa_kernel(list(self.kernel_order))
 
     def _dropout_rng(self):
         # tensor-parallel ranks hold different heads, so their masks come from megatron's
@@ -118,11 +143,15 @@ def _layer_scaled_attention(q, k, v, keep_mask, causal: bool, dropout_p: float,
 
 
 class FlashSDPAttention(SDPAttention):
-    """--use-flash-attn with the local layers: torch's FlashAttention kernel only, so a
-    shape or dtype it cannot take is an error instead of a silent fallback."""
+    """`--attention-backend flash` or --use-flash-attn with the local layers."""
 
-    def forward(self, *args, **kwargs):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+    kernel_order = KERNEL_ORDER["flash"]
 
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return super().forward(*args, **kwargs)
+
+class CudnnSDPAttention(SDPAttention):
+    """`--attention-backend fused` with the local layers: cuDNN's fused attention."""
+
+    kernel_order = KERNEL_ORDER["fused"]
+
+
+SDPA_BY_BACKEND = {"auto": SDPAttention, "flash": FlashSDPAttention, "fused": CudnnSDPAttention}

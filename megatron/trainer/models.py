@@ -23,7 +23,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron.trainer.attention import FlashSDPAttention, SDPAttention
+from megatron.trainer.attention import SDPA_BY_BACKEND
 from megatron.trainer.cross_entropy import vocab_parallel_cross_entropy
 from megatron.trainer.fused_layers import install_fused_layers
 from megatron.trainer.norms import SequenceParallelNorm
@@ -186,8 +186,8 @@ def _fused_softmax_available() -> bool:
 
 def _with_sdpa(spec: ModuleSpec, args) -> ModuleSpec:
     spec = copy.deepcopy(spec)
-    core = FlashSDPAttention if args.use_flash_attn else SDPAttention
-    spec.submodules.self_attention.submodules.core_attention = core
+    backend = "flash" if args.use_flash_attn else args.attention_backend
+    spec.submodules.self_attention.submodules.core_attention = SDPA_BY_BACKEND[backend]
     return spec
 
 

@@ -1,0 +1,16 @@
+"""How many xdist workers `pytest -n auto` starts (the README's test command).
+
+Most tests start two to eight rank processes of their own. On a small machine (CI: 2 cores)
+parallel test files would only fight for the cores and run into their rendezvous and
+receive timeouts, so one worker runs them; on a larger one (the GPU machines: 16 cores) a
+worker per two cores brings the suite inside one call there.
+"""
+
+import os
+
+MIN_CORES_FOR_PARALLEL_FILES = 8
+
+
+def pytest_xdist_auto_num_workers(config):
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return cores // 2 if cores >= MIN_CORES_FOR_PARALLEL_FILES else 1
