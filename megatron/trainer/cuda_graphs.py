@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import logging
 
 import torch
@@ -268,12 +269,21 @@ def _parameters_replaced(module: torch.nn.Module, replacements: dict[str, torch.
 def _capture(graph: torch.cuda.CUDAGraph, pool):
     """Record the current (side) stream's work into `graph`. Unlike torch.cuda.graph, no
     device-wide synchronize first: a stage may have receives pending that only its peer,
-    itself possibly recording, can complete."""
+    itself possibly recording, can complete. As torch.cuda.graph does, unreachable objects
+    are collected first, and the collector stays off during the capture: a CUDA graph
+    collected then frees its memory pool, and a cudaFree invalidates the capture."""
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
     graph.capture_begin(pool=pool, capture_error_mode="thread_local")
     try:
         yield
     finally:
-        graph.capture_end()
+        try:
+            graph.capture_end()
+        finally:
+            if collecting:
+                gc.enable()
 
 
 def install_block_graphs(model_chunks, args, device: torch.device,
