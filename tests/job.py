@@ -32,11 +32,13 @@ class Job:
         self.ranks: list[subprocess.Popen] = []
         try:
             for rank in range(world_size):
+                # CPU ranks whatever the machine has (a GPU test passes its own value)
                 rank_env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank),
                                 WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                                 OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-                                PYTHONPATH=str(REPO), **(env or {}))
+                                PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
+                rank_env.update(env or {})
                 with open(self.log_path(rank), "w") as log:
                     self.ranks.append(subprocess.Popen(
                         [sys.executable, "-c", f"{prelude}\n{run}", *flags], cwd=REPO,

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from megatron.trainer.arguments import ArgumentError, parse_args
 from tests.distributed import run_ranks
@@ -456,9 +457,11 @@ def test_variable_lengths_refuse_what_they_cannot_do(case):
 
 def test_variable_length_defaults():
     """The order: cost with --use-dpp, natural otherwise (a plain run stays Megatron's);
-    padding: 1 on CPU, and a multiple of TP under sequence parallelism."""
+    padding: 1 on CPU, 8 on a GPU (tensor-core tiles), and a multiple of TP under sequence
+    parallelism."""
     plain = parse_args(DOCUMENTS, world_size=1)
-    assert (plain.microbatch_order, plain.pad_to_multiple) == ("natural", 1)
+    padding = 8 if torch.cuda.is_available() else 1
+    assert (plain.microbatch_order, plain.pad_to_multiple) == ("natural", padding)
     dpp = parse_args(with_flags(DOCUMENTS, use_dpp=True, pipeline_model_parallel_size=2),
                      world_size=2)
     assert dpp.microbatch_order == "cost"

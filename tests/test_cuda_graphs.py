@@ -28,8 +28,6 @@ TINY_GPT = [
     (["--recompute-activations"], "activation recomputation"),
     (["--overlap-grad-reduce"], "--overlap-grad-reduce"),
     (["--seq-length-cv", "0.5"], "--seq-length-cv (a graph replays one shape)"),
-    (["--use-dpp", "--dpp-split-backward", "--pipeline-model-parallel-size", "2"],
-     "--dpp-split-backward at --pipeline-model-parallel-size 2"),
 ])
 def test_refused_flags_are_named(flags, message):
     impl = [] if "--cuda-graph-impl" in flags else ["--cuda-graph-impl", "block"]

@@ -448,9 +448,6 @@ def _graphs_deferred_vs_eager(rank, backward_order, w_order):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
-@pytest.mark.xfail(strict=True, reason="on an H200 (2026-11-23) the capture is invalidated "
-                   "with W out of order; the trainer refuses graphs for --dpp-split-backward "
-                   "at PP > 1 until this passes (strict: then the marker fails)")
 def test_graphed_b_and_w_equal_the_eager_backward():
     backward_order, w_order = [2, 0, 1], [1, 2, 0]  # three microbatches in flight
     (results,) = run_ranks(1, _graphs_deferred_vs_eager, backward_order, w_order, gpu=True)

@@ -13,7 +13,6 @@ import os
 
 from megatron.trainer.addresses import is_ip_address
 from megatron.trainer.batch_schedule import BatchScheduleError, StepSchedule, batch_size_schedule
-from megatron.trainer.fast_path import SPLIT_GRAPHS_UNCHECKED
 from megatron.trainer.tokenizer import TOKENIZER_TYPES
 
 
@@ -863,9 +862,6 @@ def _validate_cuda_graphs(args, need):
         (args.overlap_param_gather, "--overlap-param-gather (its forward pre-hooks do not "
          "run inside a replay)"),
         (args.seq_length_cv > 0, "--seq-length-cv (a graph replays one shape)"),
-        (args.dpp_split_backward and args.pipeline_model_parallel_size > 1,
-         f"--dpp-split-backward at --pipeline-model-parallel-size "
-         f"{args.pipeline_model_parallel_size} ({SPLIT_GRAPHS_UNCHECKED})"),
     ):
         need(not bad, f"--cuda-graph-impl block does not support {what}")
 
