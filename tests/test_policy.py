@@ -107,11 +107,13 @@ def test_megatron_limits_are_named():
         StageConfig(0, 4, slack=-1)
 
 
-def pipeline_run(p, chunks, m, slack, rng, split_backward=False):
+def pipeline_run(p, chunks, m, slack, rng, split_backward=False, weight_slices=1):
     """Drive all ranks' policies with a random interleaving of who runs next; each run
-    task's output arrives at the neighbour after a random number of steps."""
-    stages = [StageConfig(r, p, chunks, m, slack=slack, split_backward=split_backward)
-              for r in range(p)]
+    task's output arrives at the neighbour after a random number of steps. A W run in
+    parts enters the order at its last part."""
+    stages = [StageConfig(r, p, chunks, m, slack=slack, split_backward=split_backward,
+                          weight_slices=weight_slices) for r in range(p)]
+    parts = {}
     policies = [GreedyPolicy(s) for s in stages]
     topology = PipelineTopology(p, chunks)
     arrived = [set() for _ in range(p)]
@@ -128,6 +130,10 @@ def pipeline_run(p, chunks, m, slack, rng, split_backward=False):
             assert policy.in_flight < policy.cap or task.kind != FORWARD
             policy.complete(task)
             assert policy.in_flight <= policy.cap
+            if task.kind == WEIGHT:
+                parts[r, task] = parts.get((r, task), 0) + 1
+                if parts[r, task] < weight_slices:
+                    continue
             orders[r].append(task)
             target = topology.destination(r, task)
             if target:
@@ -160,14 +166,19 @@ def test_random_arrivals_keep_invariants(p, chunks, m, slack):
 
 @pytest.mark.parametrize("p,chunks,m", CONFIGS)
 @pytest.mark.parametrize("slack", [0, 2])
-def test_split_backward_keeps_both_caps_under_random_arrivals(p, chunks, m, slack):
+@pytest.mark.parametrize("weight_slices", [1, 3])
+def test_split_backward_keeps_both_caps_under_random_arrivals(p, chunks, m, slack,
+                                                              weight_slices):
     """B and W tasks: each W after its B, each kind in the plan's order per chunk, every
-    task once; from F to B at most this rank's 1F1B count (+ slack), from F to W at most
-    rank 0's (+ slack)."""
+    task once (a W in parts: `weight_slices` times, counted once); from F to B at most
+    this rank's 1F1B count (+ slack), from F to W at most rank 0's (+ slack)."""
     rng = random.Random(p * 1000 + chunks * 100 + m + slack)
     for _ in range(3):
-        stages, policies, orders = pipeline_run(p, chunks, m, slack, rng, split_backward=True)
+        stages, policies, orders = pipeline_run(p, chunks, m, slack, rng, split_backward=True,
+                                                weight_slices=weight_slices)
         for stage, policy, order in zip(stages, policies, orders, strict=True):
+            weights = sum(task.kind == WEIGHT for task in order)
+            assert policy.num_decisions == len(order) + (weight_slices - 1) * weights
             assert sorted(order) == sorted(static_order(stage))
             assert policy.activation_cap == min(static_peak(stage) + slack, m * chunks)
             assert policy.cap == min(static_peak(replace(stage, rank=0)) + slack, m * chunks)
@@ -204,6 +215,24 @@ def test_w_fills_a_wait_and_yields_to_a_ready_backward():
     policy = GreedyPolicy(stage)
     run_plan_prefix(policy, [f[0], f[1], b[0], f[2], b[1]])
     assert policy.next_task(lambda t: False) == w[0]
+
+
+def test_w_in_parts_yields_between_parts_and_is_held_to_its_last():
+    f, b, w = ([Task(kind, 0, i) for i in range(3)] for kind in (FORWARD, BACKWARD, WEIGHT))
+    policy = GreedyPolicy(StageConfig(1, 3, num_microbatches=3, split_backward=True,
+                                      weight_slices=2))
+    assert policy.num_decisions == 9 + 3
+    run_plan_prefix(policy, [f[0], f[1], b[0], f[2]])
+    assert policy.next_task(lambda t: False) == w[0]  # B1's input is late: W0 fills
+    policy.complete(w[0])  # its first half
+    assert policy.in_flight == 3  # W0 still holds its microbatch
+    assert policy.next_task(b[1].__eq__) == b[1]  # B1 arrived: it goes before W0's rest
+    policy.complete(b[1])
+    assert policy.next_task(lambda t: False) == w[0]
+    policy.complete(w[0])
+    assert policy.in_flight == 2
+    run_plan_prefix(policy, [b[2], w[1], w[1], w[2], w[2]])
+    assert policy.finished
 
 
 def test_split_forward_waits_for_the_f_to_w_cap():

@@ -203,14 +203,15 @@ def test_uniform_split_dpp_runs_zb_h1(p):
     assert speedup >= {2: 1.08, 4: 1.10, 8: 1.12}.get(p, 1.12)
 
 
-@pytest.mark.parametrize(("model", "p", "gain_at_2"), [
-    (CostModel(jitter=0.3), 4, 1.05), (CostModel(jitter=0.3), 8, 1.05),
-    (CostModel(cv=0.5), 4, 1.03), (CostModel(slow_stage=2, slow_factor=1.3), 4, 1.01)])
-def test_split_dpp_under_variance_against_ordered_baselines(model, p, gain_at_2):
+@pytest.mark.parametrize(("model", "p", "gain_at_0", "gain_at_2"), [
+    (CostModel(jitter=0.3), 4, 1.03, 1.05), (CostModel(jitter=0.3), 8, 1.04, 1.07),
+    (CostModel(cv=0.5), 4, 1.01, 1.03), (CostModel(slow_stage=2, slow_factor=1.3), 4, 1.0, 1.01)])
+def test_split_dpp_under_variance_against_ordered_baselines(model, p, gain_at_0, gain_at_2):
     """Five seeds of grid cells: 1F1B and ZB-H1 fed DPP's microbatch order. DPP is never
-    slower than 1F1B; with +2 slack it beats ZB-H1 by the grid's margin (jitter p = 4 / 8:
-    1.060x / 1.068x over 10 seeds, cv p = 4: 1.032x, slow stage: 1.011x); at +0 it holds
-    ZB-H1's memory and is on average no slower."""
+    slower than 1F1B; it beats ZB-H1 by the grid's margins (W in 4 parts; 10 seeds, +0 /
+    +2: jitter p = 4 1.037x / 1.061x, p = 8 1.055x / 1.083x, cv p = 4 1.020x / 1.035x); at
+    +0 it holds ZB-H1's memory. The slow stage at +0 runs ZB-H1's schedule (equal up to
+    the rounding of W's time summed in parts)."""
     m = 4 * p
     at_zero, at_two = [], []
     for seed in range(5):
@@ -226,7 +227,7 @@ def test_split_dpp_under_variance_against_ordered_baselines(model, p, gain_at_2)
             assert max(dpp.peak_in_flight) <= p + slack
             assert all(dpp.peak_activations[r] <= p - r + slack for r in range(p))
             ratios.append(baselines["zb-h1"].makespan / dpp.makespan)
-    assert sum(at_zero) / 5 >= 1.0
+    assert sum(at_zero) / 5 > gain_at_0 - 1e-9
     assert sum(at_two) / 5 > gain_at_2
 
 

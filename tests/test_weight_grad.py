@@ -86,6 +86,31 @@ def test_w_before_its_b_twice_or_never_is_refused(store):
             pass
 
 
+def test_w_in_parts_runs_each_deferred_gemm_once_and_frees_as_it_goes(store):
+    """Three linears' deferred GEMMs in two parts: the first part runs the first one (3 * 1
+    // 2 = 1 item), the second the other two; the W is pending until its last part."""
+    generator = torch.Generator().manual_seed(5)
+    layers = [_linear(generator) for _ in range(3)]
+    inputs = [torch.randn(4, 16, generator=generator) for _ in layers]
+    upstream = [torch.randn(4, 24, generator=generator) for _ in layers]
+    with store.deferring((0, 0)):
+        torch.autograd.backward(
+            [biased_linear(x, weight, bias, True)
+             for x, (weight, bias) in zip(inputs, layers, strict=True)], upstream)
+    held = store.held_bytes((0, 0))
+    assert store.run((0, 0), parts=2) is False
+    # the first part ran one of the three GEMMs and let go of its tensors
+    assert store.pending() == [(0, 0)] and 0 < store.held_bytes((0, 0)) < held
+    ran = [bool(weight.main_grad.abs().sum()) for weight, _ in layers]
+    assert sorted(ran) == [False, False, True]
+    assert store.run((0, 0), parts=2) is True
+    for x, grad, (weight, _) in zip(inputs, upstream, layers, strict=True):
+        torch.testing.assert_close(weight.main_grad, grad.t() @ x)
+    assert store.pending() == [] and store.held_bytes() == 0
+    with pytest.raises(WeightGradError, match=r"W of \(0, 0\) ran twice"):
+        store.run((0, 0), parts=2)
+
+
 def test_backward_outside_deferring_is_unchanged(store):
     generator = torch.Generator().manual_seed(3)
     weight, bias = _linear(generator)

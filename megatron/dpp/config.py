@@ -17,11 +17,14 @@ class DppOptions:
     """slack: microbatches a stage may hold in flight beyond megatron-core's schedule (2:
     the knee of the simulator's grid, docs/benchmarks/simulator.md). transport: the
     backend choice per pipeline edge. timeout: seconds a stage waits for a peer before it
-    raises, naming what it waited for."""
+    raises, naming what it waited for. weight_slices: with the split backward, the parts
+    each W runs in, each a decision of the policy (4: docs/benchmarks/simulator_split.md;
+    8 gains 0.1 % more in the simulator, and each part is a task-loop step)."""
 
     slack: int = 2
     transport: str = "auto"
     timeout: float = 60.0
+    weight_slices: int = 4
 
     def __post_init__(self):
         if self.slack < 0:
@@ -31,6 +34,8 @@ class DppOptions:
                              f"{', '.join(TRANSPORTS)}")
         if self.timeout <= 0:
             raise ValueError(f"DPP timeout must be > 0 seconds, got {self.timeout}")
+        if self.weight_slices < 1:
+            raise ValueError(f"DPP weight_slices must be >= 1, got {self.weight_slices}")
 
     @classmethod
     def from_args(cls, args) -> DppOptions:

@@ -56,17 +56,27 @@ def run_pipeline(
     latency: float = 0.0,
     record: bool = False,
     count_in_flight: bool = True,
+    weight_slices: int = 1,
 ) -> EngineResult:
     """Run every rank's runner to the end. `durations[kind][v][i]`: the time of the task
     of that kind on virtual stage v for microbatch i (a WEIGHT table when the backward is
     split; activations are then freed by W instead of B). `count_in_flight=False` leaves
-    the peaks at 0 (the cost-order choice needs the makespan only). Raises DeadlockError
+    the peaks at 0 (the cost-order choice needs the makespan only). `weight_slices` = n: a
+    runner returns each W n times, each a part of 1/n of its time; the W releases its
+    microbatch at its last part (the timeline has every part). Raises DeadlockError
     when ranks are left that can never run their next task."""
     p = topology.pp_size
     if len(runners) != p:
         raise ValueError(f"{len(runners)} runners for {p} ranks")
     num_microbatches = len(durations[FORWARD][0])
     release = WEIGHT if WEIGHT in durations else BACKWARD
+    if weight_slices < 1:
+        raise ValueError(f"weight_slices must be >= 1, got {weight_slices}")
+    if weight_slices > 1 and release == WEIGHT:
+        durations = dict(durations)
+        durations[WEIGHT] = [[d / weight_slices for d in row] for row in durations[WEIGHT]]
+    # per rank: parts run of each W started and not finished
+    weight_parts = [{} for _ in range(p)]
     # per rank, by kind and local chunk: the durations row of the chunk's virtual stage,
     # the destination rank of the output (-1: none) and the table of its tasks there
     lanes = []
@@ -143,6 +153,12 @@ def run_pipeline(
             task, (_, dst, targets) = running[r]
             running[r] = None
             complete[r](task)
+            if weight_slices > 1 and task[0] == WEIGHT:
+                parts = weight_parts[r].get(task, 0) + 1
+                if parts < weight_slices:
+                    weight_parts[r][task] = parts
+                    continue
+                del weight_parts[r][task]
             if count_in_flight:
                 if task[0] == release:
                     in_flight[r] -= 1

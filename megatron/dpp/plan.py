@@ -43,7 +43,8 @@ class StageConfig:
     `microbatch_group_size` is megatron's microbatch_group_size_per_vp_stage (default
     pp_size); it only matters with num_chunks > 1. `slack` is the DPP policy's (extra
     microbatches in flight); the static plans ignore it. `split_backward`: every backward
-    is a B and a W task (`split_skeleton`).
+    is a B and a W task (`split_skeleton`). `weight_slices`: the DPP policy runs each W in
+    this many parts, each one a decision of its own (the plans hold each W once).
     """
 
     rank: int
@@ -54,6 +55,7 @@ class StageConfig:
     forward_only: bool = False
     microbatch_group_size: int | None = None
     split_backward: bool = False
+    weight_slices: int = 1
 
     def __post_init__(self):
         if self.pp_size < 1:
@@ -68,6 +70,9 @@ class StageConfig:
             )
         if self.slack < 0:
             raise ValueError(f"StageConfig: slack must be >= 0, got {self.slack}")
+        if self.weight_slices < 1:
+            raise ValueError(f"StageConfig: weight_slices must be >= 1, got "
+                             f"{self.weight_slices}")
         if self.num_chunks > 1:
             self._check_interleaving()
 

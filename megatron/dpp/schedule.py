@@ -170,6 +170,7 @@ class _Iteration:
             rank=self.rank, pp_size=self.pp_size, num_chunks=self.num_chunks,
             num_microbatches=num_microbatches, slack=schedule.options.slack,
             forward_only=forward_only, split_backward=self.weight_grads is not None,
+            weight_slices=schedule.options.weight_slices,
         )
         order = microbatch_order_for(self.stage, costs) if cost_order else None
         self.policy = GreedyPolicy(self.stage, microbatch_order=order, costs=costs)
@@ -192,15 +193,18 @@ class _Iteration:
                            else _per_chunk(config.grad_sync_func, self.num_chunks))
 
     def execute(self, pg_collection, force_all_reduce):
-        run = {FORWARD: self._forward, BACKWARD: self._backward, WEIGHT: self._weight}
+        run = {FORWARD: self._forward, BACKWARD: self._backward}
         if self.weight_grads is not None:
             self.weight_grads.begin_iteration(self.config, self.num_chunks,
                                               self.num_microbatches)
         with self.no_sync:
-            for _ in range(len(self.policy.plan)):
+            for _ in range(self.policy.num_decisions):
                 task = self._next()
-                run[task.kind](task)
-                self.executed.append(task)
+                if task.kind != WEIGHT:
+                    run[task.kind](task)
+                    self.executed.append(task)
+                elif self._weight(task):  # a W in parts is recorded once, at its last
+                    self.executed.append(task)
                 if self.coordinator.deciding:
                     self.policy.complete(task)
         self.tracer.record_actions(self.rank, self.executed)
@@ -322,11 +326,14 @@ class _Iteration:
             if self.weight_grads is None:
                 self.grad_syncs[chunk](self.model[chunk].parameters())
 
-    def _weight(self, task: Task) -> None:
-        """W: the weight-gradient GEMMs the B of this chunk and microbatch deferred."""
+    def _weight(self, task: Task) -> bool:
+        """W: the weight-gradient GEMMs the B of this chunk and microbatch deferred, one of
+        the policy's `weight_slices` parts of them; True when that was the last part."""
         span = self.tracer.start("weight", task.microbatch, task.chunk)
-        self.weight_grads.run((task.chunk, task.microbatch))
+        complete = self.weight_grads.run((task.chunk, task.microbatch),
+                                         self.stage.weight_slices)
         self.tracer.stop(span)
+        return complete
 
 
 class _Batches:

@@ -29,6 +29,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from megatron.dpp.actions import BACKWARD, FORWARD, WEIGHT, Task
+from megatron.dpp.config import DEFAULTS
 from megatron.dpp.engine import StaticReplay, run_pipeline
 from megatron.dpp.plan import StageConfig, check_plans, gpipe_order, static_order
 from megatron.dpp.policy import GreedyPolicy, microbatch_order_for
@@ -180,6 +181,7 @@ def simulate(
     microbatch_costs: list[float] | None = None,
     microbatch_order: list[int] | None = None,
     split_backward: bool = False,
+    weight_slices: int = DEFAULTS.weight_slices,
 ) -> SimResult:
     """Run one schedule to completion. `record` keeps each rank's task order and a trace.
     `microbatch_costs`: what is known of each microbatch's cost before the iteration (its
@@ -188,7 +190,8 @@ def simulate(
     the cost each rank holds, as the runtime caps tokens.
     `microbatch_order` runs the microbatches in this order instead (DPP: replaying a
     recorded run; static schedules: DPP's order, default 0..m-1). `split_backward`: DPP
-    places B and W tasks (zb-h1 always does; the other static schedules never)."""
+    places B and W tasks (zb-h1 always does; the other static schedules never), each W in
+    `weight_slices` parts (the static schedules run each W whole)."""
     p, m, chunks = pp_size, num_microbatches, num_chunks
     if schedule == "1f1b" and chunks != 1:
         raise ValueError("schedule 1f1b has one chunk per rank; use interleaved or dpp")
@@ -199,14 +202,15 @@ def simulate(
     _check_durations(durations, p, chunks, m)
     split = schedule in SPLIT_SCHEDULES or (schedule == "dpp" and split_backward)
     topology = PipelineTopology(p, chunks)
-    stages = [StageConfig(r, p, chunks, m, slack=slack, split_backward=split)
-              for r in range(p)]
+    slices = weight_slices if schedule == "dpp" and split else 1
+    stages = [StageConfig(r, p, chunks, m, slack=slack, split_backward=split,
+                          weight_slices=slices) for r in range(p)]
     if schedule == "dpp" and microbatch_order is None:
         microbatch_order = microbatch_order_for(stages[0], microbatch_costs)
     runners = [_runner(schedule, s, topology, microbatch_order, microbatch_costs)
                for s in stages]
     return _result(schedule, run_pipeline(topology, runners, durations.by_kind(split), latency,
-                                          record))
+                                          record, weight_slices=slices), slices)
 
 
 def replay(plans: list[list[Task]], durations: Durations, *, num_chunks: int = 1,
@@ -229,16 +233,23 @@ def _check_durations(durations: Durations, p: int, chunks: int, m: int) -> None:
         raise ValueError("durations do not match pp_size * num_chunks x num_microbatches")
 
 
-def _result(schedule: str, run) -> SimResult:
+def _result(schedule: str, run, weight_slices: int = 1) -> SimResult:
+    """The engine's result; a W run in parts is one task of the orders, at its last part
+    (the orders stay plans `replay` can run), and one trace event per part."""
     makespan = run.makespan
     bubble = [1.0 - b / makespan for b in run.busy]
     orders = trace = None
     if run.timeline is not None:
         orders = [[] for _ in run.busy]
         trace = []
+        parts: dict[tuple[int, Task], int] = {}
         for rank, task, start, duration in run.timeline:
-            orders[rank].append(task)
             trace.append(_trace_event(rank, task, start, duration))
+            if task.kind == WEIGHT and weight_slices > 1:
+                parts[rank, task] = parts.get((rank, task), 0) + 1
+                if parts[rank, task] < weight_slices:
+                    continue
+            orders[rank].append(task)
     return SimResult(schedule, makespan, bubble, run.peak_in_flight, run.peak_activations,
                      orders, trace)
 
@@ -285,6 +296,7 @@ def compare(
     record: bool = False,
     known_costs: bool = True,
     split_backward: bool = False,
+    weight_slices: int = DEFAULTS.weight_slices,
 ) -> dict[str, SimResult]:
     """Simulate several schedules on the same sampled durations. Single-chunk schedules
     (1f1b, gpipe, zb-h1) run the rank's work as one chunk; interleaved and dpp use
@@ -320,6 +332,7 @@ def compare(
             microbatch_costs=samples[chunks].microbatch_factor if known_costs else None,
             microbatch_order=None if dpp else static_order_given,
             split_backward=split_backward and dpp,
+            weight_slices=weight_slices,
         )
     return results
 
@@ -373,7 +386,7 @@ def _summary(result: SimResult) -> dict:
 def _split_grid_unit(args):
     """One (p, cost model, seed) of the split-backward grid: per slack, DPP with W tasks,
     and 1F1B and ZB-H1 fed DPP's microbatch order."""
-    pp_size, model_name, seed, slacks, known_costs = args
+    pp_size, model_name, seed, slacks, known_costs, weight_slices = args
     cost = grid_cost_models(pp_size, (model_name,))[model_name]
     m = 4 * pp_size
     durations = sample_durations(cost, pp_size, 1, m, seed, split_backward=True)
@@ -386,7 +399,7 @@ def _split_grid_unit(args):
                 for name in ("1f1b", "zb-h1")}
         runs["dpp"] = simulate("dpp", pp_size, m, durations, slack=slack,
                                microbatch_costs=costs, microbatch_order=order,
-                               split_backward=True)
+                               split_backward=True, weight_slices=weight_slices)
         out[slack] = {name: _split_summary(result, runs["1f1b"])
                       for name, result in runs.items()}
     return out
@@ -414,12 +427,14 @@ def run_grid(
     seed_offset: int = 0,
     models: tuple[str, ...] = GRID_MODELS,
     split_backward: bool = False,
+    weight_slices: int = DEFAULTS.weight_slices,
 ) -> list[dict]:
     """Every (p, cost model, seed) of the acceptance grid; one row per (p, model, slack).
     known_costs: DPP knows each microbatch's cost factor in advance (not the jitter).
     Random models run seeds seed_offset .. seed_offset + seeds - 1 (held-out seeds: an
     offset past the grid's 10); a deterministic model runs once. `split_backward`: DPP
-    with W tasks against 1F1B and ZB-H1 fed its microbatch order (`format_split_grid`)."""
+    with W tasks (each in `weight_slices` parts) against 1F1B and ZB-H1 fed its microbatch
+    order (`format_split_grid`)."""
     models = tuple(models)
     units = [
         (p, name, seed_offset + seed, tuple(slacks), known_costs)
@@ -427,7 +442,11 @@ def run_grid(
         for name, cost in grid_cost_models(p, models).items()
         for seed in range(seeds if cost.is_random else 1)
     ]
-    unit = _split_grid_unit if split_backward else _grid_unit
+    if split_backward:
+        unit = _split_grid_unit
+        units = [u + (weight_slices,) for u in units]
+    else:
+        unit = _grid_unit
     if jobs > 1:
         import multiprocessing
 
@@ -570,6 +589,7 @@ def _single_report(args, cost: CostModel) -> dict:
         record=bool(args.trace),
         known_costs=not args.costs_unknown,
         split_backward=args.split_backward,
+        weight_slices=args.weight_slices,
     )
     report = {"config": {**vars(args), "cost": asdict(cost)}, "schedules": {}}
     for name, result in results.items():
@@ -636,6 +656,8 @@ def _parser() -> argparse.ArgumentParser:
                              "get DPP's microbatch order")
     parser.add_argument("--weight-share", type=float, default=0.5,
                         help="with --split-backward: W's share of the backward's time")
+    parser.add_argument("--weight-slices", type=int, default=DEFAULTS.weight_slices,
+                        help="with --split-backward: DPP runs each W in this many parts")
     parser.add_argument(
         "--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES, metavar="NAME"
     )
@@ -659,7 +681,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check_args(parser, args):
-    positive = ("pp", "microbatches", "chunks", "seeds", "jobs")
+    positive = ("pp", "microbatches", "chunks", "seeds", "jobs", "weight_slices")
     for name in positive:
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -679,7 +701,7 @@ def main(argv=None) -> int:
         started = time.perf_counter()
         rows = run_grid(args.grid_pp, args.grid_slacks, args.seeds, args.jobs,
                         not args.costs_unknown, args.seed_offset, tuple(args.grid_models),
-                        args.split_backward)
+                        args.split_backward, args.weight_slices)
         elapsed = time.perf_counter() - started
         if args.json:
             json.dump({"rows": rows, "seconds": elapsed}, sys.stdout, indent=1)

@@ -143,12 +143,14 @@ class WeightGradStore:
     """Deferred weight-gradient work of one schedule, by key (chunk, microbatch).
 
     Per iteration: `begin_iteration`; per microbatch a B (`with store.deferring(key):` around
-    the backward) and later its W (`store.run(key)`); `end_iteration` before the gradient
-    reduction is finished and the optimizer steps.
+    the backward) and later its W (`store.run(key)`, or in parts: `store.run(key, parts)`
+    that many times); `end_iteration` before the gradient reduction is finished and the
+    optimizer steps.
     """
 
     def __init__(self):
-        self._work: dict[Hashable, list[Callable[[], None]]] = {}
+        self._work: dict[Hashable, list[Callable[[], None] | None]] = {}
+        self._parts_run: dict[Hashable, int] = {}  # keys whose W ran in part
         self._done: set[Hashable] = set()
         self._active: Hashable | None = None
         self._iteration: _Iteration | None = None
@@ -208,19 +210,31 @@ class WeightGradStore:
             raise WeightGradError("defer() outside a deferring() backward")
         self._work[self._active].append(work)
 
-    def run(self, key: tuple[int, int]) -> None:
-        """The W of `key`: its deferred weight-gradient work, in the order B recorded it.
+    def run(self, key: tuple[int, int], parts: int = 1) -> bool:
+        """The W of `key`: its deferred weight-gradient work, in the order B recorded it;
+        with `parts` = n, the next n-th of it (the k-th call runs items [k L / n, (k + 1) L
+        / n) of the L recorded, and frees what they held). True when the W is complete.
         After the chunk's last W, its gradient reduction starts (config.grad_sync_func)."""
         if key == self._active:
             raise WeightGradError(f"W of {key} inside its own B")
-        work = self._work.pop(key, None)
+        work = self._work.get(key)
         if work is None:
             if key in self._done:
                 raise WeightGradError(f"W of {key} ran twice")
             raise WeightGradError(f"W of {key} before its B")
+        if parts < 1:
+            raise WeightGradError(f"W of {key} in {parts} parts")
+        part = self._parts_run.get(key, 0)
+        first, end = len(work) * part // parts, len(work) * (part + 1) // parts
         with torch.no_grad():  # as inside backward: the saved inputs may require grad
-            for item in work:
-                item()
+            for index in range(first, end):
+                work[index]()
+                work[index] = None
+        if part + 1 < parts:
+            self._parts_run[key] = part + 1
+            return False
+        self._parts_run.pop(key, None)
+        del self._work[key]
         self._done.add(key)
         iteration = self._iteration
         chunk = key[0]
@@ -228,6 +242,7 @@ class WeightGradStore:
         if (iteration.weight_grads_run[chunk] == iteration.num_microbatches
                 and iteration.grad_sync is not None):
             iteration.grad_sync[chunk]()
+        return True
 
     def pending(self) -> list[tuple[int, int]]:
         """Keys whose B ran and whose W has not."""
