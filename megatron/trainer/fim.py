@@ -163,8 +163,10 @@ class _FimSamples:
 
     def __getitem__(self, idx):
         sample = super().__getitem__(idx)
-        # <fim_pad> fills a sample that re-tokenizing shortened: it is not text to learn
-        sample["loss_mask"][sample["labels"] == self.fim.pad] = 0.0
+        # <fim_pad> fills a sample that re-tokenizing shortened: it is not text to learn.
+        # Out of place: megatron.core may hand out its cached mask itself
+        sample["loss_mask"] = sample["loss_mask"].masked_fill(
+            sample["labels"] == self.fim.pad, 0.0)
         return sample
 
 
