@@ -233,6 +233,8 @@ def test_split_sample_fragments_and_no_prefix(byte_files):
     for fragment, before in zip(fragments, (a, b), strict=True):
         assert _unarrange(fragment, fim.prefix, fim.middle, fim.suffix) == before
     assert fim.prefix in second
+    # megatron-core >= 0.19 takes the documents' lengths of a sample with it
+    assert fim.document_lengths(np.array([*out[:5], eod, *a, eod])) == [6, len(a) + 1]
     kept = FimTransform(FimConfig(1.0, 0.0, eod_token="~", no_prefix="#!"), tokenizer)
     two = np.array([*a, eod, *c, *[eod] * 12])
     assert _pieces(kept(two, np.random.default_rng(0)).tolist(), eod)[1] == c

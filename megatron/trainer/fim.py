@@ -17,13 +17,11 @@ empty last piece as three sentinels and trains on <fim_pad>; here none of that h
 
 from __future__ import annotations
 
-import logging
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -72,16 +70,21 @@ class FimTransform:
             raise FimError(f"--fim-data: the tokenizer ({tokenizer.tokenizer_type}) has no "
                            f"{', '.join(missing)} token (--fim-*-token names them)")
         self.prefix, self.middle, self.suffix, self.pad = (vocab[t] for t in config.sentinels)
-        self.eod = self._token_id(config.eod_token, "--fim-eod-token")
-        self.split = self._token_id(config.split_sample, "--fim-split-sample")
+        self.eod = (tokenizer.eod if config.eod_token is None
+                    else self._token_id(config.eod_token, "--fim-eod-token"))
+        self.split = (None if config.split_sample is None
+                      else self._token_id(config.split_sample, "--fim-split-sample"))
 
-    def _token_id(self, token: str | None, flag: str) -> int | None:
-        if token is None:
-            return self.tokenizer.eod if flag == "--fim-eod-token" else None
+    def _token_id(self, token: str, flag: str) -> int:
         if token not in self.tokenizer.vocab:
             raise FimError(f"{flag} {token!r} is not one token of the tokenizer "
                            f"({self.tokenizer.tokenizer_type})")
         return self.tokenizer.vocab[token]
+
+    def document_lengths(self, tokens: np.ndarray) -> list[int]:
+        """Token counts of the documents of a FIM sample, each up to its end-of-document."""
+        ends = [0, *(np.flatnonzero(tokens == self.eod) + 1).tolist(), len(tokens)]
+        return [int(b - a) for a, b in itertools.pairwise(ends) if b > a]
 
     def __call__(self, tokens: np.ndarray, rng: np.random.Generator) -> np.ndarray:
         """`tokens` rearranged piece by piece between end-of-document tokens, cut or padded
@@ -153,13 +156,15 @@ class _FimSamples:
         self.fim = FimTransform(self.config.fim, self.config.tokenizer)
 
     def _query_document_sample_shuffle_indices(self, idx):
-        text, documents = super()._query_document_sample_shuffle_indices(idx)
+        text, documents, *lengths = super()._query_document_sample_shuffle_indices(idx)
         # megatron.core fills a short last sample with its own padding id: FIM the rest
         kept = np.flatnonzero(text != self._pad_token_id)
         length = int(kept[-1]) + 1 if len(kept) else 0
         rng = np.random.default_rng((self.config.random_seed, self.index_split.value, int(idx)))
-        text = np.concatenate([self.fim(text[:length], rng), text[length:]])
-        return text, documents
+        arranged = self.fim(text[:length], rng)
+        if lengths:  # megatron-core >= 0.19 also returns the documents' token counts
+            lengths = [self.fim.document_lengths(arranged)]
+        return (np.concatenate([arranged, text[length:]]), documents, *lengths)
 
     def __getitem__(self, idx):
         sample = super().__getitem__(idx)
