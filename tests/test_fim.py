@@ -261,7 +261,9 @@ def test_missing_tokens_are_named():
 
 
 @pytest.mark.parametrize("flags, model, message", [
-    (["--fim-rate", "0.3"], "gpt", "--fim-rate need --fim-data"),
+    (["--fim-rate", "0.3"], "gpt", "--fim-rate needs --fim-data"),
+    (["--fim-spm-rate", "1", "--fim-no-prefix", "#"], "gpt",
+     "--fim-spm-rate --fim-no-prefix need --fim-data"),
     (["--fim-data", "--fim-rate", "1.5"], "gpt", "--fim-rate 1.5 must be in [0, 1]"),
     (["--fim-data", "--fim-split-sample", "<f>"], "gpt", "--fim-fragment-rate go together"),
     (["--fim-data", "--fim-pad-token", "<fim_middle>"], "gpt", "four different tokens"),

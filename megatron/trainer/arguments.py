@@ -1321,7 +1321,8 @@ def _validate_fim(args, need):
         ("--fim-no-prefix", args.fim_no_prefix), ("--fim-eod-token", args.fim_eod_token),
     ) if value is not None]
     if not args.fim_data:
-        need(not dependent, f"{' '.join(dependent)} need --fim-data")
+        need(not dependent, f"{' '.join(dependent)} need{'s' * (len(dependent) == 1)} "
+             "--fim-data")
         return
     # Megatron-LM's defaults
     args.fim_rate = 0.5 if args.fim_rate is None else args.fim_rate
