@@ -39,6 +39,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     _add_batch_schedule_args(parser.add_argument_group("step batch-size schedule"))
     _add_core_extras_args(parser.add_argument_group(
         "megatron-core settings and checks of Megatron-LM's functional tests"))
+    _add_fim_args(parser.add_argument_group("fill-in-the-middle data (GPT)"))
     if extra_args_provider is not None:
         extra_args_provider(parser)
     return parser
@@ -422,6 +423,7 @@ def validate_args(args, world_size: int, model: str = "gpt") -> None:
     _validate_dpp(args, need)
     _validate_variable_lengths(args, need)
     _validate_trace(args, need)
+    _validate_fim(args, need)
 
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False
@@ -1278,3 +1280,65 @@ def _interleaved_group_problem(args, count: int) -> str | None:
         return (f"a multiple of --microbatch-group-size-per-virtual-pipeline-stage {group} "
                 f"or one whose last group has at least --pipeline-model-parallel-size {pp}")
     return None
+
+
+def _add_fim_args(g):
+    """Megatron-LM's fill-in-the-middle data; megatron/trainer/fim.py does it."""
+    g.add_argument("--fim-data", action="store_true",
+                   help="GPT: fill-in-the-middle samples: a piece of text between end-of-"
+                        "document tokens becomes prefix/suffix/middle (docs/fim.md)")
+    g.add_argument("--fim-rate", type=float, default=None,
+                   help="probability that a piece becomes a FIM piece (default 0.5)")
+    g.add_argument("--fim-spm-rate", type=float, default=None,
+                   help="probability that a FIM piece is laid out suffix-prefix-middle instead "
+                        "of prefix-suffix-middle (default 0.5)")
+    g.add_argument("--fim-split-sample", default=None,
+                   help="a token (e.g. a file separator) at which a FIM piece is cut into "
+                        "fragments, each FIM'd with --fim-fragment-rate")
+    g.add_argument("--fim-fragment-rate", type=float, default=None,
+                   help="FIM probability of each fragment of --fim-split-sample")
+    g.add_argument("--fim-no-prefix", default=None,
+                   help="pieces whose text starts with this string are left as they are")
+    for name, default in (("prefix", "<fim_prefix>"), ("middle", "<fim_middle>"),
+                          ("suffix", "<fim_suffix>"), ("pad", "<fim_pad>")):
+        g.add_argument(f"--fim-{name}-token", default=default,
+                       help=f"the FIM {name} token (default {default}; GPT-2 BPE and HF "
+                            "tokenizers get it added when their files lack it)")
+    g.add_argument("--fim-eod-token", default=None,
+                   help="the token between documents (default: the tokenizer's end-of-document "
+                        "token, <|endoftext|> for GPT-2 BPE)")
+
+
+def _validate_fim(args, need):
+    dependent = [flag for flag, value in (
+        ("--fim-rate", args.fim_rate), ("--fim-spm-rate", args.fim_spm_rate),
+        ("--fim-split-sample", args.fim_split_sample),
+        ("--fim-fragment-rate", args.fim_fragment_rate),
+        ("--fim-no-prefix", args.fim_no_prefix), ("--fim-eod-token", args.fim_eod_token),
+    ) if value is not None]
+    if not args.fim_data:
+        need(not dependent, f"{' '.join(dependent)} need{'s' * (len(dependent) == 1)} "
+             "--fim-data")
+        return
+    # Megatron-LM's defaults
+    args.fim_rate = 0.5 if args.fim_rate is None else args.fim_rate
+    args.fim_spm_rate = 0.5 if args.fim_spm_rate is None else args.fim_spm_rate
+    for flag, value in (("--fim-rate", args.fim_rate), ("--fim-spm-rate", args.fim_spm_rate),
+                        ("--fim-fragment-rate", args.fim_fragment_rate)):
+        need(value is None or 0 <= value <= 1, f"{flag} {value} must be in [0, 1]")
+    need((args.fim_split_sample is None) == (args.fim_fragment_rate is None),
+         "--fim-split-sample and --fim-fragment-rate go together (the fragments' FIM "
+         "probability)")
+    need(args.model == "gpt", "--fim-data makes GPT samples; BERT's masked-LM samples have "
+         "no FIM form")
+    need(not args.variable_seq_lengths, "--fim-data with --variable-seq-lengths: FIM works on "
+         "megatron-core's packed GPT samples, not on the one-document samples")
+    sentinels = [args.fim_prefix_token, args.fim_middle_token, args.fim_suffix_token,
+                 args.fim_pad_token]
+    need(len(set(sentinels)) == 4 and all(sentinels),
+         f"--fim-prefix/middle/suffix/pad-token {' '.join(sentinels)}: four different tokens "
+         "are needed")
+    need(args.tokenizer_type != "NullTokenizer",
+         f"--fim-data needs a tokenizer with the tokens {' '.join(sentinels)}: NullTokenizer "
+         "(--mock-data without tokenizer files) has only numbered tokens and no text to "
+         "split; give --vocab-file and --merge-file (GPT-2 BPE) or --tokenizer-model")

@@ -6,8 +6,11 @@ So far: logging (TensorBoard, W&B, timers) and the tokenizer.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -69,15 +72,29 @@ class TokenizerConfig:
     merge_file: str | None = None
     tokenizer_model: str | None = None
     vocab_size: int | None = None
+    # tokens the run needs (--fim-data's sentinels): added where the tokenizer can add
+    # tokens (GPT-2 BPE, HF), else the model must hold them
+    special_tokens: tuple[str, ...] = ()
 
     @classmethod
     def from_args(cls, args) -> TokenizerConfig:
+        from megatron.trainer.fim import FimConfig
+
+        fim = FimConfig.from_args(args)
         return cls(args.tokenizer_type, args.vocab_file, args.merge_file,
-                   args.tokenizer_model, args.vocab_size)
+                   args.tokenizer_model, args.vocab_size,
+                   fim.sentinels if fim is not None else ())
 
     def build(self):
         from megatron.trainer.tokenizer import build_tokenizer
 
-        return build_tokenizer(self.tokenizer_type, vocab_file=self.vocab_file,
-                               merge_file=self.merge_file,
-                               tokenizer_model=self.tokenizer_model, vocab_size=self.vocab_size)
+        tokenizer = build_tokenizer(self.tokenizer_type, vocab_file=self.vocab_file,
+                                    merge_file=self.merge_file,
+                                    tokenizer_model=self.tokenizer_model,
+                                    vocab_size=self.vocab_size)
+        added = tokenizer.add_special_tokens(self.special_tokens)
+        if added:
+            log.info(
+                "tokenizer: added %s as ids %s (vocabulary size %d)", " ".join(added),
+                " ".join(str(tokenizer.vocab[token]) for token in added), tokenizer.vocab_size)
+        return tokenizer

@@ -17,6 +17,8 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import DType
 
+from megatron.trainer.fim import FimConfig, FimGPTDatasetConfig, fim_dataset_class
+
 log = logging.getLogger(__name__)
 
 
@@ -130,7 +132,9 @@ def split_sizes(args) -> SplitSizes:
 def build_gpt_datasets(args, tokenizer):
     if args.variable_seq_lengths:
         return build_gpt_document_datasets(args, tokenizer)
-    config = GPTDatasetConfig(
+    fim = FimConfig.from_args(args)  # --fim-data: fill-in-the-middle samples (fim.py)
+    config_class = GPTDatasetConfig if fim is None else FimGPTDatasetConfig
+    config = config_class(
         random_seed=args.seed,
         sequence_length=args.seq_length,
         blend=None if args.mock_data else args.data_blend,
@@ -144,8 +148,11 @@ def build_gpt_datasets(args, tokenizer):
         # document boundaries
         create_attention_mask=args.reset_attention_mask and args.create_attention_mask_in_dataloader,
         mmap_bin_files=args.mmap_bin_files,
+        **({} if fim is None else {"fim": fim}),
     )
     dataset_class = MockGPTDataset if args.mock_data else GPTDataset
+    if fim is not None:
+        dataset_class = fim_dataset_class(args.mock_data)
     return _build(dataset_class, config, split_sizes(args))
 
 

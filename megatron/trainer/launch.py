@@ -281,7 +281,7 @@ def prepare_data_cache(model: str, trainer_argv: list[str], world_size: int) -> 
     needs a filesystem every node sees; a worker node calls this first so that its ranks find
     identical files locally (the same flags and seed give the same files)."""
     from megatron.trainer.arguments import parse_args
-    from megatron.trainer.tokenizer import build_tokenizer
+    from megatron.trainer.configs import TokenizerConfig
 
     if model == "gpt":
         from megatron.trainer.gpt import GPT_TASK as task
@@ -290,11 +290,8 @@ def prepare_data_cache(model: str, trainer_argv: list[str], world_size: int) -> 
     args = parse_args(trainer_argv, world_size=world_size, model=model)
     if args.mock_data:
         return
-    tokenizer = build_tokenizer(
-        args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
-        tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size,
-    )
-    task.build_datasets(args, tokenizer)
+    # the trainer's own tokenizer (with --fim-data's added tokens): the same index files
+    task.build_datasets(args, TokenizerConfig.from_args(args).build())
 
 
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|")

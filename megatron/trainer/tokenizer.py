@@ -82,6 +82,18 @@ class Tokenizer(MegatronTokenizerBase):
     def _special(self, name: str) -> int:
         raise NotImplementedError(f"{self.tokenizer_type} has no {name} token")
 
+    def add_special_tokens(self, tokens) -> list[str]:
+        """Make each of `tokens` one token of this tokenizer (never produced by splitting
+        text); returns those that were added. Here nothing can be added: the model's files
+        must hold them."""
+        missing = [token for token in tokens if token not in self.vocab]
+        if missing:
+            raise TokenizerFileError(
+                f"{self.tokenizer_type} has no {', '.join(missing)} token"
+                f"{'s' if len(missing) > 1 else ''} and cannot add tokens: use a tokenizer "
+                "model that holds them")
+        return []
+
     @property
     def eod(self) -> int:
         return self._special("end-of-document")
@@ -124,6 +136,18 @@ class _HFBackedTokenizer(Tokenizer):
         encodings = self._backend.encode_batch_fast(texts, add_special_tokens=False)
         return [encoding.ids for encoding in encodings]
 
+    def add_special_tokens(self, tokens) -> list[str]:
+        """New tokens get the ids after the vocabulary, as HF's added special tokens."""
+        from tokenizers import AddedToken
+
+        missing = [token for token in dict.fromkeys(tokens) if token not in self._vocab]
+        if missing:
+            self._backend.add_special_tokens(
+                [AddedToken(token, special=True, normalized=False) for token in missing])
+            self._vocab = self._backend.get_vocab(with_added_tokens=True)
+            self._inv_vocab = None
+        return missing
+
     def detokenize(self, ids) -> str:
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=False)
 
@@ -164,11 +188,19 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
         super().__init__(
             "GPT2BPETokenizer", {"vocab_file": vocab_file, "merge_file": merge_file}, backend
         )
+        self._merges = merges
         self._tiktoken = _tiktoken_encoding(vocab, merges)
 
     @property
     def engine(self) -> str:
         return "tiktoken" if self._tiktoken is not None else "tokenizers"
+
+    def add_special_tokens(self, tokens) -> list[str]:
+        added = super().add_special_tokens(tokens)
+        if added and self._tiktoken is not None:
+            # tiktoken decodes only the ids it was built with
+            self._tiktoken = _tiktoken_encoding(self._vocab, self._merges, specials=added)
+        return added
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         if self._tiktoken is None:
@@ -198,8 +230,9 @@ def _byte_to_char() -> dict[int, str]:
     return mapping
 
 
-def _tiktoken_encoding(vocab: dict[str, int], merges: list[tuple[str, str]]):
-    """A tiktoken Encoding equal to the HF BPE model, or None where that cannot hold."""
+def _tiktoken_encoding(vocab: dict[str, int], merges: list[tuple[str, str]], specials=()):
+    """A tiktoken Encoding equal to the HF BPE model, or None where that cannot hold.
+    `specials`: added tokens, never merged from text whatever their characters."""
     try:
         import tiktoken
     except ImportError:
@@ -208,17 +241,19 @@ def _tiktoken_encoding(vocab: dict[str, int], merges: list[tuple[str, str]]):
     if any(a >= b for a, b in itertools.pairwise(ids_in_merge_order)):
         return None
     char_to_byte = {char: byte for byte, char in _byte_to_char().items()}
-    ranks, specials = {}, {}
+    special_names = {GPT2_EOD_TOKEN, *specials}
+    ranks, special_ids = {}, {}
     for token, token_id in vocab.items():
-        if all(char in char_to_byte for char in token) and token != GPT2_EOD_TOKEN:
+        if all(char in char_to_byte for char in token) and token not in special_names:
             ranks[bytes(char_to_byte[char] for char in token)] = token_id
         else:
-            specials[token] = token_id
-    if len(ranks) + len(specials) != len(vocab) or any(bytes([b]) not in ranks for b in range(256)):
+            special_ids[token] = token_id
+    if (len(ranks) + len(special_ids) != len(vocab)
+            or any(bytes([b]) not in ranks for b in range(256))):
         return None
     return tiktoken.Encoding(
         "gpt2_bpe_from_files", pat_str=GPT2_PRETOKENIZE_PATTERN, mergeable_ranks=ranks,
-        special_tokens=specials,
+        special_tokens=special_ids,
     )
 
 
