@@ -8,6 +8,7 @@ one with 17; report_stats logs how much two runs of each iteration differ."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megatron.trainer.arguments import ArgumentError, parse_args
 from megatron.trainer.failures import known_failure
@@ -117,3 +118,19 @@ def test_flags_that_would_do_nothing_are_refused():
         with_flags(VALIDATE, error_injection_rate=-1))
     assert "--check-for-spiky-loss needs --rerun-mode validate_results or report_stats" in \
         _parse_error(with_flags(PP2, check_for_spiky_loss=True))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the state machine saves and restores "
+                    "the CUDA generator and reduces its flags on CUDA tensors: needs a CUDA GPU")
+def test_reruns_on_a_gpu():
+    """One GPU, bf16, dropout on, the fast path's defaults (graphed blocks): the re-runs give
+    the clean run's losses (bitwise: --deterministic-mode, as Megatron-LM's rerun tests)."""
+    gpu = with_flags(TINY, bf16=True, hidden_dropout=0.1, train_iters=4, global_batch_size=8,
+                     deterministic_mode=True)
+    spikes = with_flags(gpu, rerun_mode="validate_results", error_injection_rate=1,
+                        check_for_spiky_loss=True, no_check_for_nan_in_loss_and_grad=True)
+    (results,) = run_ranks(1, train_runs, [gpu, spikes, with_flags(
+        gpu, rerun_mode="report_stats")], 1, gpu=True)
+    clean, transient, report = results
+    assert transient["losses"] == clean["losses"] == report["losses"]
+    assert len(_lines(transient, AGAIN)) == 3 and len(_lines(report, AGAIN)) == 4
