@@ -38,6 +38,7 @@ def runs(tmp_path_factory):
         with_flags(PP2, rerun_mode="report_stats"),
         with_flags(VALIDATE, error_injection_rate=1, error_injection_type="persistent_error",
                    save=str(save)),
+        with_flags(PP2, rerun_mode="report_stats", load=str(save)),  # resumes from it
         with_flags(VALIDATE, error_injection_rate=1, error_injection_type="transient_error"),
     ]
     by_rank = run_ranks(2, train_runs, flags, 2, "gpt", None, (ResultValidationStop,))
@@ -91,10 +92,16 @@ def test_reproduced_rejection_saves_a_checkpoint_and_stops_with_status_16(runs):
     assert f"saved {save / 'iter_0000001'}" in message
     assert (save / "iter_0000001").is_dir()
     assert persistent["losses"] == runs[0][0]["losses"][:1]
+    # resumed from it, the run trains on as the clean run did; report_stats' count of
+    # iterations goes on from the checkpoint's (a report after iteration 3, Megatron-LM's)
+    resumed = runs[0][6]
+    assert resumed["losses"] == runs[0][0]["losses"][1:]
+    assert [line.split(" (")[0] for line in _lines(resumed, f"| {LOSS_CHECK} |")] == [
+        "determinism of iterations 2-3"]
 
 
 def test_unreproduced_fatal_rejection_stops_with_status_17(runs):
-    transient = runs[0][6]
+    transient = runs[0][7]
     message, status = transient["stopped"]
     assert status == 17
     assert f"iteration 2: {LOSS_CHECK} (on rank 1); the rejected result was not reproduced" \

@@ -126,14 +126,18 @@ class ResultValidation:
     def __init__(self, config: RerunConfig):
         self.config = config
 
-    def start(self, stack: contextlib.ExitStack) -> None:
+    def start(self, stack: contextlib.ExitStack, completed_iterations: int = 0) -> None:
         """Install the machine (megatron-core's DDP and RerunDataIterator find it through its
-        global); removed when `stack` closes."""
+        global) for a run that has `completed_iterations` (a loaded checkpoint's); removed
+        when `stack` closes."""
         core_reruns.destroy_rerun_state_machine()
         injector = core_reruns.RerunErrorInjector(
             error_injection_rate=self.config.error_injection_rate,
             error_injection_type=core_reruns.RerunDiagnostic(self.config.error_injection_type))
         machine = _StateMachine(mode=_CORE_MODES[self.config.mode], error_injector=injector)
+        # its count goes up as each iteration starts, from 0 for the first (as in Megatron-LM)
+        machine.current_iteration = completed_iterations - 1
+        machine.first_unreported = completed_iterations + 1
         core_overrides.SET_RERUN_STATE_MACHINE.resolve()(machine)
         stack.callback(core_reruns.destroy_rerun_state_machine)
 

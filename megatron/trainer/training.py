@@ -174,7 +174,7 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     if hasattr(schedule, "close"):
         stack.callback(schedule.close)
     reruns = ResultValidation(RerunConfig.from_args(args))
-    reruns.start(stack)
+    reruns.start(stack, state.iteration)
     collector = stack.enter_context(
         ManualGC(args.manual_gc, args.manual_gc_interval, args.manual_gc_eval))
     return Trainer(args, task, device, model, optimizer, scheduler, config,
