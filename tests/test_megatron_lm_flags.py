@@ -324,7 +324,6 @@ def test_refusals_name_the_flag_and_the_reason(monkeypatch):
     assert "--cuda-graph-impl transformer_engine" in graphs and "dpp" not in graphs.lower()
     assert "use-dpp" in _parse_error(PP2, 2, cuda_graph_impl="local", use_dpp=True)
     assert "--use-legacy-models" in _parse_error(BASE, use_legacy_models=True)
-    assert "--rerun-mode validate_results" in _parse_error(BASE, rerun_mode="validate_results")
     assert "--spec my.module fn: only --spec local" in _parse_error(BASE, spec=["my.module", "fn"])
     assert "--spec local contradicts --transformer-impl transformer_engine" in _parse_error(
         BASE, spec="local", transformer_impl="transformer_engine")

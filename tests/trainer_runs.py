@@ -77,11 +77,12 @@ def train_run(rank, flags, world_size, task_name="gpt", repeat=None):
     return train_runs(rank, [flags], world_size, task_name, repeat)[0]
 
 
-def train_runs(rank, runs, world_size, task_name="gpt", repeat=None):
+def train_runs(rank, runs, world_size, task_name="gpt", repeat=None, stopping=()):
     """Rank function: for each flag list, set up and train as `pretrain` does (on a training
     set of `repeat` samples when given). Returns one dict per run: `losses` (per iteration,
     this rank's reduced losses; empty off the last stage), `grad_norms`, `batches`, `logs`
-    ((level, message) of megatron.trainer), `state`."""
+    ((level, message) of megatron.trainer), `state`; a run that raises one of the exception
+    types `stopping` has `stopped` (the exception's text and `status`) instead of `state`."""
     import torch.distributed as dist
 
     from megatron.trainer import initialize, training
@@ -115,6 +116,8 @@ def train_runs(rank, runs, world_size, task_name="gpt", repeat=None):
                 trainer = training.setup(task, args, stack)
                 training.train(trainer)
                 record["state"] = vars(trainer.state).copy()
+        except stopping as stop:
+            record["stopped"] = (str(stop), getattr(stop, "status", None))
         finally:
             training.train_step = original_step
             logger.removeHandler(handler)

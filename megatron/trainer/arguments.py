@@ -13,6 +13,7 @@ import os
 
 from megatron.trainer.addresses import is_ip_address
 from megatron.trainer.batch_schedule import BatchScheduleError, StepSchedule, batch_size_schedule
+from megatron.trainer.reruns import INJECTION_TYPES, MODES
 from megatron.trainer.tokenizer import TOKENIZER_TYPES
 
 
@@ -40,6 +41,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     _add_core_extras_args(parser.add_argument_group(
         "megatron-core settings and checks of Megatron-LM's functional tests"))
     _add_fim_args(parser.add_argument_group("fill-in-the-middle data (GPT)"))
+    _add_rerun_args(parser.add_argument_group("rerun state machine (result validation)"))
     if extra_args_provider is not None:
         extra_args_provider(parser)
     return parser
@@ -420,6 +422,7 @@ def validate_args(args, world_size: int, model: str = "gpt") -> None:
     _validate_megatron_lm_flags(args, need)
     _validate_logging(args, need)
     _validate_core_extras(args, need)
+    _validate_reruns(args, need)
     _validate_dpp(args, need)
     _validate_variable_lengths(args, need)
     _validate_trace(args, need)
@@ -985,9 +988,6 @@ def _add_megatron_lm_args(g):
     g.add_argument("--spec", nargs="+", default=None,
                    help="'local': megatron-core's local layer spec, the same as "
                         "--transformer-impl local (other module specs are refused)")
-    g.add_argument("--rerun-mode", default="disabled",
-                   choices=["disabled", "validate_results", "report_stats"],
-                   help="Megatron-LM's rerun state machine: only 'disabled' here")
 
 
 # NCCL_ALGO values that Megatron-LM accepts in --deterministic-mode (NVLS reduces in switches)
@@ -1018,9 +1018,6 @@ def _resolve_megatron_lm_aliases(args, need):
 
 
 def _validate_megatron_lm_flags(args, need):
-    need(args.rerun_mode == "disabled", f"--rerun-mode {args.rerun_mode}: Megatron-LM's rerun "
-         "state machine (re-running an iteration to tell transient from persistent faults) is "
-         "not implemented here; use --rerun-mode disabled")
     if args.spec is not None:
         spec = " ".join(args.spec)
         need(spec == "local", f"--spec {spec}: only --spec local (megatron-core's local layers) "
@@ -1342,3 +1339,34 @@ def _validate_fim(args, need):
          f"--fim-data needs a tokenizer with the tokens {' '.join(sentinels)}: NullTokenizer "
          "(--mock-data without tokenizer files) has only numbered tokens and no text to "
          "split; give --vocab-file and --merge-file (GPT-2 BPE) or --tokenizer-model")
+def _add_rerun_args(g):
+    g.add_argument("--rerun-mode", default="disabled", choices=MODES,
+                   help="megatron-core's rerun state machine (megatron/trainer/reruns.py): "
+                        "validate_results checks losses and gradient norms and re-runs an "
+                        "iteration whose result is rejected, to tell a transient fault (exit "
+                        "17) from a reproducible result (checkpoint, exit 16); report_stats runs "
+                        "every iteration twice and logs how much the results differ")
+    g.add_argument("--error-injection-rate", type=int, default=0,
+                   help="validate_results: reject one in this many validated results on "
+                        "purpose (0: never), to exercise the re-runs")
+    g.add_argument("--error-injection-type", default="transient_error", choices=INJECTION_TYPES,
+                   help="how the re-run of an injected rejection behaves: transient_error (not "
+                        "reproduced), persistent_error or correct_result (reproduced)")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                   dest="check_for_nan_in_loss_and_grad",
+                   help="with --rerun-mode validate_results|report_stats: no NaN/Inf checks of "
+                        "the losses and gradient norms (disabled checks nothing anyway)")
+    g.add_argument("--check-for-spiky-loss", action="store_true",
+                   help="with --rerun-mode validate_results|report_stats: also reject a loss "
+                        "ten times the largest of the first 100 (not fatal)")
+
+
+def _validate_reruns(args, need):
+    rate, mode = args.error_injection_rate, args.rerun_mode
+    need(rate >= 0, f"--error-injection-rate {rate} must be >= 0")
+    need(rate == 0 or mode == "validate_results",
+         f"--error-injection-rate {rate} injects rejections for --rerun-mode validate_results "
+         f"to re-run; with --rerun-mode {mode} nothing would re-run them")
+    need(not args.check_for_spiky_loss or mode != "disabled",
+         "--check-for-spiky-loss needs --rerun-mode validate_results or report_stats (disabled "
+         "checks no result)")

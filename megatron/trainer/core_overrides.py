@@ -363,6 +363,23 @@ GET_CUDA_RNG_STATE = Internal(
 SET_CUDA_RNG_STATE = Internal(
     f"{_RANDOM}:_set_cuda_rng_state", "patched", "trainer/cpu_compat.py CpuCompat",
     read_by=("_set_cuda_rng_state(",), read_in=f"{_RANDOM}:_set_all_rng_states")
+# reruns.py: megatron-core's rerun state machine, our subclass installed as its global
+_RERUNS = "megatron.core.rerun_state_machine"
+SET_RERUN_STATE_MACHINE = Internal(
+    f"{_RERUNS}:_set_rerun_state_machine", "private",
+    "trainer/reruns.py ResultValidation.start (installs our subclass)",
+    positional=(("rerun_state_machine",),), read_by=("_GLOBAL_RERUN_STATE_MACHINE = ",))
+RERUN_STATS_REPORT = Internal(
+    f"{_RERUNS}:RerunStateMachine._maybe_report_stats", "replaced",
+    "trainer/reruns.py _StateMachine._maybe_report_stats (report_stats' log)",
+    positional=(("self",),),
+    read_by=("self._maybe_report_stats()", "self.stats[caller].record(",
+             "REPORTING_INTERVAL_ITERATIONS"))
+RERUN_FAILED_CALL = Internal(
+    f"{_RERUNS}:RerunStateMachine.validate_result", "private",
+    "trainer/reruns.py ResultValidation.verdict (names the check that failed)",
+    read_by=("self.failed_validation_call = validation_call",),
+    read_in=f"{_RERUNS}:RerunStateMachine.validate_result")
 # positional calls of public constructors
 DATASET_BUILDER = Internal(
     "megatron.core.datasets.blended_megatron_dataset_builder:"

@@ -18,6 +18,7 @@ from torch.overrides import TorchFunctionMode
 from megatron.trainer import core_overrides
 
 _CPU = torch.device("cpu")
+_NO_CUDA_GENERATOR = torch.empty(0, dtype=torch.uint8)
 
 
 def _as_cpu(device):
@@ -89,6 +90,10 @@ class CpuCompat(contextlib.ExitStack):
             ("synchronize", lambda *a, **k: None),
             ("device_count", lambda: 0),
             ("current_stream", lambda *a, **k: host_stream),
+            # megatron-core's rerun state machine saves and restores the CUDA generator
+            # with the CPU one before re-running an iteration; there is none on CPU
+            ("get_rng_state", lambda *a, **k: _NO_CUDA_GENERATOR),
+            ("set_rng_state", lambda *a, **k: None),
         ):
             self.enter_context(mock.patch.object(torch.cuda, name, value))
         # activation recomputation saves and restores the CUDA generator next to the CPU one;

@@ -25,6 +25,7 @@ from megatron.trainer.checkpointing import CheckpointError
 from megatron.trainer.core_overrides import CoreInternalsError
 from megatron.trainer.data import DataError
 from megatron.trainer.replica_check import ReplicaMismatch
+from megatron.trainer.reruns import ResultValidationStop
 
 log = logging.getLogger("megatron.trainer.failures")
 
@@ -45,6 +46,8 @@ def known_failure(error: BaseException) -> tuple[str, int] | None:
         return f"checkpoint: {error}", EXIT_FAILED
     if isinstance(error, CoreInternalsError | BatchScheduleError | ReplicaMismatch):
         return str(error), EXIT_FAILED
+    if isinstance(error, ResultValidationStop):  # Megatron-LM's exit statuses 16 and 17
+        return str(error), error.status
     if peer_failure(error):
         return (f"a peer rank failed, disconnected or timed out in a collective operation: "
                 f"{brief(error)}", EXIT_FAILED)

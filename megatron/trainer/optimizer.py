@@ -8,6 +8,8 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 
+from megatron.trainer.reruns import RerunConfig
+
 
 def wrap_model_chunks(chunks, args, config, device) -> list[torch.nn.Module]:
     """Move to the device, cast for fp16/bf16, wrap in megatron.core's DDP (which owns the
@@ -19,7 +21,8 @@ def wrap_model_chunks(chunks, args, config, device) -> list[torch.nn.Module]:
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
         average_in_collective=args.ddp_average_in_collective,
-        check_for_nan_in_grad=False,
+        # through the rerun state machine of --rerun-mode (reruns.py)
+        check_for_nan_in_grad=RerunConfig.from_args(args).checks_gradients,
         bucket_size=None,
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
     )

@@ -54,6 +54,7 @@ from megatron.trainer.models import (
 )
 from megatron.trainer.optimizer import build_optimizer, build_scheduler, wrap_model_chunks
 from megatron.trainer.profiler import StepProfiler
+from megatron.trainer.reruns import RerunConfig, ResultValidation, ResultValidationStop
 from megatron.trainer.rng import ForwardRng
 from megatron.trainer.timers import Timers
 
@@ -93,6 +94,8 @@ class Trainer:
     tracer: object = field(default_factory=tracing.NullTracer)  # --trace: see start_tracing
     collector: ManualGC = field(default_factory=lambda: ManualGC(enabled=False))
     checkpointer: checkpointing.Checkpointer | None = None  # None: no --save / --load
+    # --rerun-mode: megatron-core's rerun state machine (installed by setup)
+    reruns: ResultValidation = field(default_factory=lambda: ResultValidation(RerunConfig()))
 
     @property
     def reporting(self) -> bool:
@@ -170,12 +173,14 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     schedule = forward_backward_func(args, weight_grads)
     if hasattr(schedule, "close"):
         stack.callback(schedule.close)
+    reruns = ResultValidation(RerunConfig.from_args(args))
+    reruns.start(stack, state.iteration)
     collector = stack.enter_context(
         ManualGC(args.manual_gc, args.manual_gc_interval, args.manual_gc_eval))
     return Trainer(args, task, device, model, optimizer, scheduler, config,
                    _batch_calculator(args), datasets, state, schedule,
                    ForwardRng(args.seed, device), logging_config, timers, collector=collector,
-                   checkpointer=checkpointer)
+                   checkpointer=checkpointer, reruns=reruns)
 
 
 def _require_optimizer_instance_support(args) -> None:
@@ -292,34 +297,42 @@ def start_tracing(trainer: Trainer) -> None:
 
 def train_step(trainer: Trainer, iterator) -> dict:
     args = trainer.args
+    iteration = trainer.state.iteration + 1
     num_microbatches = trainer.batch_calculator.get()
-    trainer.tracer.begin_iteration(trainer.state.iteration + 1, num_microbatches)
-    for chunk in trainer.model:
-        chunk.zero_grad_buffer()
-    trainer.optimizer.zero_grad()
+    trainer.tracer.begin_iteration(iteration, num_microbatches)
     batch = trainer.batch_calculator.get_current_global_batch_size()
     costs, sequences = iteration_lengths(trainer, trainer.state.consumed_samples, batch)
-    # the microbatches' token counts are known before the step: DPP orders by them (and caps
-    # the tokens a stage holds); megatron-core's schedule gets the same order by reading
-    # the microbatches in it
-    if costs is not None and args.use_dpp:
-        trainer.schedule.set_microbatch_costs(costs, reorder=args.microbatch_order == "cost")
-    elif costs is not None and args.microbatch_order == "cost":
-        order = cost_ordered(costs, args.pipeline_model_parallel_size)
-        iterator = reorder_data_iterators(iterator, order)
     forward_backward = trainer.timers("forward-backward", log_level=1)
     forward_backward.start()
-    losses = trainer.schedule(
-        forward_step_func=trainer.forward_step_func(trainer.state.iteration + 1),
-        data_iterator=iterator,
-        model=trainer.model,
-        num_microbatches=num_microbatches,
-        seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size,
-        decoder_seq_length=args.seq_length,
-        forward_only=False,
-    )
+    # once, or again where --rerun-mode's state machine re-runs the iteration (the
+    # iterator then replays the same microbatches)
+    for _ in trainer.reruns.runs(iterator, iteration):
+        for chunk in trainer.model:
+            chunk.zero_grad_buffer()
+        trainer.optimizer.zero_grad()
+        # the microbatches' token counts are known before the step: DPP orders by them (and
+        # caps the tokens a stage holds); megatron-core's schedule gets the same order by
+        # reading the microbatches in it
+        schedule_iterator = iterator
+        if costs is not None and args.use_dpp:
+            trainer.schedule.set_microbatch_costs(costs, reorder=args.microbatch_order == "cost")
+        elif costs is not None and args.microbatch_order == "cost":
+            order = cost_ordered(costs, args.pipeline_model_parallel_size)
+            schedule_iterator = reorder_data_iterators(iterator, order)
+        losses = trainer.schedule(
+            forward_step_func=trainer.reruns.checked(trainer.forward_step_func(iteration)),
+            data_iterator=schedule_iterator,
+            model=trainer.model,
+            num_microbatches=num_microbatches,
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            decoder_seq_length=args.seq_length,
+            forward_only=False,
+        )
     forward_backward.stop()
+    verdict = trainer.reruns.verdict(iteration)
+    if verdict is not None:
+        _stop_on_verdict(trainer, verdict)
     optimizer = trainer.timers("optimizer", log_level=1)
     optimizer.start()
     with trainer.tracer.span("optimizer"):
@@ -338,6 +351,20 @@ def train_step(trainer: Trainer, iterator) -> dict:
         "batch": batch,
         "sequences": sequences,
     }
+
+
+def _stop_on_verdict(trainer: Trainer, verdict) -> None:
+    """End the run as the rerun state machine decided, with the checkpoint it asks for (of
+    the last completed iteration: this one's optimizer step has not run)."""
+    saved = ""
+    if verdict.checkpoint and trainer.checkpointer is not None and trainer.args.save:
+        path = trainer.checkpointer.save(trainer.model, trainer.optimizer, trainer.scheduler,
+                                         trainer.state)
+        trainer.checkpointer.wait()
+        saved = f"; saved {path}"
+    elif verdict.checkpoint:
+        saved = "; no checkpoint saved (no --save)"
+    raise ResultValidationStop(verdict.message + saved, verdict.status)
 
 
 def reduce_losses(losses: list[dict], names) -> dict[str, float]:
@@ -379,7 +406,8 @@ def evaluate(trainer: Trainer, dataset, consumed: int) -> dict[str, float]:
 def train(trainer: Trainer) -> None:
     args, state = trainer.args, trainer.state
     train_set, valid_set, _ = trainer.datasets
-    iterator = data_iterators(trainer, train_set, state.consumed_samples)
+    iterator = trainer.reruns.data_iterators(
+        data_iterators(trainer, train_set, state.consumed_samples))
     logging_config = trainer.logging
     board = metrics.ScalarLog(logging_config, trainer.reporting, _run_config(args))
     peak = metrics.peak_tflops(torch.cuda.get_device_name() if torch.cuda.is_available() else "")
