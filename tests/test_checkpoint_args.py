@@ -52,7 +52,8 @@ def _recording_shared_memory_staging(rank, runs, world_size):
             "shared": all(t.is_shared() for t in after),
             "copies": all(a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
                           for a, b in zip(before, after, strict=True)),
-            "equal": all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+            "equal": all(torch.equal(a.detach().cpu(), b)
+                         for a, b in zip(before, after, strict=True)),
             "preload_left": result.preload_fn is not None,
         })
         return result
@@ -171,6 +172,27 @@ def test_async_save_staged_in_shared_memory_resumes_exactly(saved_runs):
     assert len(staged) == 1 and staged[0]["tensors"] > 0, staged
     assert staged[0] == {"tensors": staged[0]["tensors"], "shared": True, "copies": True,
                          "equal": True, "preload_left": False}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="megatron-core's persistent "
+                    "checkpoint worker selects a CUDA device when it starts")
+def test_persistent_worker_writes_shared_memory_copies_that_resume_exactly(tmp_path):
+    # the case the flag is for: without it the worker process receives the GPU tensors
+    # through CUDA IPC and copies them to the host itself
+    flags = with_flags(TINY, global_batch_size=4, train_iters=ITERS, save_interval=SAVE_AT,
+                       async_save=True, use_persistent_ckpt_worker=True,
+                       async_ckpt_use_cpu_shm=True)
+    whole, parts = str(tmp_path / "whole"), str(tmp_path / "parts")
+    runs = [with_flags(flags, save=whole), with_flags(flags, save=parts, exit_interval=SAVE_AT),
+            with_flags(flags, save=parts, load=parts)]
+    results, staged = run_ranks(1, _recording_shared_memory_staging, runs, 1, gpu=True)[0]
+    uninterrupted, stopped, resumed = results
+    assert _losses(stopped) == _losses(uninterrupted)[:SAVE_AT]
+    assert _losses(resumed) == _losses(uninterrupted)[SAVE_AT:]
+    # saves at 2 and 4, at 2, at 4
+    assert len(staged) == 4, staged
+    assert all(s["shared"] and s["copies"] and s["equal"] and not s["preload_left"]
+               for s in staged), staged
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -1298,8 +1298,8 @@ def _require_model_shape(args) -> None:
     missing = [f"--{name.replace('_', '-')}" for name in _MODEL_SHAPE_FLAGS
                if getattr(args, name) is None]
     if missing:
-        source = (f" and the checkpoint under --load {args.load} does not hold them"
-                  if args.use_checkpoint_args and args.load else
+        source = (f" (--use-checkpoint-args found no checkpoint holding them under --load "
+                  f"{args.load})" if args.use_checkpoint_args and args.load else
                   " (or --use-checkpoint-args with a --load checkpoint that holds them)")
         raise ArgumentError(f"the following arguments are required: {', '.join(missing)}"
                             + source)
