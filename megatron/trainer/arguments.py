@@ -42,20 +42,22 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
         "megatron-core settings and checks of Megatron-LM's functional tests"))
     _add_fim_args(parser.add_argument_group("fill-in-the-middle data (GPT)"))
     _add_rerun_args(parser.add_argument_group("rerun state machine (result validation)"))
+    _add_checkpoint_args_and_eval_args(parser.add_argument_group(
+        "checkpoint arguments, format detection and evaluation batch size"))
     if extra_args_provider is not None:
         extra_args_provider(parser)
     return parser
 
 
 def _model_args(g):
-    g.add_argument("--num-layers", type=int, required=True)
-    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--num-layers", type=int, default=None)
+    g.add_argument("--hidden-size", type=int, default=None)
     g.add_argument("--ffn-hidden-size", type=int, default=None)
-    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--num-attention-heads", type=int, default=None)
     g.add_argument("--kv-channels", type=int, default=None)
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int, default=None)
-    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--seq-length", type=int, default=None)
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument(
         "--position-embedding-type", default="learned_absolute",
@@ -357,6 +359,7 @@ def parse_args(argv=None, extra_args_provider=None, world_size=None,
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         raise ArgumentError(f"unknown flags: {' '.join(unknown)}")
+    _apply_checkpoint_args(args)
     world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     validate_args(args, world, model)
     return args
@@ -365,6 +368,7 @@ def parse_args(argv=None, extra_args_provider=None, world_size=None,
 def validate_args(args, world_size: int, model: str = "gpt") -> None:
     """Fill derived values; raise ArgumentError listing every problem found."""
     args.model = model
+    _require_model_shape(args)
     _check_ranges(args)
     _resolve_fast_path(args)
     problems: list[str] = []
@@ -440,6 +444,7 @@ def validate_args(args, world_size: int, model: str = "gpt") -> None:
          f"--save-interval {args.save_interval} needs --save DIR")
     _validate_cuda_graphs(args, need)
     _validate_checkpointing(args, need)
+    _validate_checkpoint_args_and_eval(args, need)
     if problems:
         raise ArgumentError("invalid arguments:\n  " + "\n  ".join(problems))
 
@@ -1370,3 +1375,76 @@ def _validate_reruns(args, need):
     need(not args.check_for_spiky_loss or mode != "disabled",
          "--check-for-spiky-loss needs --rerun-mode validate_results or report_stats (disabled "
          "checks no result)")
+# without --use-checkpoint-args the command line must give these (Megatron-LM checks them in
+# validation too, so that a checkpoint can supply them)
+_MODEL_SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+
+
+def _require_model_shape(args) -> None:
+    missing = [f"--{name.replace('_', '-')}" for name in _MODEL_SHAPE_FLAGS
+               if getattr(args, name) is None]
+    if missing:
+        source = (f" (--use-checkpoint-args found no checkpoint holding them under --load "
+                  f"{args.load})" if args.use_checkpoint_args and args.load else
+                  " (or --use-checkpoint-args with a --load checkpoint that holds them)")
+        raise ArgumentError(f"the following arguments are required: {', '.join(missing)}"
+                            + source)
+
+
+def _add_checkpoint_args_and_eval_args(g):
+    """Megatron-LM's flags for taking the model's arguments from the checkpoint
+    (megatron/trainer/checkpoint_args.py), detecting the checkpoint format on load, staging
+    asynchronous saves in shared memory, and evaluation's batch size."""
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="on --load, the checkpoint's model arguments (layers, sizes, heads, "
+                        "normalization, position embedding, ...) replace or fill in the "
+                        "command line's, as in Megatron-LM; each change is logged")
+    g.add_argument("--use-mp-args-from-checkpoint-args", action="store_true",
+                   help="with --use-checkpoint-args, also the tensor, pipeline and virtual "
+                        "pipeline sizes")
+    g.add_argument("--no-use-tokenizer-model-from-checkpoint-args", action="store_false",
+                   dest="use_tokenizer_model_from_checkpoint_args",
+                   help="with --use-checkpoint-args, keep the command line's tokenizer type "
+                        "and model (default: the checkpoint's)")
+    g.add_argument("--auto-detect-ckpt-format", action="store_true",
+                   help="--load reads a checkpoint in either format; without it "
+                        "--ckpt-format torch reads only torch-format checkpoints (torch_dist, "
+                        "the default, detects either, as in Megatron-LM)")
+    g.add_argument("--async-ckpt-use-cpu-shm", action="store_true",
+                   help="--async-save: copy the tensors to write into CPU shared memory in "
+                        "the training process, so the writer process gets no CUDA IPC handles")
+    g.add_argument("--eval-global-batch-size", type=int, default=None,
+                   help="samples per evaluation iteration (default: --global-batch-size)")
+
+
+def _apply_checkpoint_args(args) -> None:
+    """--use-checkpoint-args: before validation, as in Megatron-LM."""
+    if args.use_checkpoint_args and args.load is not None:
+        from megatron.trainer.checkpoint_args import apply_checkpoint_args
+
+        apply_checkpoint_args(args)
+
+
+def _validate_checkpoint_args_and_eval(args, need):
+    need(not args.use_checkpoint_args or args.load is not None,
+         "--use-checkpoint-args needs --load DIR (the checkpoint holding the arguments)")
+    need(not args.use_mp_args_from_checkpoint_args or args.use_checkpoint_args,
+         "--use-mp-args-from-checkpoint-args needs --use-checkpoint-args")
+    need(not args.async_ckpt_use_cpu_shm or args.async_save,
+         "--async-ckpt-use-cpu-shm stages the tensors of --async-save; give --async-save "
+         "(a synchronous save writes from the training process itself)")
+    batch = args.eval_global_batch_size
+    if batch is None:
+        return
+    rows = args.micro_batch_size * args.data_parallel_size
+    need(batch >= 1 and batch % rows == 0,
+         f"--eval-global-batch-size {batch} is not a multiple of --micro-batch-size "
+         f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}")
+    pp = args.pipeline_model_parallel_size
+    if args.virtual_pipeline_model_parallel_size is not None and batch % rows == 0:
+        need((batch // rows) % pp == 0,
+             f"--eval-global-batch-size {batch}: {batch // rows} microbatches, not a multiple "
+             f"of --pipeline-model-parallel-size {pp} (virtual stages run them in groups of it)")
+    need(not args.variable_seq_lengths,
+         "--eval-global-batch-size with --variable-seq-lengths: evaluation reads the "
+         "documents in the training global batch's plan")

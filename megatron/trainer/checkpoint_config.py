@@ -14,12 +14,18 @@ Megatron-LM's meaning of each flag, as implemented in megatron/trainer/checkpoin
   iteration is a multiple of R.
 * `--use-checkpoint-opt_param-scheduler` / `--override-opt_param-scheduler`: the lr / weight
   decay schedule comes from the checkpoint / from the flags; with neither, the two must agree.
+* Every checkpoint holds the run's flags (`args`, plain values) for `--use-checkpoint-args`
+  (megatron/trainer/checkpoint_args.py).
+* `--auto-detect-ckpt-format`: with `--ckpt-format torch`, --load reads a torch_dist
+  checkpoint too (without it only torch-format ones, as in Megatron-LM).
+* `--async-ckpt-use-cpu-shm`: an asynchronous save copies its tensors into CPU shared memory
+  in the training process; the writer process gets those, never CUDA tensors.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 NON_PERSISTENT_SUBDIR = "non_persistent"
 
@@ -50,6 +56,10 @@ class CheckpointConfig:
     assume_constant_structure: bool = False
     async_strategy: str = "mcore"  # megatron-core's own writer (>= 0.17 also offers NVRx's)
     verify_integrity: bool = False  # a SHA-256 manifest written at save, checked at load
+    auto_detect_format: bool = False  # --ckpt-format torch also loads torch_dist checkpoints
+    async_cpu_shm: bool = False  # asynchronous saves hand the writer shared-memory copies
+    # the run's flags, saved with every checkpoint (--use-checkpoint-args reads them)
+    run_args: dict | None = field(default=None, compare=False, hash=False, repr=False)
 
     @classmethod
     def from_args(cls, args) -> CheckpointConfig:
@@ -77,6 +87,9 @@ class CheckpointConfig:
             assume_constant_structure=args.ckpt_assume_constant_structure,
             async_strategy=args.async_strategy,
             verify_integrity=args.verify_integrity,
+            auto_detect_format=args.auto_detect_ckpt_format,
+            async_cpu_shm=args.async_ckpt_use_cpu_shm,
+            run_args=plain_args(args),
         )
 
     @property
@@ -85,3 +98,15 @@ class CheckpointConfig:
         if not self.distributed_optimizer:
             return None
         return "fully_reshardable" if self.optim_fully_reshardable else "dp_reshardable"
+
+
+def _plain(value) -> bool:
+    if isinstance(value, list | tuple):
+        return all(_plain(item) for item in value)
+    return value is None or isinstance(value, bool | int | float | str)
+
+
+def plain_args(args) -> dict:
+    """The flags (and the values validation derived) that are plain values: what a
+    checkpoint keeps of them, loadable with torch.load(weights_only=True)."""
+    return {name: value for name, value in sorted(vars(args).items()) if _plain(value)}

@@ -193,14 +193,7 @@ class Checkpointer:
 
     def load(self, model, optimizer, scheduler) -> TrainingState:
         """The latest of --load's checkpoints and, with non-persistent saves, of theirs."""
-        config = self.config
-        root = config.load
-        if config.non_persistent_dir is not None:
-            persistent = latest_iteration(root)
-            non_persistent = latest_iteration(config.non_persistent_dir)
-            if non_persistent is not None and (persistent is None or non_persistent >= persistent):
-                root = config.non_persistent_dir
-        return load_checkpoint(root, model, optimizer, scheduler, config)
+        return load_checkpoint(load_root(self.config), model, optimizer, scheduler, self.config)
 
     def poll(self) -> None:
         """Publish an asynchronous save whose writes are done on every rank (no waiting)."""
@@ -258,6 +251,17 @@ class Checkpointer:
         return self._results
 
 
+def load_root(config: CheckpointConfig) -> str:
+    """--load, or the non-persistent checkpoints' directory where its latest is newer."""
+    root = config.load
+    if config.non_persistent_dir is not None:
+        persistent = latest_iteration(root)
+        non_persistent = latest_iteration(config.non_persistent_dir)
+        if non_persistent is not None and (persistent is None or non_persistent >= persistent):
+            root = config.non_persistent_dir
+    return root
+
+
 def _fused_adam_available() -> bool:
     from megatron.core.optimizer import distrib_optimizer
 
@@ -291,7 +295,8 @@ def _save(root: str, model, optimizer, scheduler, state: TrainingState,
                 model_states = {key: chunk.state_dict_for_save_checkpoint() for key, chunk in
                                 zip(_chunk_keys(model), unwrap_model(model), strict=True)}
                 torch_checkpoint.save(staging, model_states, optimizer, scheduler, _rng_state(),
-                                      vars(state).copy(), config.distributed_optimizer)
+                                      vars(state).copy(), config.distributed_optimizer,
+                                      config.run_args)
                 request = None
             else:
                 request = _save_torch_dist(staging, model, optimizer, scheduler, state, config,
@@ -308,6 +313,8 @@ def _save(root: str, model, optimizer, scheduler, state: TrainingState,
             publish()
         else:
             request.add_finalize_fn(publish)
+            if config.async_cpu_shm:
+                request = _staged_in_shared_memory(request)
             with WRITER_CHILDREN.die_with_this_process():
                 calls.schedule_async_request(request)
             log.info("saving checkpoint at iteration %d to %s in the background",
@@ -326,6 +333,8 @@ def _save_torch_dist(staging: str, model, optimizer, scheduler, state: TrainingS
     `strategy`: one kept between saves (--ckpt-assume-constant-structure), else a new one."""
     metadata = _optimizer_metadata(config)
     sharded = _sharded_state(model, optimizer, scheduler, state, metadata, False)
+    if config.run_args is not None:
+        sharded["args"] = config.run_args  # common state: written once, by rank 0
     strategy = strategy or _torch_dist_save_strategy(config)
     options = {}
     if asynchronous and "async_strategy" in _SAVE_PARAMETERS:
@@ -351,6 +360,25 @@ def _torch_dist_save_strategy(config: CheckpointConfig):
 
 
 _SAVE_PARAMETERS = inspect.signature(dist_checkpointing.save).parameters
+
+
+def _staged_in_shared_memory(request):
+    """--async-ckpt-use-cpu-shm: the request with every tensor it writes copied, here in the
+    training process, into CPU shared memory (one segment per tensor: the writer saves a
+    tensor's whole storage) and no staging left for the writer process, which then never
+    receives a CUDA tensor (megatron-core's persistent worker would otherwise open CUDA IPC
+    handles and copy to the host itself)."""
+    if request.preload_fn is None:  # nothing to write on this rank
+        return request
+    rank, buckets, results = request.async_fn_args  # declared: core_overrides.ASYNC_WRITE_BUCKETS
+    staged = []
+    for filename, storage_key, (bytes_data, tensor_data) in buckets:
+        copies = []
+        for item, tensor in tensor_data:
+            copy = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu").share_memory_()
+            copies.append((item, copy.copy_(tensor.detach())))
+        staged.append((filename, storage_key, (bytes_data, copies)))
+    return request._replace(async_fn_args=[rank, staged, results], preload_fn=None)
 
 
 def _remove_stale_staging(root: str) -> None:
@@ -660,7 +688,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler,
     if config.verify_integrity:
         _verify_on_rank0(path)
     load_optim = optimizer is not None and config.load_optim and not config.finetune
-    torch_format = torch_checkpoint.is_torch_format(path)
+    torch_format = checkpoint_format(path, config) == "torch"
     with torch.no_grad():
         sharding = None
         if torch_format:
@@ -693,6 +721,22 @@ def load_checkpoint(root: str, model, optimizer, scheduler,
         state = TrainingState()
     log.info("loaded checkpoint %s (iteration %d)", path, iteration)
     return state
+
+
+def checkpoint_format(path: str, config: CheckpointConfig) -> str:
+    """"torch" or "torch_dist": what the checkpoint at `path` is. As in Megatron-LM,
+    --ckpt-format torch reads only torch-format checkpoints unless --auto-detect-ckpt-format
+    (torch_dist, the default, reads either)."""
+    found = "torch" if torch_checkpoint.is_torch_format(path) else "torch_dist"
+    if found != config.format:
+        if config.format == "torch" and not config.auto_detect_format:
+            raise CheckpointError(
+                f"{path} is a torch_dist checkpoint but --ckpt-format torch reads only "
+                "torch-format ones: give --auto-detect-ckpt-format (or --ckpt-format "
+                "torch_dist)")
+        log.info("%s is a %s checkpoint, read as such (--ckpt-format %s is what this run "
+                 "saves)", path, found, config.format)
+    return found
 
 
 def _read_torch_format(path: str) -> dict:

@@ -356,6 +356,20 @@ WRITE_RESULTS_QUEUE = Internal(
     "megatron.core.dist_checkpointing.strategies.filesystem_async:_results_queue", "private",
     "trainer/checkpointing.py _keep_write_results_in_process (no multiprocessing Manager)",
     read_by=("if _results_queue is None",))
+# checkpointing._staged_in_shared_memory: an async request's args are (rank, write buckets,
+# results queue) and its preload_fn stages the buckets (--async-ckpt-use-cpu-shm)
+ASYNC_WRITE_BUCKETS = Internal(
+    "megatron.core.dist_checkpointing.strategies.filesystem_async:"
+    "FileSystemWriterAsync.get_save_function_and_args", "private",
+    "trainer/checkpointing.py _staged_in_shared_memory",
+    read_by=("self.write_buckets, self.results_queue]",
+             "partial(self.preload_tensors, self.write_buckets"),
+    read_in="megatron.core.dist_checkpointing.strategies.filesystem_async:"
+            "FileSystemWriterAsync.get_save_function_and_args")
+ASYNC_REQUEST_PRELOAD = Internal(
+    "megatron.core.dist_checkpointing.strategies.async_utils:AsyncRequest.execute_sync",
+    "private", "trainer/checkpointing.py _staged_in_shared_memory",
+    read_by=("async_fn_args[1] = self.preload_fn()",))
 # cpu_compat.CpuCompat: activation recomputation's CUDA generator state, on CPU
 GET_CUDA_RNG_STATE = Internal(
     f"{_RANDOM}:_get_cuda_rng_state", "patched", "trainer/cpu_compat.py CpuCompat",

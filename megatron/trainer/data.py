@@ -122,10 +122,11 @@ class SplitSizes:
 
 def split_sizes(args) -> SplitSizes:
     evals = (args.train_iters // max(1, args.eval_interval) + 1) * args.eval_iters
+    eval_batch = args.eval_global_batch_size or args.global_batch_size
     return SplitSizes(
         train=args.train_iters * args.global_batch_size,
-        valid=evals * args.global_batch_size,
-        test=args.eval_iters * args.global_batch_size,
+        valid=evals * eval_batch,
+        test=args.eval_iters * eval_batch,
     )
 
 

@@ -36,9 +36,10 @@ def rank_directory(path: str) -> str:
 
 
 def save(path: str, chunks: dict, optimizer, scheduler, rng_state: dict, training_state: dict,
-         distributed_optimizer: bool) -> None:
-    """Write this rank's part of the checkpoint under `path`. Every rank calls it; a write
-    that fails on any rank raises a CheckpointException (one entry per failed rank) on all."""
+         distributed_optimizer: bool, run_args: dict | None = None) -> None:
+    """Write this rank's part of the checkpoint under `path` (with the run's flags,
+    `run_args`, under "args"). Every rank calls it; a write that fails on any rank raises a
+    CheckpointException (one entry per failed rank) on all."""
     data_parallel = parallel_state.get_data_parallel_group()
     rng_states = [None] * dist.get_world_size(data_parallel)
     dist.all_gather_object(rng_states, rng_state, group=data_parallel)
@@ -55,6 +56,8 @@ def save(path: str, chunks: dict, optimizer, scheduler, rng_state: dict, trainin
                 state["optimizer"] = optimizer.state_dict()
             if scheduler is not None:
                 state["opt_param_scheduler"] = scheduler.state_dict()
+            if run_args is not None:
+                state["args"] = run_args
             _write(state, os.path.join(directory, MODEL_FILE))
     except Exception as error:  # reported on every rank below
         failure = error
@@ -93,6 +96,17 @@ def load(path: str) -> dict:
             f"{filename} is missing: a --ckpt-format torch checkpoint loads only at the tensor "
             "and pipeline sizes it was saved with (torch_dist reshards)")
     return torch.load(filename, map_location="cpu", weights_only=False)
+
+
+def load_first_rank_file(path: str) -> dict:
+    """The file of tensor and pipeline rank 0, read before any process group exists (what
+    --use-checkpoint-args needs from it is not a tensor: memory-mapped, nothing else is read)."""
+    for name in ("mp_rank_00", "mp_rank_00_000"):
+        filename = os.path.join(path, name, MODEL_FILE)
+        if os.path.exists(filename):
+            return torch.load(filename, map_location="cpu", weights_only=False, mmap=True)
+    raise FileNotFoundError(f"{path} has neither mp_rank_00/{MODEL_FILE} nor "
+                            f"mp_rank_00_000/{MODEL_FILE}")
 
 
 def rng_state_of_this_rank(state: dict) -> dict:

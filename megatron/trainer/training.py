@@ -385,6 +385,10 @@ def evaluate(trainer: Trainer, dataset, consumed: int) -> dict[str, float]:
     for chunk in trainer.model:
         chunk.eval()
     iterator = data_iterators(trainer, dataset, consumed)
+    # --eval-global-batch-size: its own number of microbatches; else the training step's
+    num_microbatches = (
+        args.eval_global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+        if args.eval_global_batch_size else trainer.batch_calculator.get())
     gathered: list[dict] = []
     with torch.no_grad():
         for _ in range(args.eval_iters):
@@ -392,7 +396,7 @@ def evaluate(trainer: Trainer, dataset, consumed: int) -> dict[str, float]:
                 forward_step_func=trainer.forward_step_func(trainer.state.iteration),
                 data_iterator=iterator,
                 model=trainer.model,
-                num_microbatches=trainer.batch_calculator.get(),
+                num_microbatches=num_microbatches,
                 seq_length=args.seq_length,
                 micro_batch_size=args.micro_batch_size,
                 decoder_seq_length=args.seq_length,
@@ -471,7 +475,7 @@ def train(trainer: Trainer) -> None:
             state.iteration % args.eval_interval == 0
         ):
             consumed = (state.iteration // args.eval_interval - 1) * args.eval_iters * (
-                args.global_batch_size)
+                args.eval_global_batch_size or args.global_batch_size)
             with trainer.collector.evaluation():
                 results = evaluate(trainer, valid_set, consumed)
             if trainer.reporting and results:
