@@ -322,6 +322,19 @@ CORE_ATTENTION_FORWARD = Internal(
     "megatron.core.transformer.dot_product_attention:DotProductAttention.forward",
     "stand-in", "trainer/attention.py SDPAttention.forward",
     stand_in="megatron.trainer.attention:SDPAttention.forward")
+# models.py: multi-latent attention with the local layers
+MLA_CORE_ATTENTION = Internal(
+    "megatron.core.transformer.multi_latent_attention:MultiLatentAttention.__init__", "private",
+    "trainer/attention.py MLASDPAttention (the head dims MLA builds its core attention with)",
+    read_by=("k_channels=self.q_head_dim", "v_channels=self.config.v_head_dim",
+             "softmax_scale=self.softmax_scale"))
+MLA_HAVE_TE = Internal(
+    "megatron.core.transformer.multi_latent_attention:HAVE_TE", "patched",
+    "trainer/models.py _mla_without_transformer_engine (False while building without TE)",
+    read_by=("isinstance(self.linear_proj, TELinear)",))
+MLA_SUBMODULES = Internal(
+    "megatron.core.transformer.multi_latent_attention:MLASelfAttentionSubmodules", "assigned",
+    "trainer/models.py _local_mla_spec", fields=("core_attention", "q_layernorm", "kv_layernorm"))
 # models.py edits the local layer specs' submodules (assigning a removed field would be ignored)
 LAYER_SUBMODULES = Internal(
     "megatron.core.transformer.transformer_layer:TransformerLayerSubmodules", "assigned",
