@@ -1318,6 +1318,15 @@ def _validate_embedding_wgrad(args, need):
     need(not args.overlap_grad_reduce, f"{flag} with --overlap-grad-reduce: the output "
          "layer's gradient bucket would be reduced in the last backward, before the flush "
          "adds the deferred weight gradients")
+    # megatron-core's drain_embedding_wgrad_compute fails on exactly one deferred
+    # microbatch (DPP drains its own way)
+    one = [what for what, bad in (
+        ("--wgrad-deferral-limit 1", limit == 1),
+        ("one microbatch per iteration", args.num_microbatches == 1
+         and args.rampup_batch_size is None)) if bad]
+    need(args.use_dpp or not one, f"{flag} with {' and '.join(one)}: megatron-core's drain "
+         "(drain_embedding_wgrad_compute) fails on a single deferred microbatch; defer more, "
+         "or use --use-dpp")
     need(not args.dpp_split_backward, f"{flag} with --dpp-split-backward: the split already "
          "defers the output layer's weight gradient to W tasks that the schedule places in "
          "the bubbles (the flush among them) under its memory caps; the flag would hold "
