@@ -59,3 +59,17 @@ def test_what_mla_cannot_take_is_refused(extra, message):
 def test_bert_has_no_mla():
     with pytest.raises(ArgumentError, match="BERT has no MLA"):
         parse_args(TINY + ["--multi-latent-attention"], world_size=1, model="bert")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="MLA's fused YaRN RoPE (Triton) and the fast path need a CUDA GPU")
+def test_mla_fast_path_on_gpu_equals_unfused_eager():
+    """Local MLA layers with the GPU defaults (fused YaRN RoPE, CUDA-graph blocks, fused
+    cross-entropy) against the same run unfused and eager: the same losses."""
+    flags = with_flags(MLA, transformer_impl="local")
+    runs = [flags, [*flags, "--no-rope-fusion", "--cuda-graph-impl", "none",
+                    "--no-cross-entropy-loss-fusion"]]
+    fast, plain = run_ranks(1, train_runs, runs, 1, "gpt", 8, gpu=True)[0]
+    assert not [m for _, m in fast["logs"] if " off: " in m]
+    torch.testing.assert_close([s["lm loss"] for s in fast["losses"]],
+                               [s["lm loss"] for s in plain["losses"]], atol=1e-4, rtol=1e-4)
