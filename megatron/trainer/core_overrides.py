@@ -323,8 +323,8 @@ CORE_ATTENTION_FORWARD = Internal(
     "stand-in", "trainer/attention.py SDPAttention.forward",
     stand_in="megatron.trainer.attention:SDPAttention.forward")
 # --defer-embedding-wgrad-compute: dpp/output_weight_grad.py takes the output layer's
-# buffered inputs and output gradients out by microbatch and drains them with megatron-core's
-# function; models.py gives the other column-parallel linears a config without the deferral
+# buffered inputs and output gradients out by microbatch and runs their GEMMs itself;
+# models.py gives the other column-parallel linears a config without the deferral
 OUTPUT_LAYER_DEFERRAL = Internal(
     f"{_LAYERS}:ColumnParallelLinear.forward", "private",
     "dpp/output_weight_grad.py DeferredOutputWeightGrads, trainer/models.py "
