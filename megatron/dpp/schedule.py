@@ -24,6 +24,7 @@ from megatron.core.utils import get_model_config
 
 from megatron.dpp.actions import BACKWARD, FORWARD, KINDS, WEIGHT, Task
 from megatron.dpp.config import DppOptions
+from megatron.dpp.output_weight_grad import DeferredOutputWeightGrads
 from megatron.dpp.plan import StageConfig
 from megatron.dpp.policy import GreedyPolicy, microbatch_order_for
 from megatron.dpp.topology import PipelineTopology
@@ -191,12 +192,20 @@ class _Iteration:
         self.no_sync = _NoSyncPerChunk(config, self.num_chunks, forward_only)
         self.grad_syncs = (None if forward_only or config.grad_sync_func is None
                            else _per_chunk(config.grad_sync_func, self.num_chunks))
+        # --defer-embedding-wgrad-compute: the output layer's weight gradients, by microbatch
+        self.output_weight_grads = DeferredOutputWeightGrads.for_stage(
+            model, config, self.topology.is_last(self.rank, self.num_chunks - 1))
+        if self.output_weight_grads is not None and self.weight_grads is not None:
+            raise ValueError("DppSchedule: defer_embedding_wgrad_compute and the B/W split "
+                             "both defer the output layer's weight gradient; use one")
 
     def execute(self, pg_collection, force_all_reduce):
         run = {FORWARD: self._forward, BACKWARD: self._backward}
         if self.weight_grads is not None:
             self.weight_grads.begin_iteration(self.config, self.num_chunks,
                                               self.num_microbatches)
+        if self.output_weight_grads is not None:
+            self.output_weight_grads.begin()
         with self.no_sync:
             for _ in range(self.policy.num_decisions):
                 task = self._next()
@@ -215,6 +224,8 @@ class _Iteration:
                 # every W ran (they are in the plan); the store started each chunk's
                 # reduction after its last W
                 self.weight_grads.end_iteration()
+            if self.output_weight_grads is not None:
+                self.output_weight_grads.drain()
             if self.config.finalize_model_grads_func is not None:
                 kwargs = {"pg_collection": pg_collection} if pg_collection is not None else {}
                 self.config.finalize_model_grads_func(
@@ -292,6 +303,8 @@ class _Iteration:
             is_last_stage=last,
         )
         self.tracer.stop(span)
+        if last and self.output_weight_grads is not None:
+            self.output_weight_grads.after_forward(microbatch, training=not self.forward_only)
         self.forwards_run[chunk] += 1
         self.stored_microbatch += [microbatch] * (len(self.forward_data_store) - stored)
         self.total_num_tokens += num_tokens
@@ -319,6 +332,8 @@ class _Iteration:
               else self.weight_grads.deferring((chunk, microbatch))):
             input_grad = core_overrides.backward_step(
                 input_tensor, output, output_grad, self.config)
+        if self.output_weight_grads is not None and self.topology.is_last(self.rank, chunk):
+            self.output_weight_grads.after_backward(microbatch)
         self.tracer.stop(span)
         self._send_output(task, input_grad)
         if last and not hooks_start:

@@ -143,6 +143,33 @@ def _layer_scaled_attention(q, k, v, keep_mask, causal: bool, dropout_p: float,
     return torch.matmul(probs, v)
 
 
+class MLASDPAttention(SDPAttention):
+    """The core attention of megatron-core's multi-latent attention, which builds it with
+    the q/k head dim (`k_channels`) and the v head dim (`v_channels`) apart and its own
+    softmax scale; SDPA takes value heads of another size than the query/key heads."""
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+    ):
+        # megatron-core's Attention base class first builds one without the head dims,
+        # which MLA then replaces
+        k_channels = config.kv_channels if k_channels is None else k_channels
+        super().__init__(config, layer_number, attn_mask_type, attention_type,
+                         attention_dropout=attention_dropout,
+                         softmax_scale=softmax_scale or 1.0 / math.sqrt(k_channels),
+                         cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+
+
 class FlashSDPAttention(SDPAttention):
     """`--attention-backend flash` or --use-flash-attn with the local layers."""
 
@@ -155,4 +182,15 @@ class CudnnSDPAttention(SDPAttention):
     kernel_order = KERNEL_ORDER["fused"]
 
 
+class FlashMLASDPAttention(FlashSDPAttention, MLASDPAttention):
+    """--use-flash-attn / `--attention-backend flash` with local MLA layers (equal q/k and v
+    head dims only)."""
+
+
+class CudnnMLASDPAttention(CudnnSDPAttention, MLASDPAttention):
+    """`--attention-backend fused` with local MLA layers."""
+
+
 SDPA_BY_BACKEND = {"auto": SDPAttention, "flash": FlashSDPAttention, "fused": CudnnSDPAttention}
+MLA_SDPA_BY_BACKEND = {"auto": MLASDPAttention, "flash": FlashMLASDPAttention,
+                       "fused": CudnnMLASDPAttention}

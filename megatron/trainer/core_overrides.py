@@ -322,6 +322,43 @@ CORE_ATTENTION_FORWARD = Internal(
     "megatron.core.transformer.dot_product_attention:DotProductAttention.forward",
     "stand-in", "trainer/attention.py SDPAttention.forward",
     stand_in="megatron.trainer.attention:SDPAttention.forward")
+# --defer-embedding-wgrad-compute: dpp/output_weight_grad.py takes the output layer's
+# buffered inputs and output gradients out by microbatch and runs their GEMMs itself;
+# models.py gives the other column-parallel linears a config without the deferral
+OUTPUT_LAYER_DEFERRAL = Internal(
+    f"{_LAYERS}:ColumnParallelLinear.forward", "private",
+    "dpp/output_weight_grad.py DeferredOutputWeightGrads, trainer/models.py "
+    "_defer_only_in_output_layer",
+    read_by=("if self.config.defer_embedding_wgrad_compute:",
+             "self.embedding_activation_buffer.append(input_parallel)",
+             "self.grad_output_buffer if self.config.defer_embedding_wgrad_compute else None"))
+OUTPUT_LAYER_GRAD_BUFFER = Internal(
+    f"{_LAYERS}:LinearWithGradAccumulationAndAsyncCommunication.backward", "private",
+    "dpp/output_weight_grad.py DeferredOutputWeightGrads.after_backward",
+    read_by=("grad_output_buffer.append(grad_output)",))
+GPT_OUTPUT_LAYER_BUFFERS = Internal(
+    "megatron.core.models.gpt.gpt_model:GPTModel.__init__", "private",
+    "dpp/output_weight_grad.py DeferredOutputWeightGrads",
+    read_by=("self.embedding_activation_buffer = []", "self.grad_output_buffer = []"))
+DRAIN_EMBEDDING_WGRAD = Internal(
+    "megatron.core.utils:drain_embedding_wgrad_compute", "private",
+    "trainer/no_apex.py _importable_by_name (the module megatron-core's schedules' drain "
+    "imports)",
+    read_by=("import fused_weight_gradient_mlp_cuda",),
+    read_in="megatron.core.utils:drain_embedding_wgrad_compute")
+# models.py: multi-latent attention with the local layers
+MLA_CORE_ATTENTION = Internal(
+    "megatron.core.transformer.multi_latent_attention:MultiLatentAttention.__init__", "private",
+    "trainer/attention.py MLASDPAttention (the head dims MLA builds its core attention with)",
+    read_by=("k_channels=self.q_head_dim", "v_channels=self.config.v_head_dim",
+             "softmax_scale=self.softmax_scale"))
+MLA_HAVE_TE = Internal(
+    "megatron.core.transformer.multi_latent_attention:HAVE_TE", "patched",
+    "trainer/models.py _mla_without_transformer_engine (False while building without TE)",
+    read_by=("isinstance(self.linear_proj, TELinear)",))
+MLA_SUBMODULES = Internal(
+    "megatron.core.transformer.multi_latent_attention:MLASelfAttentionSubmodules", "assigned",
+    "trainer/models.py _local_mla_spec", fields=("core_attention", "q_layernorm", "kv_layernorm"))
 # models.py edits the local layer specs' submodules (assigning a removed field would be ignored)
 LAYER_SUBMODULES = Internal(
     "megatron.core.transformer.transformer_layer:TransformerLayerSubmodules", "assigned",

@@ -45,6 +45,10 @@ class _CudaToCpuMode(TorchFunctionMode):
             return name.replace("torch.", "torch.cuda.", 1)
         if "device" in kwargs:
             kwargs["device"] = _as_cpu(kwargs["device"])
+        if func is torch.device and len(args) == 1 and isinstance(args[0], int):
+            # torch.device(torch.cuda.current_device()), entered as the default device by
+            # MLA's YaRN rotary embedding
+            return _CPU
         if func in (torch.Tensor.to,) and args:
             args = tuple(_as_cpu(a) if isinstance(a, (str, torch.device)) else a for a in args)
         return func(*args, **kwargs)

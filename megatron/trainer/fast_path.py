@@ -87,8 +87,10 @@ def resolve(args, machine: Machine) -> list[str]:
     elif not impl_given:
         args.cross_entropy_fusion_impl = "native"  # Megatron-LM's default with the flag given
 
-    # the B/W split defers exactly these GEMMs, so it keeps them on the CPU as well
-    if args.gradient_accumulation_fusion and not gpu and not args.dpp_split_backward:
+    # the B/W split and the deferred output layer defer exactly these GEMMs, so they keep
+    # them on the CPU as well
+    if (args.gradient_accumulation_fusion and not gpu and not args.dpp_split_backward
+            and not args.defer_embedding_wgrad_compute):
         args.gradient_accumulation_fusion = False
         fallbacks.append(_line(GRAD_ACCUMULATION, [no_gpu + " (it saves a kernel only there)"],
                                "--no-gradient-accumulation-fusion"))

@@ -38,7 +38,7 @@ def _dummy_weight_grad(weight: torch.nn.Parameter, dtype: torch.dtype) -> torch.
     return torch.empty(weight.shape, dtype=dtype, device=weight.device)
 
 
-def _accumulate_weight_grad(input, grad_output, main_grad) -> None:
+def accumulate_weight_grad(input, grad_output, main_grad) -> None:
     """main_grad += grad_output^T @ input through the kernels megatron-core's linear layers
     call (apex's, no_apex's, or a WeightGradStore deferring them to a W task)."""
     kernels = getattr(core_layers, "fused_weight_gradient_mlp_cuda", WeightGradAccumulation)
@@ -63,7 +63,7 @@ class _BiasInEpilogueLinear(torch.autograd.Function):
         grad_input = grad_output.matmul(weight)
         grad_bias = grad_output.sum(dim=0)
         if ctx.accumulate:
-            _accumulate_weight_grad(input, grad_output, weight.main_grad)
+            accumulate_weight_grad(input, grad_output, weight.main_grad)
             grad_weight = _dummy_weight_grad(weight, input.dtype)
         else:
             grad_weight = grad_output.t().matmul(input)

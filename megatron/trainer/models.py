@@ -3,6 +3,7 @@ and an initialisation that does not depend on the parallel layout."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import logging
@@ -14,16 +15,18 @@ from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
 from megatron.core.models.bert.bert_model import BertModel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron.trainer.attention import SDPA_BY_BACKEND
+from megatron.trainer import core_overrides
+from megatron.trainer.attention import MLA_SDPA_BY_BACKEND, SDPA_BY_BACKEND
 from megatron.trainer.cross_entropy import vocab_parallel_cross_entropy
 from megatron.trainer.fused_layers import install_fused_layers
 from megatron.trainer.norms import SequenceParallelNorm
@@ -130,15 +133,36 @@ def transformer_config_from_args(args) -> TransformerConfig:
         # megatron-core passes TE's backend choice on through NVTE_* variables
         attention_backend=_te_attention_backend(args) if te else AttnBackend.local,
         # the weight-gradient GEMM adds into the fp32 main_grad (no_apex.WeightGradAccumulation).
-        # On GPU only (it saves a kernel there), unless the B/W split needs the path: it
-        # defers exactly those GEMMs (megatron/dpp/weight_grad.py)
+        # On GPU only (it saves a kernel there), unless the B/W split or the deferred output
+        # layer needs the path: they defer exactly those GEMMs (megatron/dpp/weight_grad.py)
         gradient_accumulation_fusion=args.gradient_accumulation_fusion and (
-            on_gpu or args.dpp_split_backward),
+            on_gpu or args.dpp_split_backward or args.defer_embedding_wgrad_compute),
+        defer_embedding_wgrad_compute=args.defer_embedding_wgrad_compute,
+        wgrad_deferral_limit=args.wgrad_deferral_limit or 0,
     )
     if args.seq_length_cv > 0 or args.variable_seq_lengths:
         # megatron-core's validation asks for this whenever variable_seq_lengths is on
         kwargs["moe_token_dispatcher_type"] = "alltoall"
+    if args.multi_latent_attention:
+        return MLATransformerConfig(**{**kwargs, **_mla_config(args)})
     return TransformerConfig(**kwargs)
+
+
+def _mla_config(args) -> dict:
+    """MLATransformerConfig's own fields. The norm stays --normalization (Megatron-LM passes
+    it too; MLA's default would be RMSNorm)."""
+    return dict(
+        q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank,
+        qk_head_dim=args.qk_head_dim, qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
+        v_head_dim=args.v_head_dim, rope_type=args.rope_type, rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent, rotary_scaling_factor=args.rotary_scaling_factor,
+        mscale=args.mscale, mscale_all_dim=args.mscale_all_dim,
+        # MLA rotates only its qk_pos_emb_head_dim channels, in its own fused YaRN kernel
+        # (Triton, GPU) rather than Transformer Engine's
+        apply_rope_fusion=(not args.no_rope_fusion and args.rope_type == "yarn"
+                           and torch.cuda.is_available()
+                           and importlib.util.find_spec("triton") is not None),
+    )
 
 
 def _activation(args):
@@ -192,18 +216,48 @@ def _with_sdpa(spec: ModuleSpec, args) -> ModuleSpec:
 
 
 def gpt_layer_spec(args) -> ModuleSpec:
+    mla = args.multi_latent_attention
     if use_transformer_engine(args):
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
 
         # no normalization argument: TE's fused norm-linear layers read config.normalization
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=args.qk_layernorm,
+                                                          multi_latent_attention=mla)
     local = get_gpt_layer_local_spec(normalization=args.normalization,
-                                     qk_layernorm=args.qk_layernorm)
+                                     qk_layernorm=args.qk_layernorm, multi_latent_attention=mla)
+    if mla:
+        return _local_mla_spec(local, args)
     if _own_norms(args):
         local = _with_sequence_parallel_norms(local)
     return local if _stock_attention(args) else _with_sdpa(local, args)
+
+
+def _local_mla_spec(spec: ModuleSpec, args) -> ModuleSpec:
+    """megatron-core's local MLA layer with an SDPA core that takes MLA's q/k head dim
+    (qk_head_dim + qk_pos_emb_head_dim) and v head dim apart; megatron-core's own
+    DotProductAttention sizes all heads by kv_channels and cannot run it."""
+    q_k_dim = args.qk_head_dim + args.qk_pos_emb_head_dim
+    if args.attention_backend in ("local", "unfused"):
+        raise RuntimeError(f"--attention-backend {args.attention_backend} with "
+                           "--multi-latent-attention and local layers: megatron-core's "
+                           "DotProductAttention has one head dim for q, k and v; use "
+                           "--attention-backend auto (SDPA) or Transformer Engine")
+    backend = "flash" if args.use_flash_attn else args.attention_backend
+    if backend == "flash" and q_k_dim != args.v_head_dim:
+        raise RuntimeError(f"FlashAttention with --multi-latent-attention and local layers: "
+                           f"torch's FlashAttention kernel needs one head dim, MLA's q/k heads "
+                           f"have {q_k_dim} channels and its v heads {args.v_head_dim}")
+    spec = copy.deepcopy(spec)
+    attention = spec.submodules.self_attention.submodules
+    attention.core_attention = MLA_SDPA_BY_BACKEND[backend]
+    if _own_norms(args):
+        spec = _with_sequence_parallel_norms(spec)
+        if args.qk_layernorm:  # under sequence parallelism MLA norms sequence-split latents
+            attention = spec.submodules.self_attention.submodules
+            attention.q_layernorm = attention.kv_layernorm = SequenceParallelNorm
+    return spec
 
 
 def _own_norms(args) -> bool:
@@ -291,24 +345,51 @@ def _finish_stage(model, args, config):
     model.single_pass_cross_entropy = (args.cross_entropy_loss_fusion
                                        and args.cross_entropy_fusion_impl == "triton")
     install_fused_layers(model, config)
+    if config.defer_embedding_wgrad_compute:
+        _defer_only_in_output_layer(model, config)
     return model
 
 
+def _defer_only_in_output_layer(model, config) -> None:
+    """megatron-core's ColumnParallelLinear appends its input to its deferral buffer whenever
+    its config says defer_embedding_wgrad_compute, but only the output layer has buffers
+    (Transformer Engine's linears never look): the local layers' column-parallel linears
+    get a copy of the config without the deferral."""
+    own = copy.copy(config)
+    own.defer_embedding_wgrad_compute = False
+    output_layer = getattr(model, "output_layer", None)
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear) and module is not output_layer:
+            module.config = own
+
+
 def build_gpt_stage(args, config, pre_process, post_process, vp_stage=None):
-    model = ProjectGPTModel(
-        config=config,
-        transformer_layer_spec=_gpt_block_spec(args, config, vp_stage),
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base,
-        vp_stage=vp_stage,
-    )
+    with _mla_without_transformer_engine(args):
+        model = ProjectGPTModel(
+            config=config,
+            transformer_layer_spec=_gpt_block_spec(args, config, vp_stage),
+            vocab_size=args.padded_vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type,
+            rotary_percent=args.rotary_percent,
+            rotary_base=args.rotary_base,
+            vp_stage=vp_stage,
+        )
     return _finish_stage(model, args, config)
+
+
+def _mla_without_transformer_engine(args):
+    """megatron-core 0.16.1's MLA believes Transformer Engine is there whenever its TE
+    module imports, which it does with stand-ins when TE is absent; its constructor then
+    fails on an isinstance check against a stand-in. While building: the truth."""
+    flag = core_overrides.MLA_HAVE_TE
+    if (not args.multi_latent_attention or importlib.util.find_spec("transformer_engine")
+            or not flag.resolve()):
+        return contextlib.nullcontext()
+    return flag.swapped(False)
 
 
 def build_bert_stage(args, config, pre_process, post_process, vp_stage=None):

@@ -17,7 +17,10 @@ provides its two functions with torch's GEMMs (on CPU too, where the B/W split o
 from __future__ import annotations
 
 import contextlib
+import importlib.machinery
 import logging
+import sys
+import types
 
 import torch
 
@@ -98,10 +101,31 @@ def weight_grad_accumulation_fusion():
             log.info("weight-gradient accumulation: apex's %s", name)
         yield
         return
-    with available.swapped(True), kernels.swapped(WeightGradAccumulation):
+    with available.swapped(True), kernels.swapped(WeightGradAccumulation), \
+            _importable_by_name(kernels.owner_and_name()[1]):
         log.info("weight-gradient accumulation: %s (ours, apex is absent)",
                  WeightGradAccumulation.__qualname__)
         yield
+
+
+@contextlib.contextmanager
+def _importable_by_name(name: str):
+    """`WeightGradAccumulation` as apex's module `name` in sys.modules while open: megatron-
+    core's drain of the deferred output-layer weight gradients (--defer-embedding-wgrad-
+    compute) imports it by name instead of reading the layers module's global."""
+    if name in sys.modules:
+        yield
+        return
+    module = types.ModuleType(name, WeightGradAccumulation.__doc__)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, loader=None)
+    module.wgrad_gemm_accum_fp32 = WeightGradAccumulation.wgrad_gemm_accum_fp32
+    module.wgrad_gemm_accum_fp16 = WeightGradAccumulation.wgrad_gemm_accum_fp16
+    sys.modules[name] = module
+    try:
+        yield
+    finally:
+        if sys.modules.get(name) is module:
+            del sys.modules[name]
 
 
 def torch_optimizers(megatron_optimizer) -> list[torch.optim.Optimizer]:
