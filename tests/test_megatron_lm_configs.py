@@ -127,9 +127,6 @@ def test_configurations_accepted_once_stay_accepted(outcomes):
     assert not refused
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20, acceptance 1 not reached: 112 of 142 (78.9 %) "
-                   "on 2026-11-23; python tools/megatron_lm_configs_report.py lists what the "
-                   "others need (strict: passing makes this marker fail, so it is removed)")
 def test_most_megatron_lm_configurations_are_accepted_as_written(outcomes):
     accepted = sum(outcome.accepted for outcome in outcomes)
     reasons = Counter(reason for o in outcomes if not o.accepted
