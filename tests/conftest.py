@@ -8,9 +8,12 @@ worker per two cores brings the suite inside one call there.
 
 import os
 
+import pytest
+
 MIN_CORES_FOR_PARALLEL_FILES = 8
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest without pytest-xdist runs the files in turn
 def pytest_xdist_auto_num_workers(config):
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return cores // 2 if cores >= MIN_CORES_FOR_PARALLEL_FILES else 1
