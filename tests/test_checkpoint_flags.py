@@ -184,7 +184,9 @@ def _single_rank_flags(rank, root, world_size):
         try:
             with contextlib.ExitStack() as stack:
                 trainer = training.setup(task, args, stack)
-                return trainer.state.iteration, trainer.scheduler.max_lr
+                # the scheduler computes each param group's lr from the group's own bounds
+                group_lrs = {group["max_lr"] for group in trainer.optimizer.param_groups}
+                return trainer.state.iteration, trainer.scheduler.max_lr, group_lrs
         except checkpointing.CheckpointError as error:
             return str(error)
         finally:
@@ -239,8 +241,8 @@ def test_retention_strictness_and_scheduler_flags(tmp_path):
 
     # strictness: megatron.core calls a key in the checkpoint that the model does not ask
     # for "missing", one the model asks for that the checkpoint lacks "unexpected"
-    assert seen["default"] == (2, 1e-3)
-    assert seen["raise_unexpected"] == (2, 1e-3)
+    assert seen["default"] == (2, 1e-3, {1e-3})
+    assert seen["raise_unexpected"] == (2, 1e-3, {1e-3})
     assert "--dist-ckpt-strictness raise_all" in seen["raise_all"]
     assert "extra.weight" in seen["raise_all"] and "Missing keys" in seen["raise_all"]
     assert "--dist-ckpt-strictness raise_unexpected" in seen["raise_unexpected_asked"]
@@ -250,8 +252,8 @@ def test_retention_strictness_and_scheduler_flags(tmp_path):
     # the lr schedule: must agree by default, else from the checkpoint or from the flags
     assert "--lr 0.002 vs 0.001" in seen["lr_differs"]
     assert "--use-checkpoint-opt_param-scheduler" in seen["lr_differs"]
-    assert seen["lr_from_checkpoint"] == (2, 1e-3)
-    assert seen["lr_from_flags"] == (2, 2e-3)
+    assert seen["lr_from_checkpoint"] == (2, 1e-3, {1e-3})
+    assert seen["lr_from_flags"] == (2, 2e-3, {2e-3})
 
 
 @pytest.mark.parametrize("flags, message", [

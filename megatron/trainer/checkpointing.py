@@ -676,6 +676,13 @@ def load_checkpoint(root: str, model, optimizer, scheduler,
             # (it is in the param groups), which megatron.core expects: restored below
             if sharding == "fully_reshardable":
                 _drop_adam_steps(optimizer)
+            source = config.scheduler_source
+            if scheduler is None:
+                source = "checkpoint"  # nothing to agree with: restored as saved
+            else:
+                _check_schedule(scheduler, loaded["opt_param_scheduler"], optimizer,
+                                loaded["optimizer"], path, source)
+            _align_lr_bounds(optimizer, loaded["optimizer"], source)
             optimizer.load_state_dict(loaded["optimizer"])
             if torch_format and config.distributed_optimizer:
                 _drop_adam_steps(optimizer)
@@ -683,8 +690,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler,
             if config.distributed_optimizer:
                 _restore_adam_steps(optimizer)
             if scheduler is not None:
-                _load_scheduler(scheduler, loaded["opt_param_scheduler"], path,
-                                config.scheduler_source)
+                scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if config.load_rng and not config.finetune:
         _restore_rng(torch_checkpoint.rng_state_of_this_rank(loaded) if torch_format
                      else loaded["rng_state"])
@@ -744,21 +750,71 @@ _SCHEDULE_SETTINGS = (
 )
 
 
-def _load_scheduler(scheduler, saved: dict, path: str, source: str | None) -> None:
+def _check_schedule(scheduler, saved: dict, optimizer, saved_optimizer: dict, path: str,
+                    source: str | None) -> None:
     """The lr / weight-decay schedule: with neither --use-checkpoint-opt_param-scheduler
     (`source` "checkpoint") nor --override-opt_param-scheduler ("flags") the flags must
-    agree with the checkpoint, as in Megatron-LM; the step count always comes from it."""
-    if source is None:
-        differences = [f"{flag} {getattr(scheduler, name)} vs {saved[name]}"
-                       for name, flag in _SCHEDULE_SETTINGS
-                       if name in saved and getattr(scheduler, name) != saved[name]]
-        if differences:
-            raise CheckpointError(
-                f"{path}: the lr / weight-decay schedule of the flags differs from the "
-                f"checkpoint's ({'; '.join(differences)}): give "
-                "--use-checkpoint-opt_param-scheduler to continue the checkpoint's or "
-                "--override-opt_param-scheduler to use the flags'")
-    scheduler.load_state_dict(saved)
+    agree with the checkpoint, as in Megatron-LM (the step count always comes from it).
+    Checked before the optimizer loads: megatron-core >= 0.19 cannot pair param groups
+    whose lr bounds differ, and would fail first without naming the flag."""
+    if source is not None:
+        return
+    differences = [f"{flag} {getattr(scheduler, name)} vs {saved[name]}"
+                   for name, flag in _SCHEDULE_SETTINGS
+                   if name in saved and getattr(scheduler, name) != saved[name]]
+    ours = _lr_bounds(optimizer.param_groups).get(True)
+    theirs = _lr_bounds(_saved_param_groups(saved_optimizer)).get(True)
+    if ours is not None and theirs is not None and ours != theirs:
+        differences.append(f"--decoupled-lr/--decoupled-min-lr {_bounds_text(ours)} vs "
+                           f"{_bounds_text(theirs)}")
+    if differences:
+        raise CheckpointError(
+            f"{path}: the lr / weight-decay schedule of the flags differs from the "
+            f"checkpoint's ({'; '.join(differences)}): give "
+            "--use-checkpoint-opt_param-scheduler to continue the checkpoint's or "
+            "--override-opt_param-scheduler to use the flags'")
+
+
+# megatron-core sets these on each param group from --lr/--min-lr, or for the embedding and
+# output layer from --decoupled-lr/--decoupled-min-lr; its scheduler reads them from there
+_LR_BOUNDS = ("max_lr", "min_lr")
+
+
+def _align_lr_bounds(optimizer, saved_optimizer: dict, source: str | None) -> None:
+    """Every megatron-core release loads the saved lr bounds into the param groups, and
+    0.19 also pairs current and saved groups by a key that includes them. So before the
+    load both sides get the bounds the schedule goes on with: the checkpoint's
+    (--use-checkpoint-opt_param-scheduler) or the flags' (otherwise: they agree, or
+    --override-opt_param-scheduler asks for them)."""
+    current, saved = optimizer.param_groups, list(_saved_param_groups(saved_optimizer))
+    wanted = _lr_bounds(saved if source == "checkpoint" else current)
+    for group in current + saved:
+        group.update(wanted.get(bool(group.get("is_decoupled_lr", False)), {}))
+
+
+def _lr_bounds(groups) -> dict[bool, dict[str, float]]:
+    """The lr bounds of param groups by whether they are the decoupled ones."""
+    return {bool(group.get("is_decoupled_lr", False)):
+            {key: group[key] for key in _LR_BOUNDS if group.get(key) is not None}
+            for group in groups}
+
+
+def _bounds_text(bounds: dict[str, float]) -> str:
+    return "/".join(str(bounds.get(key)) for key in _LR_BOUNDS)
+
+
+def _saved_param_groups(state):
+    """The param groups in an optimizer's saved state, however megatron.core nests it
+    (chained, mixed precision, distributed)."""
+    if isinstance(state, dict):
+        for key, value in state.items():
+            if key == "param_groups" and isinstance(value, list):
+                yield from (group for group in value if isinstance(group, dict))
+            else:
+                yield from _saved_param_groups(value)
+    elif isinstance(state, list | tuple):
+        for value in state:
+            yield from _saved_param_groups(value)
 
 
 def _create_adam_states(optimizer) -> None:
