@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -35,19 +36,22 @@ def _formats_and_parallel_io(rank, runs, world_size):
     )
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
-    write, rank_process = FileSystemWriterAsync.write_preloaded_data_multiproc, os.getpid()
+    # each bucket's write (megatron-core 0.16: in a process of the writer's own, >= 0.17: in
+    # the writer's process or threads)
+    write, rank_process = FileSystemWriterAsync.write_preloaded_data, os.getpid()
 
+    @functools.wraps(write)  # the trainer checks its signature
     def slow_write(*args, **kwargs):
         if os.getpid() != rank_process:  # the background process of an asynchronous save
             time.sleep(WRITE_DELAY_S)
         return write(*args, **kwargs)
 
-    FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(slow_write)
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(slow_write)
     load, reads = TorchDistLoadShardedStrategy.load, []
 
-    def counting_load(self, sharded_state_dict, checkpoint_dir):
+    def counting_load(self, sharded_state_dict, *args, **kwargs):  # >= 0.17: async_strategy
         reads.append(sum(isinstance(v, ShardedTensor) for v in nested_values(sharded_state_dict)))
-        return load(self, sharded_state_dict, checkpoint_dir)
+        return load(self, sharded_state_dict, *args, **kwargs)
 
     TorchDistLoadShardedStrategy.load = counting_load
     results = train_runs(rank, runs, world_size)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import hashlib
 import inspect
 import logging
@@ -331,11 +332,43 @@ def _save_torch_dist(staging: str, model, optimizer, scheduler, state: TrainingS
     if asynchronous and "async_strategy" in _SAVE_PARAMETERS:
         # megatron-core >= 0.17 defaults to NVRx's writer; 0.16 has only its own
         options["async_strategy"] = config.async_strategy
-    return dist_checkpointing.save(sharded, staging, strategy, async_sharded_save=asynchronous,
-                                   content_metadata=metadata or None,
-                                   # a constant structure was validated by the first save
-                                   validate_access_integrity=not config.assume_constant_structure,
-                                   **options)
+    with contextlib.nullcontext() if asynchronous else _write_errors_raised():
+        request = dist_checkpointing.save(
+            sharded, staging, strategy, async_sharded_save=asynchronous,
+            content_metadata=metadata or None,
+            # a constant structure was validated by the first save
+            validate_access_integrity=not config.assume_constant_structure, **options)
+    if asynchronous and request.async_fn is not None:
+        # the writer process (forked, or spawned for the persistent worker) raises them too
+        request = request._replace(
+            async_fn=functools.partial(_writing_with_errors_raised, request.async_fn))
+    return request
+
+
+@contextlib.contextmanager
+def _write_errors_raised():
+    """megatron-core >= 0.17 writes a rank's last bucket (with one writer thread, all of
+    it) in the writer itself, and reports the OSError that write returns as an assertion on
+    its type: errno and text are lost. Raised instead, megatron-core's error carries its
+    text. Writes in threads (and 0.16's processes) hand theirs over their queue as before."""
+    write = core_overrides.WRITE_BUCKET.resolve()
+    with core_overrides.WRITE_BUCKET.swapped(
+            staticmethod(functools.partial(_write_raising_its_error, write))):
+        yield
+
+
+def _write_raising_its_error(write, *args, **kwargs):
+    output = write(*args, **kwargs)
+    if kwargs.get("results_queue") is None and isinstance(output, tuple) and isinstance(
+            output[-1], Exception):
+        raise output[-1]
+    return output
+
+
+def _writing_with_errors_raised(write_buckets, *args, **kwargs):
+    """The writer process's work: its error goes to the rank's CheckpointError, not its log."""
+    with _write_errors_raised(), _writer_errors_raised_not_logged():
+        return write_buckets(*args, **kwargs)
 
 
 def _torch_dist_save_strategy(config: CheckpointConfig):

@@ -356,6 +356,13 @@ WRITE_RESULTS_QUEUE = Internal(
     "megatron.core.dist_checkpointing.strategies.filesystem_async:_results_queue", "private",
     "trainer/checkpointing.py _keep_write_results_in_process (no multiprocessing Manager)",
     read_by=("if _results_queue is None",))
+WRITE_BUCKET = Internal(
+    "megatron.core.dist_checkpointing.strategies.filesystem_async:"
+    "FileSystemWriterAsync.write_preloaded_data", "patched",
+    "trainer/checkpointing.py _write_errors_raised (a failed write keeps its error)",
+    positional=(("transform_list", "local_proc_idx", "write_bucket", "results_queue",
+                 "count_queue", "use_fsync"),),
+    read_by=("FileSystemWriterAsync.write_preloaded_data",))
 # cpu_compat.CpuCompat: activation recomputation's CUDA generator state, on CPU
 GET_CUDA_RNG_STATE = Internal(
     f"{_RANDOM}:_get_cuda_rng_state", "patched", "trainer/cpu_compat.py CpuCompat",
