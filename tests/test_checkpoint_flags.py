@@ -176,8 +176,8 @@ def _single_rank_flags(rank, root, world_size):
     train(with_flags(flags, train_iters=2, save=saved))
     checkpointing._sharded_state = sharded_state
 
-    def load(extra_flags, asked_for=None):
-        args = parse_args(with_flags(flags, train_iters=2, load=saved) + extra_flags,
+    def load(extra_flags, asked_for=None, checkpoint=saved):
+        args = parse_args(with_flags(flags, train_iters=2, load=checkpoint) + extra_flags,
                           world_size=world_size)
         if asked_for is not None:
             def asking(model, optimizer, scheduler, state, metadata, loading):
@@ -204,6 +204,14 @@ def _single_rank_flags(rank, root, world_size):
     seen["lr_differs"] = load(["--lr", "2e-3"])
     seen["lr_from_checkpoint"] = load(["--lr", "2e-3", "--use-checkpoint-opt_param-scheduler"])
     seen["lr_from_flags"] = load(["--lr", "2e-3", "--override-opt_param-scheduler"])
+    # the embedding's and output layer's param group has its own lr bounds
+    decoupled = f"{root}/decoupled"
+    train(with_flags(flags, train_iters=2, save=decoupled, decoupled_lr=3e-3))
+    seen["decoupled_differs"] = load(["--decoupled-lr", "4e-3"], checkpoint=decoupled)
+    seen["decoupled_from_checkpoint"] = load(
+        ["--decoupled-lr", "4e-3", "--use-checkpoint-opt_param-scheduler"], checkpoint=decoupled)
+    seen["decoupled_from_flags"] = load(
+        ["--decoupled-lr", "4e-3", "--override-opt_param-scheduler"], checkpoint=decoupled)
 
     # non-persistent: --load takes the newer of the two series
     transient_root = f"{root}/transient"
@@ -258,6 +266,9 @@ def test_retention_strictness_and_scheduler_flags(tmp_path):
     assert "--use-checkpoint-opt_param-scheduler" in seen["lr_differs"]
     assert seen["lr_from_checkpoint"] == (2, 1e-3, {1e-3})
     assert seen["lr_from_flags"] == (2, 2e-3, {2e-3})
+    assert "--decoupled-lr/--decoupled-min-lr 0.004/0.0 vs 0.003/0.0" in seen["decoupled_differs"]
+    assert seen["decoupled_from_checkpoint"] == (2, 1e-3, {1e-3, 3e-3})
+    assert seen["decoupled_from_flags"] == (2, 1e-3, {1e-3, 4e-3})
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -795,11 +795,10 @@ def _check_schedule(scheduler, saved: dict, optimizer, saved_optimizer: dict, pa
     differences = [f"{flag} {getattr(scheduler, name)} vs {saved[name]}"
                    for name, flag in _SCHEDULE_SETTINGS
                    if name in saved and getattr(scheduler, name) != saved[name]]
-    ours = _lr_bounds(optimizer.param_groups).get(True)
-    theirs = _lr_bounds(_saved_param_groups(saved_optimizer)).get(True)
-    if ours is not None and theirs is not None and ours != theirs:
-        differences.append(f"--decoupled-lr/--decoupled-min-lr {_bounds_text(ours)} vs "
-                           f"{_bounds_text(theirs)}")
+    differences += sorted({
+        f"--decoupled-lr/--decoupled-min-lr {_bounds_text(ours)} vs {_bounds_text(theirs)}"
+        for ours, theirs in _paired_param_groups(optimizer, saved_optimizer)
+        if ours.get("is_decoupled_lr") and _bounds(ours) != _bounds(theirs)})
     if differences:
         raise CheckpointError(
             f"{path}: the lr / weight-decay schedule of the flags differs from the "
@@ -811,6 +810,9 @@ def _check_schedule(scheduler, saved: dict, optimizer, saved_optimizer: dict, pa
 # megatron-core sets these on each param group from --lr/--min-lr, or for the embedding and
 # output layer from --decoupled-lr/--decoupled-min-lr; its scheduler reads them from there
 _LR_BOUNDS = ("max_lr", "min_lr")
+# what else tells param groups apart (megatron-core's identifier keys of 0.16 and its
+# `default_config`: False where an lr is overridden)
+_GROUP_STRUCTURE = ("wd_mult", "lr_mult", "is_expert_parallel", "default_config")
 
 
 def _align_lr_bounds(optimizer, saved_optimizer: dict, source: str | None) -> None:
@@ -818,22 +820,38 @@ def _align_lr_bounds(optimizer, saved_optimizer: dict, source: str | None) -> No
     0.19 also pairs current and saved groups by a key that includes them. So before the
     load both sides get the bounds the schedule goes on with: the checkpoint's
     (--use-checkpoint-opt_param-scheduler) or the flags' (otherwise: they agree, or
-    --override-opt_param-scheduler asks for them)."""
+    --override-opt_param-scheduler asks for them). The saved groups also take this run's
+    is_decoupled_lr (optimizer.mark_decoupled_groups; older checkpoints lack it)."""
+    for ours, theirs in _paired_param_groups(optimizer, saved_optimizer):
+        if "is_decoupled_lr" in ours:
+            theirs["is_decoupled_lr"] = ours["is_decoupled_lr"]
+        if source == "checkpoint":
+            ours.update(_bounds(theirs))
+        else:
+            theirs.update(_bounds(ours))
+
+
+def _paired_param_groups(optimizer, saved_optimizer: dict) -> list[tuple[dict, dict]]:
+    """This run's and the checkpoint's param groups side by side. megatron-core builds them
+    in the same order for the same model, so they pair by position where their number and
+    everything but the lr bounds agree; otherwise none are paired (and megatron-core's load
+    names the difference)."""
     current, saved = optimizer.param_groups, list(_saved_param_groups(saved_optimizer))
-    wanted = _lr_bounds(saved if source == "checkpoint" else current)
-    for group in current + saved:
-        group.update(wanted.get(bool(group.get("is_decoupled_lr", False)), {}))
+    if len(current) != len(saved):
+        return []
+    pairs = list(zip(current, saved, strict=True))
+    if any(ours.get(key) != theirs.get(key) for ours, theirs in pairs
+           for key in _GROUP_STRUCTURE):
+        return []
+    return pairs
 
 
-def _lr_bounds(groups) -> dict[bool, dict[str, float]]:
-    """The lr bounds of param groups by whether they are the decoupled ones."""
-    return {bool(group.get("is_decoupled_lr", False)):
-            {key: group[key] for key in _LR_BOUNDS if group.get(key) is not None}
-            for group in groups}
+def _bounds(group: dict) -> dict[str, float]:
+    return {key: group[key] for key in _LR_BOUNDS if group.get(key) is not None}
 
 
-def _bounds_text(bounds: dict[str, float]) -> str:
-    return "/".join(str(bounds.get(key)) for key in _LR_BOUNDS)
+def _bounds_text(group: dict) -> str:
+    return "/".join(str(group.get(key)) for key in _LR_BOUNDS)
 
 
 def _saved_param_groups(state):
