@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -35,19 +36,22 @@ def _formats_and_parallel_io(rank, runs, world_size):
     )
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 
-    write, rank_process = FileSystemWriterAsync.write_preloaded_data_multiproc, os.getpid()
+    # each bucket's write (megatron-core 0.16: in a process of the writer's own, >= 0.17: in
+    # the writer's process or threads)
+    write, rank_process = FileSystemWriterAsync.write_preloaded_data, os.getpid()
 
+    @functools.wraps(write)  # the trainer checks its signature
     def slow_write(*args, **kwargs):
         if os.getpid() != rank_process:  # the background process of an asynchronous save
             time.sleep(WRITE_DELAY_S)
         return write(*args, **kwargs)
 
-    FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(slow_write)
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(slow_write)
     load, reads = TorchDistLoadShardedStrategy.load, []
 
-    def counting_load(self, sharded_state_dict, checkpoint_dir):
+    def counting_load(self, sharded_state_dict, *args, **kwargs):  # >= 0.17: async_strategy
         reads.append(sum(isinstance(v, ShardedTensor) for v in nested_values(sharded_state_dict)))
-        return load(self, sharded_state_dict, checkpoint_dir)
+        return load(self, sharded_state_dict, *args, **kwargs)
 
     TorchDistLoadShardedStrategy.load = counting_load
     results = train_runs(rank, runs, world_size)
@@ -172,8 +176,8 @@ def _single_rank_flags(rank, root, world_size):
     train(with_flags(flags, train_iters=2, save=saved))
     checkpointing._sharded_state = sharded_state
 
-    def load(extra_flags, asked_for=None):
-        args = parse_args(with_flags(flags, train_iters=2, load=saved) + extra_flags,
+    def load(extra_flags, asked_for=None, checkpoint=saved):
+        args = parse_args(with_flags(flags, train_iters=2, load=checkpoint) + extra_flags,
                           world_size=world_size)
         if asked_for is not None:
             def asking(model, optimizer, scheduler, state, metadata, loading):
@@ -184,7 +188,9 @@ def _single_rank_flags(rank, root, world_size):
         try:
             with contextlib.ExitStack() as stack:
                 trainer = training.setup(task, args, stack)
-                return trainer.state.iteration, trainer.scheduler.max_lr
+                # the scheduler computes each param group's lr from the group's own bounds
+                group_lrs = {group["max_lr"] for group in trainer.optimizer.param_groups}
+                return trainer.state.iteration, trainer.scheduler.max_lr, group_lrs
         except checkpointing.CheckpointError as error:
             return str(error)
         finally:
@@ -198,6 +204,14 @@ def _single_rank_flags(rank, root, world_size):
     seen["lr_differs"] = load(["--lr", "2e-3"])
     seen["lr_from_checkpoint"] = load(["--lr", "2e-3", "--use-checkpoint-opt_param-scheduler"])
     seen["lr_from_flags"] = load(["--lr", "2e-3", "--override-opt_param-scheduler"])
+    # the embedding's and output layer's param group has its own lr bounds
+    decoupled = f"{root}/decoupled"
+    train(with_flags(flags, train_iters=2, save=decoupled, decoupled_lr=3e-3))
+    seen["decoupled_differs"] = load(["--decoupled-lr", "4e-3"], checkpoint=decoupled)
+    seen["decoupled_from_checkpoint"] = load(
+        ["--decoupled-lr", "4e-3", "--use-checkpoint-opt_param-scheduler"], checkpoint=decoupled)
+    seen["decoupled_from_flags"] = load(
+        ["--decoupled-lr", "4e-3", "--override-opt_param-scheduler"], checkpoint=decoupled)
 
     # non-persistent: --load takes the newer of the two series
     transient_root = f"{root}/transient"
@@ -239,8 +253,8 @@ def test_retention_strictness_and_scheduler_flags(tmp_path):
 
     # strictness: megatron.core calls a key in the checkpoint that the model does not ask
     # for "missing", one the model asks for that the checkpoint lacks "unexpected"
-    assert seen["default"] == (2, 1e-3)
-    assert seen["raise_unexpected"] == (2, 1e-3)
+    assert seen["default"] == (2, 1e-3, {1e-3})
+    assert seen["raise_unexpected"] == (2, 1e-3, {1e-3})
     assert "--dist-ckpt-strictness raise_all" in seen["raise_all"]
     assert "extra.weight" in seen["raise_all"] and "Missing keys" in seen["raise_all"]
     assert "--dist-ckpt-strictness raise_unexpected" in seen["raise_unexpected_asked"]
@@ -250,8 +264,11 @@ def test_retention_strictness_and_scheduler_flags(tmp_path):
     # the lr schedule: must agree by default, else from the checkpoint or from the flags
     assert "--lr 0.002 vs 0.001" in seen["lr_differs"]
     assert "--use-checkpoint-opt_param-scheduler" in seen["lr_differs"]
-    assert seen["lr_from_checkpoint"] == (2, 1e-3)
-    assert seen["lr_from_flags"] == (2, 2e-3)
+    assert seen["lr_from_checkpoint"] == (2, 1e-3, {1e-3})
+    assert seen["lr_from_flags"] == (2, 2e-3, {2e-3})
+    assert "--decoupled-lr/--decoupled-min-lr 0.004/0.0 vs 0.003/0.0" in seen["decoupled_differs"]
+    assert seen["decoupled_from_checkpoint"] == (2, 1e-3, {1e-3, 3e-3})
+    assert seen["decoupled_from_flags"] == (2, 1e-3, {1e-3, 4e-3})
 
 
 @pytest.mark.parametrize("flags, message", [

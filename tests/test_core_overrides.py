@@ -248,6 +248,7 @@ def _substitutions_in_a_built_model(rank, save_dir):
 
     initialize._shutdown = _destroy_model_parallel_only  # two set-ups in one process
     original_rng_state = core_random._get_cuda_rng_state, core_random._set_cuda_rng_state
+    bucket_writer = vars(filesystem_async.FileSystemWriterAsync)["write_preloaded_data"]
     gpt = with_flags(TINY, train_iters=1, dpp_split_backward=True, save=save_dir,
                      save_interval=1)
     bert = with_flags(TINY, train_iters=1)
@@ -299,6 +300,8 @@ def _substitutions_in_a_built_model(rank, save_dir):
         "weight-gradient kernels": not hasattr(layers, "fused_weight_gradient_mlp_cuda"),
         "rng state stubs": (core_random._get_cuda_rng_state,
                             core_random._set_cuda_rng_state) == original_rng_state,
+        "bucket writer after the save":
+            vars(filesystem_async.FileSystemWriterAsync)["write_preloaded_data"] is bucket_writer,
     }
     return live, restored
 

@@ -100,17 +100,34 @@ def test_a_full_disk_then_a_crashed_resave_leave_a_loadable_checkpoint(tmp_path)
     assert _listing(root) == ["iter_0000002", "iter_0000003", POINTER]
 
 
-# Rank 1's writer process, in the save of iteration 4, kills its rank and then hangs (as
+def test_a_full_disk_under_an_asynchronous_save_is_named_in_one_line(tmp_path):
+    """The write fails in the writer process (megatron-core >= 0.17: in the process itself,
+    0.16: in a process of its own); its errno reaches the rank's one line."""
+    root = tmp_path / "ckpt"
+    flags = TINY_GPT + ["--save", str(root), "--async-save", "--train-iters", "6",
+                        "--save-interval", "2"]
+    with Job("pretrain_gpt.py", flags, 1, tmp_path / "job", NO_SPACE_AT_ITERATION_4) as job:
+        status = job.wait(0, RUN_S)
+    assert status == 1, job.log(0)[-3000:]
+    error = _one_error(job, 0)
+    assert (f"checkpoint: No space left on device saving checkpoint iteration 4 to "
+            f"{root / 'iter_0000004.tmp'}" in error), error
+    assert _listing(root) == ["iter_0000002", POINTER] and _pointer(root) == "2\n"
+
+
+# Rank 1's write of a shard, in the save of iteration 4, kills its rank; where the write
+# runs in a process of its own (megatron-core 0.16), that process then hangs (as
 # megatron.core's writers did, blocked on a queue lock of the dead rank).
 WRITER_KILLS_RANK_1_AT_ITERATION_4 = """
-import os, signal, time
+import functools, os, signal, time
 if os.environ["RANK"] == "1":
     from megatron.core.dist_checkpointing.strategies.filesystem_async import (
         FileSystemWriterAsync)
-    write = FileSystemWriterAsync.write_preloaded_data
+    write, rank_process = FileSystemWriterAsync.write_preloaded_data, os.getpid()
+    @functools.wraps(write)  # the trainer checks its signature
     def killing_write(transform_list, **kwargs):
         if "iter_0000004" in str(kwargs["write_bucket"][0]):
-            os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(rank_process, signal.SIGKILL)
             time.sleep(120)
         return write(transform_list, **kwargs)
     FileSystemWriterAsync.write_preloaded_data = staticmethod(killing_write)

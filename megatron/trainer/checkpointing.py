@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import hashlib
 import inspect
 import logging
@@ -340,11 +341,43 @@ def _save_torch_dist(staging: str, model, optimizer, scheduler, state: TrainingS
     if asynchronous and "async_strategy" in _SAVE_PARAMETERS:
         # megatron-core >= 0.17 defaults to NVRx's writer; 0.16 has only its own
         options["async_strategy"] = config.async_strategy
-    return dist_checkpointing.save(sharded, staging, strategy, async_sharded_save=asynchronous,
-                                   content_metadata=metadata or None,
-                                   # a constant structure was validated by the first save
-                                   validate_access_integrity=not config.assume_constant_structure,
-                                   **options)
+    with contextlib.nullcontext() if asynchronous else _write_errors_raised():
+        request = dist_checkpointing.save(
+            sharded, staging, strategy, async_sharded_save=asynchronous,
+            content_metadata=metadata or None,
+            # a constant structure was validated by the first save
+            validate_access_integrity=not config.assume_constant_structure, **options)
+    if asynchronous and request.async_fn is not None:
+        # the writer process (forked, or spawned for the persistent worker) raises them too
+        request = request._replace(
+            async_fn=functools.partial(_writing_with_errors_raised, request.async_fn))
+    return request
+
+
+@contextlib.contextmanager
+def _write_errors_raised():
+    """megatron-core >= 0.17 writes a rank's last bucket (with one writer thread, all of
+    it) in the writer itself, and reports the OSError that write returns as an assertion on
+    its type: errno and text are lost. Raised instead, megatron-core's error carries its
+    text. Writes in threads (and 0.16's processes) hand theirs over their queue as before."""
+    write = core_overrides.WRITE_BUCKET.resolve()
+    with core_overrides.WRITE_BUCKET.swapped(
+            staticmethod(functools.partial(_write_raising_its_error, write))):
+        yield
+
+
+def _write_raising_its_error(write, *args, **kwargs):
+    output = write(*args, **kwargs)
+    if kwargs.get("results_queue") is None and isinstance(output, tuple) and isinstance(
+            output[-1], Exception):
+        raise output[-1]
+    return output
+
+
+def _writing_with_errors_raised(write_buckets, *args, **kwargs):
+    """The writer process's work: its error goes to the rank's CheckpointError, not its log."""
+    with _write_errors_raised(), _writer_errors_raised_not_logged():
+        return write_buckets(*args, **kwargs)
 
 
 def _torch_dist_save_strategy(config: CheckpointConfig):
@@ -704,6 +737,13 @@ def load_checkpoint(root: str, model, optimizer, scheduler,
             # (it is in the param groups), which megatron.core expects: restored below
             if sharding == "fully_reshardable":
                 _drop_adam_steps(optimizer)
+            source = config.scheduler_source
+            if scheduler is None:
+                source = "checkpoint"  # nothing to agree with: restored as saved
+            else:
+                _check_schedule(scheduler, loaded["opt_param_scheduler"], optimizer,
+                                loaded["optimizer"], path, source)
+            _align_lr_bounds(optimizer, loaded["optimizer"], source)
             optimizer.load_state_dict(loaded["optimizer"])
             if torch_format and config.distributed_optimizer:
                 _drop_adam_steps(optimizer)
@@ -711,8 +751,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler,
             if config.distributed_optimizer:
                 _restore_adam_steps(optimizer)
             if scheduler is not None:
-                _load_scheduler(scheduler, loaded["opt_param_scheduler"], path,
-                                config.scheduler_source)
+                scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if config.load_rng and not config.finetune:
         _restore_rng(torch_checkpoint.rng_state_of_this_rank(loaded) if torch_format
                      else loaded["rng_state"])
@@ -788,21 +827,89 @@ _SCHEDULE_SETTINGS = (
 )
 
 
-def _load_scheduler(scheduler, saved: dict, path: str, source: str | None) -> None:
+def _check_schedule(scheduler, saved: dict, optimizer, saved_optimizer: dict, path: str,
+                    source: str | None) -> None:
     """The lr / weight-decay schedule: with neither --use-checkpoint-opt_param-scheduler
     (`source` "checkpoint") nor --override-opt_param-scheduler ("flags") the flags must
-    agree with the checkpoint, as in Megatron-LM; the step count always comes from it."""
-    if source is None:
-        differences = [f"{flag} {getattr(scheduler, name)} vs {saved[name]}"
-                       for name, flag in _SCHEDULE_SETTINGS
-                       if name in saved and getattr(scheduler, name) != saved[name]]
-        if differences:
-            raise CheckpointError(
-                f"{path}: the lr / weight-decay schedule of the flags differs from the "
-                f"checkpoint's ({'; '.join(differences)}): give "
-                "--use-checkpoint-opt_param-scheduler to continue the checkpoint's or "
-                "--override-opt_param-scheduler to use the flags'")
-    scheduler.load_state_dict(saved)
+    agree with the checkpoint, as in Megatron-LM (the step count always comes from it).
+    Checked before the optimizer loads: megatron-core >= 0.19 cannot pair param groups
+    whose lr bounds differ, and would fail first without naming the flag."""
+    if source is not None:
+        return
+    differences = [f"{flag} {getattr(scheduler, name)} vs {saved[name]}"
+                   for name, flag in _SCHEDULE_SETTINGS
+                   if name in saved and getattr(scheduler, name) != saved[name]]
+    differences += sorted({
+        f"--decoupled-lr/--decoupled-min-lr {_bounds_text(ours)} vs {_bounds_text(theirs)}"
+        for ours, theirs in _paired_param_groups(optimizer, saved_optimizer)
+        if ours.get("is_decoupled_lr") and _bounds(ours) != _bounds(theirs)})
+    if differences:
+        raise CheckpointError(
+            f"{path}: the lr / weight-decay schedule of the flags differs from the "
+            f"checkpoint's ({'; '.join(differences)}): give "
+            "--use-checkpoint-opt_param-scheduler to continue the checkpoint's or "
+            "--override-opt_param-scheduler to use the flags'")
+
+
+# megatron-core sets these on each param group from --lr/--min-lr, or for the embedding and
+# output layer from --decoupled-lr/--decoupled-min-lr; its scheduler reads them from there
+_LR_BOUNDS = ("max_lr", "min_lr")
+# what else tells param groups apart (megatron-core's identifier keys of 0.16 and its
+# `default_config`: False where an lr is overridden)
+_GROUP_STRUCTURE = ("wd_mult", "lr_mult", "is_expert_parallel", "default_config")
+
+
+def _align_lr_bounds(optimizer, saved_optimizer: dict, source: str | None) -> None:
+    """Every megatron-core release loads the saved lr bounds into the param groups, and
+    0.19 also pairs current and saved groups by a key that includes them. So before the
+    load both sides get the bounds the schedule goes on with: the checkpoint's
+    (--use-checkpoint-opt_param-scheduler) or the flags' (otherwise: they agree, or
+    --override-opt_param-scheduler asks for them). The saved groups also take this run's
+    is_decoupled_lr (optimizer.mark_decoupled_groups; older checkpoints lack it)."""
+    for ours, theirs in _paired_param_groups(optimizer, saved_optimizer):
+        if "is_decoupled_lr" in ours:
+            theirs["is_decoupled_lr"] = ours["is_decoupled_lr"]
+        if source == "checkpoint":
+            ours.update(_bounds(theirs))
+        else:
+            theirs.update(_bounds(ours))
+
+
+def _paired_param_groups(optimizer, saved_optimizer: dict) -> list[tuple[dict, dict]]:
+    """This run's and the checkpoint's param groups side by side. megatron-core builds them
+    in the same order for the same model, so they pair by position where their number and
+    everything but the lr bounds agree; otherwise none are paired (and megatron-core's load
+    names the difference)."""
+    current, saved = optimizer.param_groups, list(_saved_param_groups(saved_optimizer))
+    if len(current) != len(saved):
+        return []
+    pairs = list(zip(current, saved, strict=True))
+    if any(ours.get(key) != theirs.get(key) for ours, theirs in pairs
+           for key in _GROUP_STRUCTURE):
+        return []
+    return pairs
+
+
+def _bounds(group: dict) -> dict[str, float]:
+    return {key: group[key] for key in _LR_BOUNDS if group.get(key) is not None}
+
+
+def _bounds_text(group: dict) -> str:
+    return "/".join(str(group.get(key)) for key in _LR_BOUNDS)
+
+
+def _saved_param_groups(state):
+    """The param groups in an optimizer's saved state, however megatron.core nests it
+    (chained, mixed precision, distributed)."""
+    if isinstance(state, dict):
+        for key, value in state.items():
+            if key == "param_groups" and isinstance(value, list):
+                yield from (group for group in value if isinstance(group, dict))
+            else:
+                yield from _saved_param_groups(value)
+    elif isinstance(state, list | tuple):
+        for value in state:
+            yield from _saved_param_groups(value)
 
 
 def _create_adam_states(optimizer) -> None:

@@ -407,6 +407,13 @@ ASYNC_REQUEST_PRELOAD = Internal(
     "megatron.core.dist_checkpointing.strategies.async_utils:AsyncRequest.execute_sync",
     "private", "trainer/checkpointing.py _staged_in_shared_memory",
     read_by=("async_fn_args[1] = self.preload_fn()",))
+WRITE_BUCKET = Internal(
+    "megatron.core.dist_checkpointing.strategies.filesystem_async:"
+    "FileSystemWriterAsync.write_preloaded_data", "patched",
+    "trainer/checkpointing.py _write_errors_raised (a failed write keeps its error)",
+    positional=(("transform_list", "local_proc_idx", "write_bucket", "results_queue",
+                 "count_queue", "use_fsync"),),
+    read_by=("FileSystemWriterAsync.write_preloaded_data",))
 # cpu_compat.CpuCompat: activation recomputation's CUDA generator state, on CPU
 GET_CUDA_RNG_STATE = Internal(
     f"{_RANDOM}:_get_cuda_rng_state", "patched", "trainer/cpu_compat.py CpuCompat",

@@ -71,8 +71,22 @@ def build_optimizer(model_chunks, args, timers=None):
         overlap_param_gather=args.overlap_param_gather,
         overlap_param_gather_with_optimizer_step=args.overlap_param_gather_with_optimizer_step,
     )
-    return get_megatron_optimizer(config, model_chunks,
-                                  use_gloo_process_groups=not args.disable_gloo_process_groups)
+    optimizer = get_megatron_optimizer(
+        config, model_chunks, use_gloo_process_groups=not args.disable_gloo_process_groups)
+    if args.decoupled_lr is not None:
+        mark_decoupled_groups(optimizer)
+    return optimizer
+
+
+def mark_decoupled_groups(optimizer) -> None:
+    """megatron-core gives the embedding and output layer their own param group under
+    --decoupled-lr (its only lr override here: `default_config` False) but leaves the
+    group's is_decoupled_lr, one of the keys it tells groups apart by on load, False: 0.16
+    then paired it with the plain group of the same weight decay and could not load the
+    checkpoint; the flag set, saved and current groups pair one to one."""
+    for group in optimizer.param_groups:
+        if not group.get("default_config", True):
+            group["is_decoupled_lr"] = True
 
 
 def build_scheduler(optimizer, args) -> OptimizerParamScheduler:
