@@ -157,12 +157,26 @@ def _mla_config(args) -> dict:
         v_head_dim=args.v_head_dim, rope_type=args.rope_type, rotary_base=args.rotary_base,
         rotary_percent=args.rotary_percent, rotary_scaling_factor=args.rotary_scaling_factor,
         mscale=args.mscale, mscale_all_dim=args.mscale_all_dim,
-        # MLA rotates only its qk_pos_emb_head_dim channels, in its own fused YaRN kernel
-        # (Triton, GPU) rather than Transformer Engine's
-        apply_rope_fusion=(not args.no_rope_fusion and args.rope_type == "yarn"
-                           and torch.cuda.is_available()
-                           and importlib.util.find_spec("triton") is not None),
+        apply_rope_fusion=_mla_rope_fusion(args),
     )
+
+
+def _mla_rope_fusion(args) -> bool:
+    """MLA rotates only its qk_pos_emb_head_dim channels, in its own fused YaRN kernel
+    (Triton, GPU) rather than Transformer Engine's. That kernel spans the q/k head, the v
+    head and half the rotary channels with one Triton range each, which must be a power of
+    two: other sizes rotate unfused, said in one line."""
+    if (args.no_rope_fusion or args.rope_type != "yarn" or not torch.cuda.is_available()
+            or importlib.util.find_spec("triton") is None):
+        return False
+    spans = {"--qk-head-dim": args.qk_head_dim, "--v-head-dim": args.v_head_dim,
+             "--qk-pos-emb-head-dim / 2": args.qk_pos_emb_head_dim // 2}
+    odd = [f"{flag} {size}" for flag, size in spans.items() if size < 1 or size & (size - 1)]
+    if odd:
+        log.info("MLA's fused YaRN rotary embedding off: %s not a power of two "
+                 "(--no-rope-fusion turns it off without this line)", ", ".join(odd))
+        return False
+    return True
 
 
 def _activation(args):
