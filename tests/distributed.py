@@ -12,6 +12,7 @@ import contextlib
 import io
 import multiprocessing as mp
 import os
+import random
 import socket
 import traceback
 import warnings
@@ -19,10 +20,22 @@ import warnings
 DEFAULT_TIMEOUT = 240
 
 
+# Below Linux's ephemeral range (32768-60999): a port the kernel hands out is also what the
+# outgoing connections of tests running beside this one get, between our check and the
+# ranks' listen (EADDRINUSE under parallel test files)
+RENDEZVOUS_PORTS = range(20000, 32768)
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port outside the ephemeral range that nothing listens on now."""
+    for port in random.SystemRandom().sample(RENDEZVOUS_PORTS, 64):  # unseeded by tests
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {RENDEZVOUS_PORTS}")
 
 
 def _entry(rank, world_size, port, fn, args, results, env):
