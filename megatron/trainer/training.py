@@ -319,16 +319,9 @@ def train_step(trainer: Trainer, iterator) -> dict:
         elif costs is not None and args.microbatch_order == "cost":
             order = cost_ordered(costs, args.pipeline_model_parallel_size)
             schedule_iterator = reorder_data_iterators(iterator, order)
-        losses = trainer.schedule(
-            forward_step_func=trainer.reruns.checked(trainer.forward_step_func(iteration)),
-            data_iterator=schedule_iterator,
-            model=trainer.model,
-            num_microbatches=num_microbatches,
-            seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size,
-            decoder_seq_length=args.seq_length,
-            forward_only=False,
-        )
+        losses = _run_schedule(
+            trainer, trainer.reruns.checked(trainer.forward_step_func(iteration)),
+            schedule_iterator, num_microbatches, forward_only=False)
     forward_backward.stop()
     verdict = trainer.reruns.verdict(iteration)
     if verdict is not None:
@@ -392,16 +385,9 @@ def evaluate(trainer: Trainer, dataset, consumed: int) -> dict[str, float]:
     gathered: list[dict] = []
     with torch.no_grad():
         for _ in range(args.eval_iters):
-            gathered += trainer.schedule(
-                forward_step_func=trainer.forward_step_func(trainer.state.iteration),
-                data_iterator=iterator,
-                model=trainer.model,
-                num_microbatches=num_microbatches,
-                seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size,
-                decoder_seq_length=args.seq_length,
-                forward_only=True,
-            )
+            gathered += _run_schedule(
+                trainer, trainer.forward_step_func(trainer.state.iteration), iterator,
+                num_microbatches, forward_only=True)
     for chunk in trainer.model:
         chunk.train()
     return reduce_losses(gathered, trainer.task.loss_names)
@@ -546,3 +532,19 @@ def _validation_scalars(config: LoggingConfig, results: dict[str, float]) -> dic
         # as the log line: exp of the loss, capped at exp(20)
         values.update({f"valid/{k} ppl": math.exp(min(v, 20.0)) for k, v in results.items()})
     return values
+
+
+def _run_schedule(trainer, forward_step_func, data_iterator, num_microbatches: int,
+                  forward_only: bool) -> list[dict]:
+    """One pass of the pipeline schedule (megatron-core's or DPP's) over the microbatches."""
+    args = trainer.args
+    return trainer.schedule(
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=trainer.model,
+        num_microbatches=num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        decoder_seq_length=args.seq_length,
+        forward_only=forward_only,
+    )
