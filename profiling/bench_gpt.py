@@ -140,6 +140,8 @@ CONFIGS |= {
     # the attention kernels apart: FlashAttention-2 only, cuDNN's only
     "one-gpu-flash": [*FUSED[:1], *XENT, *GRAPHS, "--attention-backend", "flash"],
     "one-gpu-cudnn": [*FUSED[:1], *XENT, *GRAPHS, "--attention-backend", "fused"],
+    # the defaults with torch's norm and megatron-core's compiled fusions, not the Triton ones
+    "one-gpu-torch-kernels": ["--no-triton-fusions"],
 }
 # issue 23's acceptance: the defaults' share of the fastest flags' tokens/s, and their MFU
 ACCEPTANCE = {"one-gpu-default": ("one-gpu-fastest", 0.98, 55.0)}
@@ -170,7 +172,7 @@ RATIOS = (
     ("xent-graphs-m64-dpp-shm-split-slack0", "xent-graphs-m64"),
     ("one-gpu-default", "one-gpu-fastest"), ("one-gpu-default", "one-gpu-local"),
     ("one-gpu-default", "one-default"), ("one-gpu-cudnn", "one-gpu-flash"),
-    ("one-gpu-default", "one-gpu-flash"),
+    ("one-gpu-default", "one-gpu-flash"), ("one-gpu-default", "one-gpu-torch-kernels"),
 )
 
 LINE = re.compile(

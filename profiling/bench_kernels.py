@@ -23,6 +23,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from megatron.trainer.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
 from megatron.trainer.fused_layers import biased_linear  # noqa: E402
+from megatron.trainer.triton_norm import TritonNorm  # noqa: E402
 
 log = logging.getLogger("bench_kernels")
 SEQ, BATCH, HIDDEN, HEADS, VOCAB = 2048, 2, 2048, 16, 50304
@@ -115,9 +116,29 @@ def embedding_cases() -> dict:
             "embedding backward, rows into fp32 main_grad": milliseconds(into_main_grad)}
 
 
+def norm_cases() -> dict:
+    from megatron.core.transformer import TransformerConfig
+
+    x = torch.randn(SEQ, BATCH, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(x)
+    config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=HEADS)
+    norms = {"layer norm torch": torch.nn.LayerNorm(HIDDEN),
+             "layer norm triton (project)": TritonNorm(config, HIDDEN)}
+    for norm in norms.values():
+        norm.to("cuda", torch.bfloat16)
+    return {name: milliseconds(lambda n=norm: n(x).backward(grad))
+            for name, norm in norms.items()}
+
+
+CASES = {"cross-entropy": cross_entropy_cases, "linear": linear_cases,
+         "embedding": embedding_cases, "norm": norm_cases, "attention": attention_cases}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help=f"comma-separated, of {', '.join(CASES)}")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from megatron.core import parallel_state
@@ -126,8 +147,8 @@ def main() -> None:
                                          rank=0, world_size=1)
     parallel_state.initialize_model_parallel()  # megatron-core's cross-entropy asks for it
     results = {}
-    for cases in (cross_entropy_cases, linear_cases, embedding_cases, attention_cases):
-        measured = cases()
+    for group in args.cases.split(","):
+        measured = CASES[group]()
         for name, value in measured.items():
             log.info("%-52s %s", name, f"{value:8.3f} ms" if isinstance(value, float) else value)
         results |= measured

@@ -37,31 +37,37 @@ def _resolved(flags, world_size=1, **machine):
 def test_everything_on_where_nothing_rules_it_out():
     args = _resolved(FLAGS)
     assert (args.cuda_graph_impl, args.cross_entropy_loss_fusion,
-            args.cross_entropy_fusion_impl, args.gradient_accumulation_fusion) == (
-        "block", True, "triton", True)
+            args.cross_entropy_fusion_impl, args.gradient_accumulation_fusion,
+            args.triton_fusions) == ("block", True, "triton", True, True)
     assert args.fast_path_fallbacks == []
 
 
 def test_each_switch_turns_its_feature_off_without_a_line():
     args = _resolved([*FLAGS, "--cuda-graph-impl", "none", "--no-cross-entropy-loss-fusion",
-                      "--no-gradient-accumulation-fusion"])
+                      "--no-gradient-accumulation-fusion", "--no-triton-fusions"])
     assert (args.cuda_graph_impl, args.cross_entropy_loss_fusion,
-            args.gradient_accumulation_fusion) == ("none", False, False)
+            args.gradient_accumulation_fusion, args.triton_fusions) == ("none", False, False,
+                                                                        False)
     assert args.fast_path_fallbacks == []
 
 
 @pytest.mark.parametrize(("flags", "machine", "feature", "reason"), [
     ([], dict(transformer_engine=True), fast_path.CUDA_GRAPHS, "Transformer Engine layers"),
     (["--attention-backend", "local"], {}, fast_path.CUDA_GRAPHS, "--attention-backend local"),
+    ([], dict(transformer_engine=True), fast_path.TRITON_FUSIONS, "Transformer Engine layers"),
     ([], dict(triton=False), fast_path.CROSS_ENTROPY, "Triton is not importable"),
+    ([], dict(triton=False), fast_path.TRITON_FUSIONS, "Triton is not importable"),
     (["--cross-entropy-fusion-impl", "te"], {}, fast_path.CROSS_ENTROPY,
      "needs Transformer Engine"),
     (["--deterministic-mode"], {}, fast_path.CROSS_ENTROPY, "--deterministic-mode"),
-], ids=["te-layers", "attention-local", "no-triton", "te-impl-without-te", "deterministic"])
+], ids=["te-layers", "attention-local", "te-layers-triton", "no-triton", "no-triton-triton",
+        "te-impl-without-te", "deterministic"])
 def test_conditions_that_need_a_gpu_to_train_name_their_reason(flags, machine, feature, reason):
-    """Conditions whose run needs CUDA (or a package this machine lacks): the decision only."""
-    (line,) = _resolved([*FLAGS, *flags], **machine).fast_path_fallbacks
-    assert line.startswith(feature + " off: ") and reason in line
+    """Conditions whose run needs CUDA (or a package this machine lacks): the decision only
+    (one line per feature that falls back)."""
+    lines = _resolved([*FLAGS, *flags], **machine).fast_path_fallbacks
+    (line,) = [line for line in lines if line.startswith(feature + " off: ")]
+    assert reason in line
 
 
 def test_variable_lengths_fall_back_from_graphs():
@@ -131,7 +137,7 @@ GLOO = "--distributed-backend gloo runs the ranks on the CPU"
 
 def test_each_fallback_logs_its_reason_and_trains():
     runs = [({}, [*FLAGS, *flags]) for flags, _, _ in FALLBACKS]
-    # a GPU machine whose ranks run over gloo compute on the CPU: all three fall back; and
+    # a GPU machine whose ranks run over gloo compute on the CPU: all four fall back; and
     # this machine, which has no GPU
     runs += [({}, [*FLAGS, "--distributed-backend", "gloo"]), (None, FLAGS)]
     results = run_ranks(2, _runs_on_machines, runs, 2, "gpt")[-1]
@@ -143,7 +149,8 @@ def test_each_fallback_logs_its_reason_and_trains():
     for result, reason in zip(results[-2:], (GLOO, "no CUDA GPU on this machine"), strict=True):
         lines = _fallback_lines(result)
         assert sorted(line.split(" off: ")[0] for line in lines) == sorted(
-            [fast_path.CUDA_GRAPHS, fast_path.CROSS_ENTROPY, fast_path.GRAD_ACCUMULATION])
+            [fast_path.CUDA_GRAPHS, fast_path.CROSS_ENTROPY, fast_path.GRAD_ACCUMULATION,
+             fast_path.TRITON_FUSIONS])
         assert all(reason in line for line in lines), lines
         _check_trained(result)
 

@@ -122,8 +122,8 @@ def _main_grads(rank, fused: bool, extra_flags=()):
 @pytest.mark.parametrize("tying", [[], ["--untie-embeddings-and-output-weights"]],
                          ids=["tied", "untied"])
 def test_weight_grad_accumulation_fusion_gives_the_unfused_gradients(tying):
-    # tied on one stage: megatron-core's zero_out_wgrad contract, the embedding keeps its
-    # ordinary gradient; untied: the embedding accumulates into main_grad (fused_layers.py)
+    # the embedding accumulates into main_grad (fused_layers.py), untied and tied on one
+    # stage, where the output layer's placeholder gradient is then left unfilled
     (unfused, unfused_marked, _), = run_ranks(1, _main_grads, False, tying, gpu=True)
     (fused, fused_marked, _), = run_ranks(1, _main_grads, True, tying, gpu=True)
     # the fused paths really ran: megatron-core's linear layer and the project's word
@@ -262,7 +262,7 @@ def test_word_embedding_accumulates_rows_into_main_grad():
     for _ in range(2):
         ids = torch.randint(0, 50, (4, 8), generator=generator)  # repeated ids included
         upstream = torch.randn(4, 8, 16, generator=generator)
-        output = _EmbeddingIntoMainGrad.apply(ids, weight)
+        output = _EmbeddingIntoMainGrad.apply(ids, weight, False)
         torch.testing.assert_close(output, F.embedding(ids, weight.detach()))
         output.backward(upstream)
         reference = weight.detach().clone().requires_grad_()
@@ -313,7 +313,7 @@ def test_word_embedding_accumulation_is_deterministic_on_gpu():
         weight = torch.nn.Parameter(torch.zeros(512, 256, device="cuda", dtype=torch.bfloat16))
         weight.main_grad, weight.grad_added_to_main_grad = torch.zeros(512, 256,
                                                                        device="cuda"), False
-        _EmbeddingIntoMainGrad.apply(ids, weight).backward(upstream)
+        _EmbeddingIntoMainGrad.apply(ids, weight, False).backward(upstream)
         main_grads.append(weight.main_grad)
     assert torch.equal(main_grads[0], main_grads[1]) and torch.equal(main_grads[0], main_grads[2])
     reference = torch.zeros(512, 256, device="cuda").index_add_(

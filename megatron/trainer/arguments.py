@@ -298,6 +298,11 @@ def _fast_path_args(g):
                    action="store_false", default=None,
                    help="megatron-core's unfused cross-entropy even where the fused one is "
                         "the default")
+    g.add_argument("--no-triton-fusions", dest="triton_fusions", action="store_false",
+                   default=None,
+                   help="torch's layer norm and megatron-core's torch.compile'd "
+                        "bias-dropout-add and bias-GeLU, not the project's Triton kernels "
+                        "(the default on a GPU with Triton; fast_path.py)")
 
 
 CKPT_FORMATS = ("torch_dist", "torch")

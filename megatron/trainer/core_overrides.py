@@ -362,7 +362,7 @@ MLA_SUBMODULES = Internal(
 # models.py edits the local layer specs' submodules (assigning a removed field would be ignored)
 LAYER_SUBMODULES = Internal(
     "megatron.core.transformer.transformer_layer:TransformerLayerSubmodules", "assigned",
-    "trainer/models.py _with_sequence_parallel_norms, _with_sdpa",
+    "trainer/models.py _with_norms, _with_sdpa",
     fields=("input_layernorm", "pre_mlp_layernorm", "self_attention"))
 SELF_ATTENTION_SUBMODULES = Internal(
     "megatron.core.transformer.attention:SelfAttentionSubmodules", "assigned",

@@ -1,12 +1,14 @@
 """The fast path, on by default where its conditions hold.
 
-Three speed features are on unless the run rules them out: CUDA graphs of the transformer
+Four speed features are on unless the run rules them out: CUDA graphs of the transformer
 blocks (`--cuda-graph-impl block`, cuda_graphs.py), the single-pass cross-entropy
-(`--cross-entropy-loss-fusion --cross-entropy-fusion-impl triton`, cross_entropy.py) and the
-gradient-accumulation fusion (the weight-gradient GEMM adds into main_grad, no_apex.py).
+(`--cross-entropy-loss-fusion --cross-entropy-fusion-impl triton`, cross_entropy.py), the
+gradient-accumulation fusion (the weight-gradient GEMM adds into main_grad, no_apex.py) and
+the project's Triton kernels for the local layers' norms, bias-dropout-add and bias-GeLU
+(triton_norm.py, triton_dropout.py, triton_gelu.py).
 Each is a default only: given explicitly, a flag is the user's choice and is validated as
 such (arguments.py); switched off (`--cuda-graph-impl none`, `--no-cross-entropy-loss-fusion`,
-`--no-gradient-accumulation-fusion`) it stays off. Where a default cannot hold, the run falls
+`--no-gradient-accumulation-fusion`, `--no-triton-fusions`) it stays off. Where a default cannot hold, the run falls
 back and `log_fallbacks` says, in one line per feature, every reason that applies.
 
 `resolve` is a pure function of the flags and of what the machine offers (`Machine`), so
@@ -24,6 +26,7 @@ log = logging.getLogger(__name__)
 CUDA_GRAPHS = "CUDA-graph blocks (--cuda-graph-impl block)"
 CROSS_ENTROPY = "single-pass cross-entropy (--cross-entropy-loss-fusion)"
 GRAD_ACCUMULATION = "gradient-accumulation fusion"
+TRITON_FUSIONS = "Triton layer norm, bias-dropout-add and bias-GeLU"
 
 # The graphed B/W test with W out of order passes on an H200 (tests/test_weight_grad.py), but
 # graphed against eager W tasks in a pipeline is a two-GPU measurement not made yet: off by
@@ -63,7 +66,7 @@ def on_gpu(args, machine: Machine) -> bool:
 
 def resolve(args, machine: Machine) -> list[str]:
     """Settle the defaults of `args` (`cuda_graph_impl` "auto", `cross_entropy_loss_fusion`
-    None, `gradient_accumulation_fusion` True) for this machine; returns one line per
+    None, `gradient_accumulation_fusion` True, `triton_fusions` None) for this machine; returns one line per
     default that fell back, naming its reasons. Explicit choices are left as given."""
     gpu = on_gpu(args, machine)
     no_gpu = ("no CUDA GPU on this machine" if not machine.cuda else
@@ -86,6 +89,14 @@ def resolve(args, machine: Machine) -> list[str]:
         args.cross_entropy_fusion_impl = impl
     elif not impl_given:
         args.cross_entropy_fusion_impl = "native"  # Megatron-LM's default with the flag given
+
+    if args.triton_fusions is None:
+        reasons = [no_gpu] if not gpu else [] if machine.triton else ["Triton is not importable"]
+        if _transformer_engine_layers(args, machine):
+            reasons.append("Transformer Engine layers (they bring their own fused norms)")
+        args.triton_fusions = not reasons
+        if reasons:
+            fallbacks.append(_line(TRITON_FUSIONS, reasons, "--no-triton-fusions"))
 
     # the B/W split and the deferred output layer defer exactly these GEMMs, so they keep
     # them on the CPU as well
@@ -120,8 +131,6 @@ def log_fallbacks(lines: list[str]) -> None:
 def _graph_conflicts(args, machine: Machine) -> list[str]:
     tp = args.tensor_model_parallel_size
     recompute = args.recompute_activations or args.recompute_granularity is not None
-    te_layers = args.transformer_impl == "transformer_engine" or (
-        args.transformer_impl == "auto" and machine.transformer_engine)
     checks = (
         (tp > 1, f"--tensor-model-parallel-size {tp} (the graphs hold no tensor-parallel "
          "collectives)"),
@@ -135,12 +144,17 @@ def _graph_conflicts(args, machine: Machine) -> list[str]:
         (args.variable_seq_lengths, "--variable-seq-lengths (a graph replays one shape)"),
         (args.dpp_split_backward and args.pipeline_model_parallel_size > 1,
          f"--dpp-split-backward at PP > 1 ({SPLIT_GRAPHS_UNMEASURED})"),
-        (te_layers, "Transformer Engine layers (the graphs are checked with megatron.core's "
-         "local layers)"),
+        (_transformer_engine_layers(args, machine), "Transformer Engine layers (the graphs "
+         "are checked with megatron.core's local layers)"),
         (args.attention_backend == "local", "--attention-backend local (megatron-core's "
          "DotProductAttention is not checked under the graphs)"),
     )
     return [reason for bad, reason in checks if bad]
+
+
+def _transformer_engine_layers(args, machine: Machine) -> bool:
+    return args.transformer_impl == "transformer_engine" or (
+        args.transformer_impl == "auto" and machine.transformer_engine)
 
 
 def _cross_entropy_conflicts(args, impl: str, machine: Machine) -> list[str]:

@@ -11,6 +11,8 @@ and no sequence parallelism; every other layout keeps megatron-core's own path.
   about 1 GB of traffic for 4096 tokens. With the gradient-accumulation fusion on, the
   tokens' rows are accumulated into main_grad directly (index_put_ with accumulate, which
   is deterministic), in fp32, without rounding the microbatch's gradient to bf16 first.
+  That holds for a word embedding tied to the output layer of the same stage too (see
+  `WordEmbeddingIntoMainGrad`).
 """
 
 from __future__ import annotations
@@ -94,9 +96,9 @@ def _bias_in_epilogue(megatron_impl, input, weight, bias, gradient_accumulation_
 
 class _EmbeddingIntoMainGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, token_ids, weight):
+    def forward(ctx, token_ids, weight, tied: bool):
         ctx.save_for_backward(token_ids)
-        ctx.weight = weight
+        ctx.weight, ctx.tied = weight, tied
         return F.embedding(token_ids, weight)
 
     @staticmethod
@@ -105,21 +107,42 @@ class _EmbeddingIntoMainGrad(torch.autograd.Function):
         weight = ctx.weight
         rows = grad_output.reshape(-1, grad_output.shape[-1]).to(weight.main_grad.dtype)
         weight.main_grad.index_put_((token_ids.reshape(-1),), rows, accumulate=True)
-        return None, _dummy_weight_grad(weight, grad_output.dtype)
+        if ctx.tied:  # the output layer hands autograd the weight's placeholder
+            return None, None, None
+        return None, _dummy_weight_grad(weight, grad_output.dtype), None
 
 
 class WordEmbeddingIntoMainGrad(VocabParallelEmbedding):
-    """VocabParallelEmbedding whose backward accumulates into the weight's main_grad. Not
-    for an embedding tied to the output layer of the same stage: megatron-core has the output
-    layer hand DDP zeros there and counts on the embedding's ordinary gradient."""
+    """VocabParallelEmbedding whose backward accumulates into the weight's main_grad.
+
+    Tied to the output layer of the same stage (PP=1), megatron-core has that layer hand
+    DDP a zero gradient (`zero_out_wgrad`) so that DDP's hook adds the embedding's dense
+    gradient to it: a [vocab, hidden] memset, a scatter and two full-size adds per
+    microbatch. `tie_into_main_grad` drops that: both layers add into main_grad, the output
+    layer's placeholder stays unfilled and DDP's hook, seeing the weight marked, adds
+    nothing."""
+
+    tied = False
+
+    def accumulates(self) -> bool:
+        """The layout allows the rows into main_grad (one tensor-parallel rank)."""
+        return (self.tp_group.size() == 1 and not self.reduce_scatter_embeddings
+                and getattr(self, "gtp_remat_size", 1) == 1)  # megatron-core >= 0.19's GTP
+
+    def tie_into_main_grad(self) -> None:
+        """Called where the output layer of this stage adds its weight gradient to main_grad
+        itself (the gradient-accumulation fusion)."""
+        if self.accumulates() and getattr(self.weight, "zero_out_wgrad", False):
+            self.weight.zero_out_wgrad = False
+            self.tied = True
 
     def forward(self, input_):
-        if (self.tp_group.size() > 1 or self.reduce_scatter_embeddings
-                or getattr(self, "gtp_remat_size", 1) != 1  # megatron-core >= 0.19's GTP
-                or not hasattr(self.weight, "main_grad")
-                or getattr(self.weight, "zero_out_wgrad", False)):
+        if not self.accumulates() or not hasattr(self.weight, "main_grad"):
+            # without main_grad there is no DDP, whose hook is all zero_out_wgrad is for
             return super().forward(input_)
-        return _EmbeddingIntoMainGrad.apply(input_, self.weight)
+        if not self.tied and getattr(self.weight, "zero_out_wgrad", False):
+            return super().forward(input_)
+        return _EmbeddingIntoMainGrad.apply(input_, self.weight, self.tied)
 
 
 def install_fused_layers(model: torch.nn.Module, config) -> None:
@@ -134,3 +157,6 @@ def install_fused_layers(model: torch.nn.Module, config) -> None:
             # same state and parameters, another backward: swapping the class keeps the
             # parameter names, tying and initialisation megatron-core set up
             module.__class__ = WordEmbeddingIntoMainGrad
+            # the fusion has every linear layer, the output layer among them, add its
+            # weight gradient to main_grad
+            module.tie_into_main_grad()

@@ -30,6 +30,7 @@ from megatron.trainer.attention import MLA_SDPA_BY_BACKEND, SDPA_BY_BACKEND
 from megatron.trainer.cross_entropy import vocab_parallel_cross_entropy
 from megatron.trainer.fused_layers import install_fused_layers
 from megatron.trainer.norms import SequenceParallelNorm
+from megatron.trainer.triton_norm import TritonNorm
 
 log = logging.getLogger(__name__)
 
@@ -243,8 +244,9 @@ def gpt_layer_spec(args) -> ModuleSpec:
                                      qk_layernorm=args.qk_layernorm, multi_latent_attention=mla)
     if mla:
         return _local_mla_spec(local, args)
-    if _own_norms(args):
-        local = _with_sequence_parallel_norms(local)
+    norm = _norm_class(args)
+    if norm is not None:
+        local = _with_norms(local, norm)
     return local if _stock_attention(args) else _with_sdpa(local, args)
 
 
@@ -266,38 +268,43 @@ def _local_mla_spec(spec: ModuleSpec, args) -> ModuleSpec:
     spec = copy.deepcopy(spec)
     attention = spec.submodules.self_attention.submodules
     attention.core_attention = MLA_SDPA_BY_BACKEND[backend]
-    if _own_norms(args):
-        spec = _with_sequence_parallel_norms(spec)
-        if args.qk_layernorm:  # under sequence parallelism MLA norms sequence-split latents
+    norm = _norm_class(args)
+    if norm is not None:
+        spec = _with_norms(spec, norm)
+        if args.qk_layernorm:  # MLA's latent norms (sequence-split under sequence parallelism)
             attention = spec.submodules.self_attention.submodules
-            attention.q_layernorm = attention.kv_layernorm = SequenceParallelNorm
+            attention.q_layernorm = attention.kv_layernorm = norm
     return spec
 
 
-def _own_norms(args) -> bool:
-    """Local layers whose norms megatron-core's torch fallback cannot build: under sequence
-    parallelism or with zero-centred weights (norms.py)."""
-    return args.sequence_parallel or args.apply_layernorm_1p
+def _norm_class(args):
+    """The local layers' norm where it is not megatron-core's torch fallback: the Triton
+    kernels on the fast path (triton_norm.py), or torch's norms tagged for sequence
+    parallelism or with zero-centred weights, which that fallback cannot build (norms.py).
+    None: megatron-core's own."""
+    if args.triton_fusions:
+        return TritonNorm
+    if args.sequence_parallel or args.apply_layernorm_1p:
+        return SequenceParallelNorm
+    return None
 
 
-def _with_sequence_parallel_norms(spec: ModuleSpec) -> ModuleSpec:
-    """The local layer spec's norms as SequenceParallelNorm (megatron-core's torch norm
-    refuses sequence parallelism and zero-centred weights; norms.py)."""
+def _with_norms(spec: ModuleSpec, norm) -> ModuleSpec:
     spec = copy.deepcopy(spec)
-    spec.submodules.input_layernorm = SequenceParallelNorm
-    spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
+    spec.submodules.input_layernorm = norm
+    spec.submodules.pre_mlp_layernorm = norm
     return spec
 
 
 def _gpt_block_spec(args, config, vp_stage):
-    """The decoder's spec: the layer spec, or under sequence parallelism with local layers
-    the block's layers and its final norm, a SequenceParallelNorm too."""
+    """The decoder's spec: the layer spec, or, where the local layers' norm is not
+    megatron-core's (`_norm_class`), the block's layers and its final norm of that class."""
     layer = gpt_layer_spec(args)
-    if not _own_norms(args) or use_transformer_engine(args):
+    norm = _norm_class(args)
+    if norm is None or use_transformer_engine(args):
         return layer
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * layers,
-                                      layer_norm=SequenceParallelNorm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=norm)
 
 
 def bert_layer_spec(args) -> ModuleSpec:
