@@ -34,80 +34,85 @@ def available(x: torch.Tensor) -> bool:
             and 0 < x.shape[-1] <= MAX_HIDDEN and x.numel() > 0)
 
 
+# Launch shape: rows per program step and warps, forward and backward, and backward programs
+# per multiprocessor (each writes one row of partial weight and bias gradients)
+FORWARD_ROWS, FORWARD_WARPS = 1, 8
+BACKWARD_ROWS, BACKWARD_WARPS, BACKWARD_PROGRAMS_PER_SM = 2, 8, 2
+
 if triton is not None:
 
     @triton.jit
-    def _norm_forward(X, Y, W, B, MEAN, RSTD, N, eps, IS_RMS: tl.constexpr,
+    def _norm_forward(X, Y, W, B, MEAN, RSTD, M, N, eps, IS_RMS: tl.constexpr,
                       HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
+                      BLOCK_N: tl.constexpr, ROWS: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_N)
-        inside = cols < N
-        x = tl.load(X + row * N + cols, mask=inside, other=0.0).to(tl.float32)
+        valid = rows < M
+        inside = valid[:, None] & (cols < N)[None, :]
+        offsets = rows[:, None] * N + cols[None, :]
+        x = tl.load(X + offsets, mask=inside, other=0.0).to(tl.float32)
         if IS_RMS:
             centred = x
         else:
-            mean = tl.sum(x, axis=0) / N
-            centred = tl.where(inside, x - mean, 0.0)
-            tl.store(MEAN + row, mean)
-        rstd = tl.rsqrt(tl.sum(centred * centred, axis=0) / N + eps)
-        tl.store(RSTD + row, rstd)
-        w = tl.load(W + cols, mask=inside, other=0.0).to(tl.float32)
+            mean = tl.sum(x, axis=1) / N
+            centred = tl.where(inside, x - mean[:, None], 0.0)
+            tl.store(MEAN + rows, mean, mask=valid)
+        rstd = tl.rsqrt(tl.sum(centred * centred, axis=1) / N + eps)
+        tl.store(RSTD + rows, rstd, mask=valid)
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
         if ZERO_CENTERED:
             w += 1.0
-        y = centred * rstd * w
+        y = centred * rstd[:, None] * w[None, :]
         if HAS_BIAS:
-            y += tl.load(B + cols, mask=inside, other=0.0).to(tl.float32)
-        tl.store(Y + row * N + cols, y.to(Y.dtype.element_ty), mask=inside)
+            y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=inside)
 
     @triton.jit
     def _norm_backward(X, DY, DX, W, MEAN, RSTD, DW_PARTIAL, DB_PARTIAL, M, N, rows_per_program,
                        IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       ZERO_CENTERED: tl.constexpr, BLOCK_N: tl.constexpr):
+                       ZERO_CENTERED: tl.constexpr, BLOCK_N: tl.constexpr,
+                       ROWS: tl.constexpr):
         program = tl.program_id(0)
         cols = tl.arange(0, BLOCK_N)
-        inside = cols < N
-        w = tl.load(W + cols, mask=inside, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
         if ZERO_CENTERED:
             w += 1.0
-        dw = tl.zeros([BLOCK_N], dtype=tl.float32)
-        db = tl.zeros([BLOCK_N], dtype=tl.float32)
+        dw = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        db = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
         first = program.to(tl.int64) * rows_per_program
         last = tl.minimum(first + rows_per_program, M)
-        for row in range(first, last):
-            x = tl.load(X + row * N + cols, mask=inside, other=0.0).to(tl.float32)
-            dy = tl.load(DY + row * N + cols, mask=inside, other=0.0).to(tl.float32)
-            rstd = tl.load(RSTD + row)
+        for start in range(first, last, ROWS):
+            rows = start + tl.arange(0, ROWS)
+            valid = rows < last
+            inside = valid[:, None] & (cols < N)[None, :]
+            offsets = rows[:, None] * N + cols[None, :]
+            x = tl.load(X + offsets, mask=inside, other=0.0).to(tl.float32)
+            dy = tl.load(DY + offsets, mask=inside, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + rows, mask=valid, other=0.0)[:, None]
             if IS_RMS:
                 normed = x * rstd
             else:
-                normed = tl.where(inside, (x - tl.load(MEAN + row)) * rstd, 0.0)
-            scaled = dy * w
+                mean = tl.load(MEAN + rows, mask=valid, other=0.0)[:, None]
+                normed = tl.where(inside, (x - mean) * rstd, 0.0)
+            scaled = dy * w[None, :]
             # d/dx of (x - mean) * rstd: the projections onto the normalised row and onto
             # the constant row (the latter only where the mean was subtracted)
-            along_normed = tl.sum(normed * scaled, axis=0) / N
-            dx = scaled - normed * along_normed
+            along_normed = tl.sum(normed * scaled, axis=1) / N
+            dx = scaled - normed * along_normed[:, None]
             if not IS_RMS:
-                dx -= tl.sum(scaled, axis=0) / N
-            tl.store(DX + row * N + cols, (dx * rstd).to(DX.dtype.element_ty), mask=inside)
+                dx -= (tl.sum(scaled, axis=1) / N)[:, None]
+            tl.store(DX + offsets, (dx * rstd).to(DX.dtype.element_ty), mask=inside)
             dw += dy * normed
             if HAS_BIAS:
                 db += dy
-        tl.store(DW_PARTIAL + program * N + cols, dw, mask=inside)
+        tl.store(DW_PARTIAL + program * N + cols, tl.sum(dw, axis=0), mask=cols < N)
         if HAS_BIAS:
-            tl.store(DB_PARTIAL + program * N + cols, db, mask=inside)
+            tl.store(DB_PARTIAL + program * N + cols, tl.sum(db, axis=0), mask=cols < N)
 
 
 @functools.cache
-def _programs_per_device(index: int) -> int:
-    """Backward programs: two per multiprocessor keep it busy; more would only add partial
-    rows to the final reduction."""
-    return 2 * torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _launch_shape(hidden: int) -> tuple[int, int]:
-    block = triton.next_power_of_2(hidden)
-    return block, min(16, max(1, block // 256))
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 class _TritonNorm(torch.autograd.Function):
@@ -119,10 +124,10 @@ class _TritonNorm(torch.autograd.Function):
         count = rows.shape[0]
         rstd = torch.empty(count, dtype=torch.float32, device=x.device)
         mean = rstd if rms else torch.empty_like(rstd)
-        block, warps = _launch_shape(hidden)
-        _norm_forward[(count,)](rows, out, weight, bias if bias is not None else weight, mean,
-                                rstd, hidden, eps, IS_RMS=rms, HAS_BIAS=bias is not None,
-                                ZERO_CENTERED=zero_centered, BLOCK_N=block, num_warps=warps)
+        _norm_forward[(triton.cdiv(count, FORWARD_ROWS),)](
+            rows, out, weight, bias if bias is not None else weight, mean, rstd, count, hidden,
+            eps, IS_RMS=rms, HAS_BIAS=bias is not None, ZERO_CENTERED=zero_centered,
+            BLOCK_N=triton.next_power_of_2(hidden), ROWS=FORWARD_ROWS, num_warps=FORWARD_WARPS)
         ctx.save_for_backward(rows, weight, mean, rstd)
         ctx.flags = (rms, bias is not None, zero_centered)
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -135,16 +140,17 @@ class _TritonNorm(torch.autograd.Function):
         count, hidden = rows.shape
         grad_rows = grad_out.reshape(count, hidden).contiguous()
         grad_in = torch.empty_like(rows)
-        programs = min(count, _programs_per_device(rows.device.index or 0))
-        per_program = triton.cdiv(count, programs)
+        # whole steps of BACKWARD_ROWS rows per program
+        programs = BACKWARD_PROGRAMS_PER_SM * _multiprocessors(rows.device.index or 0)
+        per_program = BACKWARD_ROWS * triton.cdiv(count, programs * BACKWARD_ROWS)
         programs = triton.cdiv(count, per_program)
         dw_partial = torch.empty((programs, hidden), dtype=torch.float32, device=rows.device)
         db_partial = torch.empty_like(dw_partial) if has_bias else dw_partial
-        block, warps = _launch_shape(hidden)
-        _norm_backward[(programs,)](rows, grad_rows, grad_in, weight, mean, rstd, dw_partial,
-                                    db_partial, count, hidden, per_program, IS_RMS=rms,
-                                    HAS_BIAS=has_bias, ZERO_CENTERED=zero_centered,
-                                    BLOCK_N=block, num_warps=warps)
+        _norm_backward[(programs,)](
+            rows, grad_rows, grad_in, weight, mean, rstd, dw_partial, db_partial, count, hidden,
+            per_program, IS_RMS=rms, HAS_BIAS=has_bias, ZERO_CENTERED=zero_centered,
+            BLOCK_N=triton.next_power_of_2(hidden), ROWS=BACKWARD_ROWS,
+            num_warps=BACKWARD_WARPS)
         grad_weight = dw_partial.sum(0).to(weight.dtype)
         grad_bias = db_partial.sum(0).to(ctx.bias_dtype) if has_bias else None
         return grad_in.view(grad_out.shape), grad_weight, grad_bias, None, None, None
