@@ -36,6 +36,9 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # a word is kept when its top 31 bits are >= p * 2^31: a signed compare, no uint32 arguments
 _THRESHOLD_BITS = 31
 _NUM_WARPS = 4
+# backward programs per SM: more keep more bytes in flight, fewer write fewer bias partials
+# (at 4, 2 MB of fp32 partials for [4096, 2048] against 32 MB of gradients)
+_BACKWARD_PROGRAMS_PER_SM = 4
 
 
 def available(x: torch.Tensor) -> bool:
@@ -57,12 +60,13 @@ def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch
         raise ValueError(f"bias must be [{x.shape[-1]}] in {x.dtype}, got "
                          f"{list(bias.shape)} in {bias.dtype}")
     residual = residual if residual.dtype == x.dtype else residual.to(x.dtype)
-    return _BiasDropoutAdd.apply(x, bias, residual.contiguous(), prob)
+    bias = None if bias is None else bias.contiguous()
+    return _BiasDropoutAdd.apply(x.contiguous(), bias, residual.contiguous(), prob)
 
 
 def get_bias_dropout_add(training: bool, fused: bool) -> Callable:
     """megatron-core's factory with its signature (the layer spec's self_attn_bda/mlp_bda):
-    the Triton kernels in training with p > 0 where they apply, megatron-core's function
+    the Triton kernels in training with 0 < p < 1 where they apply, megatron-core's function
     otherwise."""
     core = _core_factory(training, fused)
     if not training:
@@ -70,7 +74,7 @@ def get_bias_dropout_add(training: bool, fused: bool) -> Callable:
 
     def bias_dropout_add_train(x_with_bias, residual, prob):
         x, bias = x_with_bias
-        if prob > 0 and available(x) and residual.shape == x.shape and (
+        if 0 < prob < 1 and available(x) and residual.shape == x.shape and (
                 bias is None or (bias.shape == x.shape[-1:] and bias.dtype == x.dtype)):
             return bias_dropout_add(x, bias, residual, prob)
         return core(x_with_bias, residual, prob)
@@ -90,7 +94,7 @@ class _BiasDropoutAdd(torch.autograd.Function):
         _forward_kernel[layout.forward_grid](
             x, x if bias is None else bias, residual, out, seed, rows, hidden, layout.quarter,
             _threshold(prob), 1.0 / (1.0 - prob), HAS_BIAS=bias is not None,
-            BLOCK_M=layout.block_m, BLOCK_Q=layout.block_q, num_warps=_NUM_WARPS)
+            BLOCK_M=layout.forward_block_m, BLOCK_Q=layout.block_q, num_warps=_NUM_WARPS)
         ctx.save_for_backward(seed)
         ctx.prob, ctx.has_bias, ctx.bias_dtype = prob, bias is not None, x.dtype
         return out
@@ -108,12 +112,12 @@ class _BiasDropoutAdd(torch.autograd.Function):
             grad_x = torch.empty_like(grad)
             with_bias = ctx.has_bias and needs_bias
             # one fp32 row of column sums per row range; summed below without atomics
-            partials = torch.empty((layout.row_programs if with_bias else 1, hidden),
-                                   dtype=torch.float32, device=grad.device)
+            partials = torch.empty((layout.row_programs, hidden), dtype=torch.float32,
+                                   device=grad.device) if with_bias else grad_x  # unused
             _backward_kernel[layout.backward_grid](
                 grad, grad_x, partials, seed, rows, hidden, layout.quarter,
                 layout.rows_per_program, _threshold(ctx.prob), 1.0 / (1.0 - ctx.prob),
-                HAS_BIAS=with_bias, BLOCK_M=layout.block_m, BLOCK_Q=layout.block_q,
+                HAS_BIAS=with_bias, BLOCK_M=layout.backward_block_m, BLOCK_Q=layout.block_q,
                 num_warps=_NUM_WARPS)
             if with_bias:
                 grad_bias = partials.sum(0).to(ctx.bias_dtype)
@@ -134,13 +138,16 @@ class _Layout:
         self.quarter = -(-hidden // 4)
         # 16-byte bf16 vectors per thread over contiguous columns; about 4096 elements a program
         self.block_q = min(256, triton.next_power_of_2(self.quarter))
-        self.block_m = max(1, 1024 // self.block_q)
+        self.forward_block_m = max(1, 1024 // self.block_q)
+        # the backward loops over its rows: twice the rows per step for more loads in flight
+        self.backward_block_m = 2 * self.forward_block_m
         column_blocks = -(-self.quarter // self.block_q)
-        self.forward_grid = (-(-rows // self.block_m), column_blocks)
-        # backward: about two programs per SM, each summing its row range's bias gradient
-        wanted = max(1, 2 * _sm_count(device) // column_blocks)
+        self.forward_grid = (-(-rows // self.forward_block_m), column_blocks)
+        # each backward program sums its row range's bias gradient into one partial row
+        wanted = max(1, _BACKWARD_PROGRAMS_PER_SM * _sm_count(device) // column_blocks)
         per_program = -(-rows // wanted)
-        self.rows_per_program = -(-per_program // self.block_m) * self.block_m
+        step = self.backward_block_m
+        self.rows_per_program = -(-per_program // step) * step
         self.row_programs = -(-rows // self.rows_per_program)
         self.backward_grid = (self.row_programs, column_blocks)
 
