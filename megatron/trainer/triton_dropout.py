@@ -195,19 +195,19 @@ if triton is not None:
     @triton.jit
     def _backward_tile(grad_ptr, grad_x_ptr, rows, hidden, row, q, quarter, part: tl.constexpr,
                        word, threshold, scale):
-        """Writes one tile of grad_x and returns its fp32 column sums."""
+        """Writes one tile of grad_x and returns it in fp32 for the bias gradient."""
         column = part * quarter + q
         mask = (row < rows)[:, None] & ((q < quarter) & (column < hidden))[None, :]
         offsets = row[:, None] * hidden + column[None, :]
         grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         grad_x = tl.where(_keep(word, threshold), grad * scale, 0.0)
         tl.store(grad_x_ptr + offsets, grad_x.to(grad_x_ptr.dtype.element_ty), mask=mask)
-        return tl.sum(grad_x, axis=0)
+        return grad_x
 
     @triton.jit
     def _store_sums(partials, sums, q, quarter, hidden, part: tl.constexpr):
         column = part * quarter + q
-        tl.store(partials + column, sums, mask=(q < quarter) & (column < hidden))
+        tl.store(partials + column, tl.sum(sums, axis=0), mask=(q < quarter) & (column < hidden))
 
     @triton.jit
     def _backward_kernel(grad_ptr, grad_x_ptr, partials_ptr, seed_ptr, rows, hidden, quarter,
@@ -216,10 +216,12 @@ if triton is not None:
         program = tl.program_id(0)
         q = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
         seed = tl.load(seed_ptr)
-        sums0 = tl.zeros((BLOCK_Q,), dtype=tl.float32)
-        sums1 = tl.zeros((BLOCK_Q,), dtype=tl.float32)
-        sums2 = tl.zeros((BLOCK_Q,), dtype=tl.float32)
-        sums3 = tl.zeros((BLOCK_Q,), dtype=tl.float32)
+        # per-thread sums, reduced across the tile's rows once at the end: a reduction over
+        # rows crosses warps (shared memory and a barrier), too dear for every step
+        sums0 = tl.zeros((BLOCK_M, BLOCK_Q), dtype=tl.float32)
+        sums1 = tl.zeros((BLOCK_M, BLOCK_Q), dtype=tl.float32)
+        sums2 = tl.zeros((BLOCK_M, BLOCK_Q), dtype=tl.float32)
+        sums3 = tl.zeros((BLOCK_M, BLOCK_Q), dtype=tl.float32)
         first = program.to(tl.int64) * rows_per_program
         for start in range(0, rows_per_program, BLOCK_M):
             row = first + start + tl.arange(0, BLOCK_M)
