@@ -21,12 +21,12 @@ import importlib.util
 import torch
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-BLOCK_ROWS = 4  # rows per step of a program's loop
+BLOCK_ROWS = 4  # rows of a forward program's tile and of a backward program's loop step
 MAX_BLOCK_COLUMNS = 1024  # columns per program: 8 warps, 16 elements per thread and step
-# Programs per launch: about 4 per SM of an H100/H200 (132 SMs), one wave. A function of the
+# Backward programs: about 4 per SM of an H100/H200 (132 SMs), one wave. A function of the
 # shape only (no device query), so the bias gradient's summation order, and its bits, do not
 # depend on which GPU runs it.
-TARGET_PROGRAMS = 512
+BACKWARD_PROGRAMS = 512
 NUM_WARPS = 8
 
 
@@ -49,24 +49,22 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def gelu_forward(input, bias, output, rows, columns, rows_per_program,
-                     BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr):
+    def gelu_forward(input, bias, output, rows, columns, BLOCK_ROWS: tl.constexpr,
+                     BLOCK_COLUMNS: tl.constexpr):
+        # one tile per program: no reduction here, so many small programs keep more loads in
+        # flight per SM than a few looping ones would
+        row = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         column = tl.program_id(1) * BLOCK_COLUMNS + tl.arange(0, BLOCK_COLUMNS)
-        column_inside = column < columns
-        b = tl.load(bias + column, mask=column_inside, other=0.0).to(tl.float32)
-        first_row = tl.program_id(0) * rows_per_program
-        last_row = tl.minimum(first_row + rows_per_program, rows)
-        for start in range(first_row, last_row, BLOCK_ROWS):
-            row = start + tl.arange(0, BLOCK_ROWS)
-            inside = (row < last_row)[:, None] & column_inside[None, :]
-            # int64 offsets: rows * columns may pass 2**31 for long sequences
-            offset = row.to(tl.int64)[:, None] * columns + column[None, :]
-            x = tl.load(input + offset, mask=inside, other=0.0).to(tl.float32) + b[None, :]
-            inner = 0.79788456 * x * (1.0 + 0.044715 * x * x)
-            # tanh(u) = 1 - 2 / (exp(2u) + 1): exact at both ends (exp overflows to inf -> 1)
-            tanh_inner = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
-            y = x * 0.5 * (1.0 + tanh_inner)
-            tl.store(output + offset, y.to(output.dtype.element_ty), mask=inside)
+        inside = (row < rows)[:, None] & (column < columns)[None, :]
+        b = tl.load(bias + column, mask=column < columns, other=0.0).to(tl.float32)
+        # int64 offsets: rows * columns may pass 2**31 for long sequences
+        offset = row.to(tl.int64)[:, None] * columns + column[None, :]
+        x = tl.load(input + offset, mask=inside, other=0.0).to(tl.float32) + b[None, :]
+        inner = 0.79788456 * x * (1.0 + 0.044715 * x * x)
+        # tanh(u) = 1 - 2 / (exp(2u) + 1): exact at both ends (exp overflows to inf -> 1)
+        tanh_inner = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
+        y = x * 0.5 * (1.0 + tanh_inner)
+        tl.store(output + offset, y.to(output.dtype.element_ty), mask=inside)
 
     @triton.jit
     def gelu_backward(grad_output, input, bias, grad_input, bias_partials, rows, columns,
@@ -102,20 +100,19 @@ def _kernels():
     return gelu_forward, gelu_backward
 
 
-def _launch_shape(rows: int, columns: int) -> tuple[int, int, int]:
-    """(programs over rows, programs over columns, rows per program) for a [rows, columns]
-    input: about TARGET_PROGRAMS programs, each a column block over a run of rows."""
-    block_columns = min(MAX_BLOCK_COLUMNS, _next_power_of_2(columns))
-    column_programs = -(-columns // block_columns)
+def _block_columns(columns: int) -> int:
+    return min(MAX_BLOCK_COLUMNS, 1 << max(0, columns - 1).bit_length())
+
+
+def _backward_launch(rows: int, columns: int) -> tuple[int, int, int]:
+    """(programs over rows, programs over columns, rows per program) of the backward for a
+    [rows, columns] input: about BACKWARD_PROGRAMS, each a column block over a run of rows."""
+    column_programs = -(-columns // _block_columns(columns))
     row_blocks = -(-rows // BLOCK_ROWS)
-    row_programs = max(1, min(row_blocks, TARGET_PROGRAMS // column_programs))
+    row_programs = max(1, min(row_blocks, BACKWARD_PROGRAMS // column_programs))
     rows_per_program = -(-row_blocks // row_programs) * BLOCK_ROWS
     row_programs = -(-rows // rows_per_program)
     return row_programs, column_programs, rows_per_program
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 class BiasGeLU(torch.autograd.Function):
@@ -132,13 +129,12 @@ class BiasGeLU(torch.autograd.Function):
         bias = bias.contiguous()
         columns = input.shape[-1]
         rows = input.numel() // columns
-        row_programs, column_programs, rows_per_program = _launch_shape(rows, columns)
+        block_columns = _block_columns(columns)
         output = torch.empty_like(input)
         gelu_forward, _ = _kernels()
-        gelu_forward[(row_programs, column_programs)](
-            input, bias, output, rows, columns, rows_per_program, BLOCK_ROWS=BLOCK_ROWS,
-            BLOCK_COLUMNS=min(MAX_BLOCK_COLUMNS, _next_power_of_2(columns)),
-            num_warps=NUM_WARPS)
+        gelu_forward[(-(-rows // BLOCK_ROWS), -(-columns // block_columns))](
+            input, bias, output, rows, columns, BLOCK_ROWS=BLOCK_ROWS,
+            BLOCK_COLUMNS=block_columns, num_warps=NUM_WARPS)
         ctx.save_for_backward(input, bias)
         return output
 
@@ -148,7 +144,7 @@ class BiasGeLU(torch.autograd.Function):
         grad_output = grad_output.contiguous()
         columns = input.shape[-1]
         rows = input.numel() // columns
-        row_programs, column_programs, rows_per_program = _launch_shape(rows, columns)
+        row_programs, column_programs, rows_per_program = _backward_launch(rows, columns)
         bias_grad_needed = ctx.needs_input_grad[1]
         grad_input = torch.empty_like(input)
         # one row of fp32 column sums per program over rows; each entry written exactly once
@@ -157,8 +153,7 @@ class BiasGeLU(torch.autograd.Function):
         _, gelu_backward = _kernels()
         gelu_backward[(row_programs, column_programs)](
             grad_output, input, bias, grad_input, partials, rows, columns, rows_per_program,
-            BLOCK_ROWS=BLOCK_ROWS,
-            BLOCK_COLUMNS=min(MAX_BLOCK_COLUMNS, _next_power_of_2(columns)),
+            BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLUMNS=_block_columns(columns),
             BIAS_GRAD=bias_grad_needed, num_warps=NUM_WARPS)
         bias_grad = partials.sum(0).to(bias.dtype) if bias_grad_needed else None
         return grad_input, bias_grad
