@@ -362,8 +362,13 @@ MLA_SUBMODULES = Internal(
 # models.py edits the local layer specs' submodules (assigning a removed field would be ignored)
 LAYER_SUBMODULES = Internal(
     "megatron.core.transformer.transformer_layer:TransformerLayerSubmodules", "assigned",
-    "trainer/models.py _with_norms, _with_sdpa",
-    fields=("input_layernorm", "pre_mlp_layernorm", "self_attention"))
+    "trainer/models.py _with_norms, _with_sdpa, _with_triton_bias_dropout_add",
+    fields=("input_layernorm", "pre_mlp_layernorm", "self_attention", "self_attn_bda",
+            "mlp_bda"))
+# triton_gelu.installed: the MLP's bias-GeLU, which it imports by name
+MLP_BIAS_GELU = Internal(
+    "megatron.core.transformer.mlp:bias_gelu_impl", "replaced", "trainer/triton_gelu.py installed",
+    read_by=("bias_gelu_impl(",))
 SELF_ATTENTION_SUBMODULES = Internal(
     "megatron.core.transformer.attention:SelfAttentionSubmodules", "assigned",
     "trainer/models.py _with_sdpa", fields=("core_attention",))

@@ -25,7 +25,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron.trainer import core_overrides
+from megatron.trainer import core_overrides, triton_dropout
 from megatron.trainer.attention import MLA_SDPA_BY_BACKEND, SDPA_BY_BACKEND
 from megatron.trainer.cross_entropy import vocab_parallel_cross_entropy
 from megatron.trainer.fused_layers import install_fused_layers
@@ -242,12 +242,22 @@ def gpt_layer_spec(args) -> ModuleSpec:
                                                           multi_latent_attention=mla)
     local = get_gpt_layer_local_spec(normalization=args.normalization,
                                      qk_layernorm=args.qk_layernorm, multi_latent_attention=mla)
+    if args.triton_fusions:
+        local = _with_triton_bias_dropout_add(local)
     if mla:
         return _local_mla_spec(local, args)
     norm = _norm_class(args)
     if norm is not None:
         local = _with_norms(local, norm)
     return local if _stock_attention(args) else _with_sdpa(local, args)
+
+
+def _with_triton_bias_dropout_add(spec: ModuleSpec) -> ModuleSpec:
+    """The residual adds after attention and MLP through the Triton kernels in training
+    (triton_dropout.py; megatron-core's own where they do not apply)."""
+    spec = copy.deepcopy(spec)
+    spec.submodules.self_attn_bda = spec.submodules.mlp_bda = triton_dropout.get_bias_dropout_add
+    return spec
 
 
 def _local_mla_spec(spec: ModuleSpec, args) -> ModuleSpec:

@@ -30,6 +30,7 @@ from megatron.trainer import (
     metrics,
     no_apex,
     replica_check,
+    triton_gelu,
 )
 from megatron.trainer.arguments import ArgumentError, parse_args
 from megatron.trainer.batch_schedule import batch_size_schedule
@@ -141,6 +142,8 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     config = transformer_config_from_args(args)
     if config.gradient_accumulation_fusion:
         stack.enter_context(no_apex.weight_grad_accumulation_fusion())
+    if args.triton_fusions and config.bias_activation_fusion:
+        stack.enter_context(triton_gelu.installed())
     chunks = build_model_chunks(args, config, task.build_stage)
     model = wrap_model_chunks(chunks, args, config, device)
     # --dpp-split-backward: the schedule's B/W split, which the CUDA-graph blocks follow

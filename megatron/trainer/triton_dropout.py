@@ -67,9 +67,9 @@ def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch
 def get_bias_dropout_add(training: bool, fused: bool) -> Callable:
     """megatron-core's factory with its signature (the layer spec's self_attn_bda/mlp_bda):
     the Triton kernels in training with 0 < p < 1 where they apply, megatron-core's function
-    otherwise."""
+    otherwise, and always where the fusion is off (--no-bias-dropout-fusion)."""
     core = _core_factory(training, fused)
-    if not training:
+    if not training or not fused:
         return core
 
     def bias_dropout_add_train(x_with_bias, residual, prob):

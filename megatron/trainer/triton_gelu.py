@@ -15,10 +15,14 @@ and fall back to megatron-core's bias_gelu_impl otherwise (CPU, no Triton, other
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 
 import torch
+from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl as core_bias_gelu
+
+from megatron.trainer import core_overrides
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BLOCK_ROWS = 4  # rows of a forward program's tile and of a backward program's loop step
@@ -162,3 +166,16 @@ class BiasGeLU(torch.autograd.Function):
 def bias_gelu(input: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """Drop-in for megatron-core's bias_gelu_impl(input, bias) where available(input)."""
     return BiasGeLU.apply(input, bias)
+
+
+def _bias_gelu_where_available(input: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    if available(input) and bias.shape == input.shape[-1:]:
+        return BiasGeLU.apply(input, bias)
+    return core_bias_gelu(input, bias)
+
+
+@contextlib.contextmanager
+def installed():
+    """megatron-core's MLP calls this module's bias-GeLU while open (where available)."""
+    with core_overrides.MLP_BIAS_GELU.swapped(_bias_gelu_where_available):
+        yield
