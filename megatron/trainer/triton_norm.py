@@ -36,7 +36,7 @@ def available(x: torch.Tensor) -> bool:
 
 # Launch shape: rows per program step and warps, forward and backward, and backward programs
 # per multiprocessor (each writes one row of partial weight and bias gradients)
-FORWARD_ROWS, FORWARD_WARPS = 1, 8
+FORWARD_ROWS, FORWARD_WARPS = 1, 4
 BACKWARD_ROWS, BACKWARD_WARPS, BACKWARD_PROGRAMS_PER_SM = 2, 8, 2
 
 if triton is not None:
