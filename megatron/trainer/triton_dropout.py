@@ -3,16 +3,16 @@
 megatron-core's torch.compile'd version draws one Philox call per element and keeps a bool
 mask for the backward: 36 us on an H200 for [2048, 2, 2048] bf16, where the bytes (read x and
 residual, write out: 48 MB) need about 14 us. Here each Philox call yields four words, one
-per element, and the backward regenerates the mask from the saved seed instead of reading a
-mask tensor (8 MB less written and read per call, and no mask kept alive between forward and
-backward). The backward kernel is elementwise, on the forward's grid; the bias gradient is
-torch's column sum of grad_x (a backward that also kept per-program column sums in a loop over
-rows took 55 us on an H200, against 18 us for megatron-core's two kernels).
+per element. The forward also writes the mask, a byte per element, for the backward: drawing
+it again there from the seed costs more than reading it (31 against 18 us on an H200 for the
+backward with the bias gradient). The backward kernel is elementwise, on the forward's grid;
+the bias gradient is torch's column sum of grad_x (a backward that also kept per-program column
+sums in a loop over rows took 55 us).
 
 Randomness comes from torch's current CUDA generator: the forward draws one int64 seed on
 the device (`torch.randint`), so megatron's keyed reseeding (rng.py) decides the mask, a
 CUDA graph replay draws a fresh seed, and activation recomputation (which restores the
-generator) redraws the same one. The kernels read the seed through a pointer; nothing waits
+generator) redraws the same one. The kernel reads the seed through a pointer; nothing waits
 on the host.
 
 Element (row, column) of x viewed as [rows, hidden] takes word `column // quarter` of the
@@ -88,18 +88,19 @@ class _BiasDropoutAdd(torch.autograd.Function):
         # the seed is drawn on the device: graph replays and reseeding change it, no sync
         seed = torch.randint(0, 2**62, (1,), device=x.device, dtype=torch.int64)
         out = torch.empty_like(x)
+        keep = torch.empty(x.shape, dtype=torch.int8, device=x.device)
         layout = _Layout(rows, hidden)
         _forward_kernel[layout.grid](
-            x, x if bias is None else bias, residual, out, seed, rows, hidden, layout.quarter,
-            _threshold(prob), 1.0 / (1.0 - prob), HAS_BIAS=bias is not None,
+            x, x if bias is None else bias, residual, out, keep, seed, rows, hidden,
+            layout.quarter, _threshold(prob), 1.0 / (1.0 - prob), HAS_BIAS=bias is not None,
             BLOCK_M=layout.block_m, BLOCK_Q=layout.block_q, num_warps=_NUM_WARPS)
-        ctx.save_for_backward(seed)
+        ctx.save_for_backward(keep)
         ctx.prob, ctx.has_bias, ctx.bias_dtype = prob, bias is not None, x.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        (seed,) = ctx.saved_tensors
+        (keep,) = ctx.saved_tensors
         needs_x, needs_bias, needs_residual = ctx.needs_input_grad[:3]
         grad_x = grad_bias = None
         if needs_x or needs_bias:
@@ -109,9 +110,8 @@ class _BiasDropoutAdd(torch.autograd.Function):
             layout = _Layout(rows, hidden)
             grad_x = torch.empty_like(grad)
             _backward_kernel[layout.grid](
-                grad, grad_x, seed, rows, hidden, layout.quarter, _threshold(ctx.prob),
-                1.0 / (1.0 - ctx.prob), BLOCK_M=layout.block_m, BLOCK_Q=layout.block_q,
-                num_warps=_NUM_WARPS)
+                grad, keep, grad_x, rows, hidden, layout.quarter, 1.0 / (1.0 - ctx.prob),
+                BLOCK_M=layout.block_m, BLOCK_Q=layout.block_q, num_warps=_NUM_WARPS)
             if ctx.has_bias and needs_bias:
                 # fp32 accumulation, deterministic, in the bias dtype
                 grad_bias = grad_x.view(rows, hidden).sum(0).to(ctx.bias_dtype)
@@ -142,8 +142,9 @@ if triton is not None:
         return (word >> 1).to(tl.int32, bitcast=True) >= threshold
 
     @triton.jit
-    def _forward_tile(x_ptr, bias_ptr, residual_ptr, out_ptr, rows, hidden, row, q, quarter,
-                      part: tl.constexpr, word, threshold, scale, HAS_BIAS: tl.constexpr):
+    def _forward_tile(x_ptr, bias_ptr, residual_ptr, out_ptr, keep_ptr, rows, hidden, row, q,
+                      quarter, part: tl.constexpr, word, threshold, scale,
+                      HAS_BIAS: tl.constexpr):
         column = part * quarter + q
         column_ok = (q < quarter) & (column < hidden)
         mask = (row < rows)[:, None] & column_ok[None, :]
@@ -152,39 +153,35 @@ if triton is not None:
         if HAS_BIAS:
             value += tl.load(bias_ptr + column, mask=column_ok, other=0.0).to(tl.float32)[None, :]
         residual = tl.load(residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        out = residual + tl.where(_keep(word, threshold), value * scale, 0.0)
+        keep = _keep(word, threshold)
+        out = residual + tl.where(keep, value * scale, 0.0)
         tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(keep_ptr + offsets, keep.to(tl.int8), mask=mask)
 
     @triton.jit
-    def _forward_kernel(x_ptr, bias_ptr, residual_ptr, out_ptr, seed_ptr, rows, hidden, quarter,
-                        threshold, scale, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_Q: tl.constexpr):
+    def _forward_kernel(x_ptr, bias_ptr, residual_ptr, out_ptr, keep_ptr, seed_ptr, rows, hidden,
+                        quarter, threshold, scale, HAS_BIAS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr):
         # int64 rows: offsets past 2^31 elements, and Philox counters past 2^32
         row = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         q = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
         seed = tl.load(seed_ptr)
         words = tl.randint4x(seed, row[:, None] * quarter + q[None, :])
         for part in tl.static_range(4):
-            _forward_tile(x_ptr, bias_ptr, residual_ptr, out_ptr, rows, hidden, row, q, quarter,
-                          part, words[part], threshold, scale, HAS_BIAS)
+            _forward_tile(x_ptr, bias_ptr, residual_ptr, out_ptr, keep_ptr, rows, hidden, row, q,
+                          quarter, part, words[part], threshold, scale, HAS_BIAS)
 
     @triton.jit
-    def _backward_tile(grad_ptr, grad_x_ptr, rows, hidden, row, q, quarter, part: tl.constexpr,
-                       word, threshold, scale):
-        column = part * quarter + q
-        mask = (row < rows)[:, None] & ((q < quarter) & (column < hidden))[None, :]
-        offsets = row[:, None] * hidden + column[None, :]
-        grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-        grad_x = tl.where(_keep(word, threshold), grad * scale, 0.0)
-        tl.store(grad_x_ptr + offsets, grad_x.to(grad_x_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _backward_kernel(grad_ptr, grad_x_ptr, seed_ptr, rows, hidden, quarter, threshold, scale,
+    def _backward_kernel(grad_ptr, keep_ptr, grad_x_ptr, rows, hidden, quarter, scale,
                          BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr):
-        # the forward's tiles and Philox counters: the same words, so the same mask
+        # the forward's tiles, so that a program reads what one forward program wrote
         row = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         q = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-        words = tl.randint4x(tl.load(seed_ptr), row[:, None] * quarter + q[None, :])
         for part in tl.static_range(4):
-            _backward_tile(grad_ptr, grad_x_ptr, rows, hidden, row, q, quarter, part,
-                           words[part], threshold, scale)
+            column = part * quarter + q
+            mask = (row < rows)[:, None] & ((q < quarter) & (column < hidden))[None, :]
+            offsets = row[:, None] * hidden + column[None, :]
+            grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            keep = tl.load(keep_ptr + offsets, mask=mask, other=0)
+            grad_x = tl.where(keep != 0, grad * scale, 0.0)
+            tl.store(grad_x_ptr + offsets, grad_x.to(grad_x_ptr.dtype.element_ty), mask=mask)
