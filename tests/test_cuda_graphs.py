@@ -174,12 +174,17 @@ def test_graph_replays_draw_the_keyed_dropout_masks():
                                                           gpu=True)
     for run in (graphs, reordered):
         for (losses, grads), (eager_losses, eager_grads) in zip(run, eager, strict=True):
-            assert losses == eager_losses  # the same masks: bit-equal forwards
+            # the same masks. With megatron-core's kernels the forwards were bit-equal; with the
+            # Triton fusions (the default on a GPU) a graphed loss was one fp32 ulp from eager's
+            # on an H200 (2026-11-24, cause not yet found); another mask moves it far more
+            for loss, eager_loss in zip(losses, eager_losses, strict=True):
+                assert abs(loss - eager_loss) <= 1e-6 * abs(eager_loss), (loss, eager_loss)
             # the replayed dropout backward rounds apart from eager's in the last bits (at
             # most 1.5e-8 on an H200); another mask would differ at the gradients' scale
             for grad, eager_grad in zip(grads, eager_grads, strict=True):
                 torch.testing.assert_close(grad, eager_grad, rtol=1e-4, atol=1e-7)
-    assert other_keys[0][0] != eager[0][0]
+    assert all(abs(other - loss) > 1e-4 * abs(loss)
+               for other, loss in zip(other_keys[0][0], eager[0][0], strict=True))
 
 
 def test_block_gradients_reach_main_grad_as_per_tensor_adds_would():
