@@ -28,10 +28,17 @@ class ZeroCenteredNorm(torch.nn.Module):
         self.bias = None if rms else torch.nn.Parameter(torch.zeros(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = self.weight + 1
-        if self.rms:
-            return F.rms_norm(x, self.shape, scale, self.eps)
-        return F.layer_norm(x, self.shape, scale, self.bias, self.eps)
+        return torch_norm(x, self.weight, self.bias, self.eps, self.rms, zero_centered=True)
+
+
+def torch_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+               rms: bool, zero_centered: bool) -> torch.Tensor:
+    """torch's LayerNorm / RMSNorm over the last dimension, scaling by (1 + weight) where the
+    weight is kept as an offset from 1."""
+    scale = weight + 1 if zero_centered else weight
+    if rms:
+        return F.rms_norm(x, x.shape[-1:], scale, eps)
+    return F.layer_norm(x, x.shape[-1:], scale, bias, eps)
 
 
 class SequenceParallelNorm:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
+
+from megatron.trainer.norms import torch_norm
 
 try:
     import triton
@@ -182,7 +183,4 @@ class TritonNorm(torch.nn.Module):
         if available(x):
             return _TritonNorm.apply(x, self.weight, self.bias, self.eps, self.rms,
                                      self.zero_centered)
-        weight = self.weight + 1 if self.zero_centered else self.weight
-        if self.rms:
-            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
-        return F.layer_norm(x, (x.shape[-1],), weight, self.bias, self.eps)
+        return torch_norm(x, self.weight, self.bias, self.eps, self.rms, self.zero_centered)
