@@ -189,10 +189,10 @@ def test_generalised_tensor_parallel_weights_keep_megatron_cores_path():
     x, weight, bias = torch.randn(4, 2, 8), torch.randn(6, 8, requires_grad=True), torch.randn(6)
     common = dict(input=x, weight=weight, bias=bias, gradient_accumulation_fusion=False,
                   allreduce_dgrad=False, sequence_parallel=False)
-    assert fused_layers._bias_in_epilogue(megatron_impl, **common, gtp_remat_size=2) == (
-        "megatron-core's")
-    assert fused_layers._bias_in_epilogue(megatron_impl, **common, gtp_remat_size=1).shape == (
-        4, 2, 6)
+    assert fused_layers._bias_in_epilogue(megatron_impl, False, **common,
+                                          gtp_remat_size=2) == "megatron-core's"
+    assert fused_layers._bias_in_epilogue(megatron_impl, False, **common,
+                                          gtp_remat_size=1).shape == (4, 2, 6)
     assert megatron_impl.call_count == 1
 
     embedding = torch.nn.Module()

@@ -174,3 +174,21 @@ def test_default_graphs_equal_eager_through_the_trainer():
     assert not [m for _, m in default["logs"] if " off: " in m]
     assert any("CUDA graphs: recorded slot" in m for _, m in default["logs"])
     assert default["losses"] == eager["losses"] and default["grad_norms"] == eager["grad_norms"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton fusions run on a GPU")
+def test_triton_fusions_train_as_torchs_kernels():
+    """The defaults (Triton norm handing back the residual, bias-GeLU, column sums) against
+    `--no-triton-fusions` (torch's norm, megatron-core's fusions) in fp32 without dropout:
+    the same losses and gradient norms up to the kernels' summation order."""
+    flags = with_flags(TINY, train_iters=2, global_batch_size=8, hidden_size=64,
+                       num_attention_heads=4)
+    triton_run, torch_run = run_ranks(1, train_runs, [flags, [*flags, "--no-triton-fusions"]],
+                                      1, gpu=True)[0]
+    assert not [m for _, m in triton_run["logs"] if " off: " in m]
+
+    def values(run):
+        losses = [value for step in run["losses"] for value in step.values()]
+        return torch.tensor([*losses, *run["grad_norms"]], dtype=torch.float64)
+
+    torch.testing.assert_close(values(triton_run), values(torch_run), rtol=1e-4, atol=0)

@@ -376,7 +376,7 @@ def _fused_layer_paths(rank):
     results = {}
     for patched in (True, False):
         if not patched:
-            models.install_fused_layers = lambda model, config: None
+            models.install_fused_layers = lambda model, config, triton_fusions: None
         args = parse_args(TINY_GPT + ["--global-batch-size", "4"], world_size=1)
         with contextlib.ExitStack() as stack:
             trainer = setup(GPT_TASK, args, stack)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
-from megatron.trainer.triton_norm import TritonNorm
+from megatron.trainer.triton_norm import TritonNorm, TritonResidualNorm
 
 GPU = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 needs_gpu = pytest.mark.skipif(not GPU, reason="the norm kernels need a CUDA GPU and Triton")
@@ -66,6 +66,41 @@ def test_the_torch_path_is_torchs_norm(normalization, zero_centered):
             assert got is None
         else:
             torch.testing.assert_close(got, expected.float())
+
+
+def _run_with_residual(norm: TritonResidualNorm, x, grad, residual_grad):
+    """Input gradient when the norm's output gets `grad` and its residual `residual_grad`
+    (None: the residual is not used)."""
+    x = x.detach().requires_grad_()
+    out, residual = norm(x)
+    assert residual.data_ptr() == x.data_ptr() and residual.shape == x.shape
+    loss = (out.float() * grad.float()).sum()
+    if residual_grad is not None:
+        loss = loss + (residual.float() * residual_grad.float()).sum()
+    loss.backward()
+    return out, x.grad
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
+def test_the_residual_norm_adds_the_residuals_gradient(device):
+    """TritonResidualNorm hands back its input as the layer's residual; the gradient that
+    comes back through it is added to the input's (on the GPU inside the norm's kernel)."""
+    generator = torch.Generator().manual_seed(6)
+    dtype = torch.float32
+    plain = _randomised(TritonNorm(_config(), 256), dtype, device, generator)
+    with_residual = TritonResidualNorm(_config(), 256).to(device, dtype)
+    with_residual.load_state_dict(plain.state_dict())
+    x, grad, residual_grad = (torch.randn(33, 2, 256, generator=generator).to(device, dtype)
+                              for _ in range(3))
+    expected_out, _, _, _ = _run(plain, x, grad)
+    # without the residual's gradient: the plain norm's, bit for bit
+    out, grad_in = _run_with_residual(with_residual, x, grad, None)
+    assert torch.equal(out, expected_out)
+    assert torch.equal(grad_in, _run(plain, x, grad)[1])
+    # with it: the two added (once, in fp32, rounded once)
+    _, grad_in = _run_with_residual(with_residual, x, grad, residual_grad)
+    torch.testing.assert_close(grad_in, _run(plain, x, grad)[1] + residual_grad,
+                               rtol=1e-6, atol=1e-6)
 
 
 def test_parameters_are_named_and_tagged_as_megatron_cores_norms():

@@ -469,6 +469,31 @@ P2P_TIMER_NAMES = Internal(
 INTERNALS = tuple(value for value in dict(globals()).values() if isinstance(value, Internal))
 
 
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    """A megatron-core behaviour the trainer uses where the installed release has it and does
+    without otherwise: not checked by verify(), asked by `present()`."""
+
+    internal: Internal
+
+    def present(self) -> bool:
+        return _present(self.internal)
+
+
+@functools.cache
+def _present(internal: Internal) -> bool:
+    return internal.problem() is None
+
+
+# models.py: a layer's input and pre-MLP norms may return (output, residual); TransformerLayer
+# then adds that residual back (megatron-core >= 0.18; 0.16 keeps its own input)
+LAYER_TAKES_NORM_RESIDUAL = Feature(Internal(
+    "megatron.core.transformer.transformer_layer:TransformerLayer", "private",
+    "trainer/models.py _with_norms (triton_norm.TritonResidualNorm)",
+    read_by=("input_layernorm_output, residual = input_layernorm_output",
+             "pre_mlp_layernorm_output, residual = pre_mlp_layernorm_output")))
+
+
 def verify(internals=INTERNALS) -> None:
     """Raise CoreInternalsError naming every unmet dependency (the first step of start-up)."""
     problems = [(internal, internal.problem()) for internal in internals]

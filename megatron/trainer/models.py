@@ -30,7 +30,7 @@ from megatron.trainer.attention import MLA_SDPA_BY_BACKEND, SDPA_BY_BACKEND
 from megatron.trainer.cross_entropy import vocab_parallel_cross_entropy
 from megatron.trainer.fused_layers import install_fused_layers
 from megatron.trainer.norms import SequenceParallelNorm
-from megatron.trainer.triton_norm import TritonNorm
+from megatron.trainer.triton_norm import TritonNorm, TritonResidualNorm
 
 log = logging.getLogger(__name__)
 
@@ -300,6 +300,11 @@ def _norm_class(args):
 
 
 def _with_norms(spec: ModuleSpec, norm) -> ModuleSpec:
+    """The layer's input and pre-MLP norms of class `norm`; the Triton norm's variant that
+    hands the residual back where megatron-core's layer takes it (one kernel less per norm
+    in the backward, triton_norm.py)."""
+    if norm is TritonNorm and core_overrides.LAYER_TAKES_NORM_RESIDUAL.present():
+        norm = TritonResidualNorm
     spec = copy.deepcopy(spec)
     spec.submodules.input_layernorm = norm
     spec.submodules.pre_mlp_layernorm = norm
@@ -375,7 +380,7 @@ class SDPABertModel(ProjectBertModel):
 def _finish_stage(model, args, config):
     model.single_pass_cross_entropy = (args.cross_entropy_loss_fusion
                                        and args.cross_entropy_fusion_impl == "triton")
-    install_fused_layers(model, config)
+    install_fused_layers(model, config, bool(args.triton_fusions))
     if config.defer_embedding_wgrad_compute:
         _defer_only_in_output_layer(model, config)
     return model

@@ -6,8 +6,8 @@ residual, write out: 48 MB) need about 14 us. Here each Philox call yields four 
 per element. The forward also writes the mask, a byte per element, for the backward: drawing
 it again there from the seed costs more than reading it (31 against 18 us on an H200 for the
 backward with the bias gradient). The backward kernel is elementwise, on the forward's grid;
-the bias gradient is torch's column sum of grad_x (a backward that also kept per-program column
-sums in a loop over rows took 55 us).
+the bias gradient is column_sums.column_sum of grad_x (a backward that also kept per-program
+column sums in a loop over rows took 55 us).
 
 Randomness comes from torch's current CUDA generator: the forward draws one int64 seed on
 the device (`torch.randint`), so megatron's keyed reseeding (rng.py) decides the mask, a
@@ -26,6 +26,8 @@ from collections.abc import Callable
 
 import torch
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add as _core_factory
+
+from megatron.trainer import column_sums
 
 try:  # CI and the development machines have no Triton; callers check available() first
     import triton
@@ -114,7 +116,7 @@ class _BiasDropoutAdd(torch.autograd.Function):
                 BLOCK_M=layout.block_m, BLOCK_Q=layout.block_q, num_warps=_NUM_WARPS)
             if ctx.has_bias and needs_bias:
                 # fp32 accumulation, deterministic, in the bias dtype
-                grad_bias = grad_x.view(rows, hidden).sum(0).to(ctx.bias_dtype)
+                grad_bias = column_sums.column_sum(grad_x, ctx.bias_dtype)
             if not needs_x:
                 grad_x = None
         return grad_x, grad_bias, grad_out if needs_residual else None, None

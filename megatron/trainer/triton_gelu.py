@@ -5,8 +5,8 @@ megatron-core's bias_gelu_impl returns the same [s, b, f] tensor as the gradient
 and of the bias, so autograd launches a second kernel that re-reads it (64 MB per call on the
 GPT of ../shared/GPU.md) to sum it over rows. Here the backward reads grad_output and the input
 once, writes grad_input once, and each program also keeps fp32 column sums over its own rows;
-those partials ([programs over rows, f] fp32, 2 MB) are summed with one small torch
-reduction. No atomics: the bias gradient is bitwise repeatable.
+those partials ([programs over rows, f] fp32, 2 MB) are summed by column_sums.finish. No
+atomics: the bias gradient is bitwise repeatable.
 
 The math matches megatron-core's fused_bias_gelu.py (fp32 inside, the same constants and
 derivative formula); outputs are stored in the input's dtype. Callers check `available(input)`
@@ -22,15 +22,11 @@ import importlib.util
 import torch
 from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl as core_bias_gelu
 
-from megatron.trainer import core_overrides
+from megatron.trainer import column_sums, core_overrides
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BLOCK_ROWS = 4  # rows of a forward program's tile and of a backward program's loop step
 MAX_BLOCK_COLUMNS = 1024  # columns per program: 8 warps, 16 elements per thread and step
-# Backward programs: about 4 per SM of an H100/H200 (132 SMs), one wave. A function of the
-# shape only (no device query), so the bias gradient's summation order, and its bits, do not
-# depend on which GPU runs it.
-BACKWARD_PROGRAMS = 512
 NUM_WARPS = 8
 
 
@@ -110,12 +106,10 @@ def _block_columns(columns: int) -> int:
 
 def _backward_launch(rows: int, columns: int) -> tuple[int, int, int]:
     """(programs over rows, programs over columns, rows per program) of the backward for a
-    [rows, columns] input: about BACKWARD_PROGRAMS, each a column block over a run of rows."""
+    [rows, columns] input: about column_sums.TARGET_PROGRAMS, each a column block over a
+    run of rows."""
     column_programs = -(-columns // _block_columns(columns))
-    row_blocks = -(-rows // BLOCK_ROWS)
-    row_programs = max(1, min(row_blocks, BACKWARD_PROGRAMS // column_programs))
-    rows_per_program = -(-row_blocks // row_programs) * BLOCK_ROWS
-    row_programs = -(-rows // rows_per_program)
+    row_programs, rows_per_program = column_sums.row_programs(rows, column_programs, BLOCK_ROWS)
     return row_programs, column_programs, rows_per_program
 
 
@@ -159,7 +153,7 @@ class BiasGeLU(torch.autograd.Function):
             grad_output, input, bias, grad_input, partials, rows, columns, rows_per_program,
             BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLUMNS=_block_columns(columns),
             BIAS_GRAD=bias_grad_needed, num_warps=NUM_WARPS)
-        bias_grad = partials.sum(0).to(bias.dtype) if bias_grad_needed else None
+        bias_grad = column_sums.finish(partials, bias.dtype) if bias_grad_needed else None
         return grad_input, bias_grad
 
 
