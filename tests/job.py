@@ -28,6 +28,9 @@ class Job:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         port = str(free_port())
+        # a job started in the background (`cmd &` in a script) inherits an ignored SIGINT;
+        # each rank gets Python's handler back, as in a terminal's foreground job
+        restore = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)"
         run = f"import runpy; runpy.run_path({str(REPO / entry)!r}, run_name='__main__')"
         self.ranks: list[subprocess.Popen] = []
         try:
@@ -41,7 +44,7 @@ class Job:
                 rank_env.update(env or {})
                 with open(self.log_path(rank), "w") as log:
                     self.ranks.append(subprocess.Popen(
-                        [sys.executable, "-c", f"{prelude}\n{run}", *flags], cwd=REPO,
+                        [sys.executable, "-c", f"{restore}\n{prelude}\n{run}", *flags], cwd=REPO,
                         env=rank_env, stdout=log, stderr=subprocess.STDOUT,
                         start_new_session=True))
         except BaseException:
