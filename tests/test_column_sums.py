@@ -1,6 +1,6 @@
-"""column_sums: the layers' bias gradients (a product with a row of ones) against float64, and
-the launch shape of the kernels that leave partial sums (their finishing is checked through
-the norm's and bias-GeLU's gradients, tests/test_triton_norm.py and test_triton_gelu.py)."""
+"""column_sums: the layers' bias gradients (a product with a row of ones) and the finishing of
+per-program partial sums against float64, and the launch shape of the kernels that leave
+partial sums."""
 
 from __future__ import annotations
 
@@ -31,6 +31,21 @@ def test_column_sum_matches_float64(shape, dtype):
     assert ((got.double() - exact).abs() <= ulp).all()
     assert torch.equal(column_sums.column_sum(x), got)  # bitwise repeatable
     assert torch.equal(column_sums.column_sum(x, torch.float32), got.float())
+
+
+@needs_gpu
+@pytest.mark.parametrize("shape", [(2, 132, 2048), (64, 8192), (2, 5, 7), (1, 1500, 33)])
+def test_finish_sums_the_partial_rows_once_rounded(shape):
+    """The norm's [weight, bias] partials, bias-GeLU's, odd sizes, and more rows than one
+    tile holds (torch's path)."""
+    generator = torch.Generator().manual_seed(5)
+    partials = torch.randn(shape, generator=generator).cuda()
+    exact = partials.double().sum(-2)
+    got = column_sums.finish(partials, torch.bfloat16)
+    assert got.shape == exact.shape and got.dtype == torch.bfloat16
+    ulp = exact.abs() * torch.finfo(torch.bfloat16).eps + 1e-5 * shape[-2]
+    assert ((got.double() - exact).abs() <= ulp).all()
+    assert torch.equal(column_sums.finish(partials, torch.bfloat16), got)
 
 
 def test_row_programs_cover_the_rows_in_whole_blocks():
