@@ -56,17 +56,17 @@ class _BiasInEpilogueLinear(torch.autograd.Function):
     """output = input @ weight^T + bias on 2-D input, the bias added by the GEMM."""
 
     @staticmethod
-    def forward(ctx, input, weight, bias, accumulate_into_main_grad, triton_bias_grad):
+    def forward(ctx, input, weight, bias, accumulate_into_main_grad, gemv_bias_grad):
         ctx.save_for_backward(input, weight)
         ctx.accumulate = accumulate_into_main_grad and hasattr(weight, "main_grad")
-        ctx.triton_bias_grad = triton_bias_grad
+        ctx.gemv_bias_grad = gemv_bias_grad
         return torch.addmm(bias, input, weight.t())
 
     @staticmethod
     def backward(ctx, grad_output):
         input, weight = ctx.saved_tensors
         grad_input = grad_output.matmul(weight)
-        if ctx.triton_bias_grad and column_sums.available(grad_output):
+        if ctx.gemv_bias_grad and column_sums.available(grad_output):
             grad_bias = column_sums.column_sum(grad_output)
         else:
             grad_bias = grad_output.sum(dim=0)
@@ -79,17 +79,17 @@ class _BiasInEpilogueLinear(torch.autograd.Function):
 
 
 def biased_linear(input, weight, bias, accumulate_into_main_grad: bool,
-                  triton_bias_grad: bool = False) -> torch.Tensor:
+                  gemv_bias_grad: bool = False) -> torch.Tensor:
     """[..., in] -> [..., out]; the reshapes stay outside the autograd.Function so the result
     is an ordinary view that callers may modify in place (megatron-core's cross-entropy
-    does, on BERT's biased output layer). triton_bias_grad: the bias gradient by
-    column_sums.column_sum on a GPU (torch's `sum(0)` otherwise)."""
+    does, on BERT's biased output layer). gemv_bias_grad: the bias gradient as a row of
+    ones times the output gradient on a GPU (column_sums.py; torch's `sum(0)` otherwise)."""
     output = _BiasInEpilogueLinear.apply(input.reshape(-1, input.shape[-1]), weight, bias,
-                                         accumulate_into_main_grad, triton_bias_grad)
+                                         accumulate_into_main_grad, gemv_bias_grad)
     return output.view(*input.shape[:-1], weight.shape[0])
 
 
-def _bias_in_epilogue(megatron_impl, triton_bias_grad, input, weight, bias,
+def _bias_in_epilogue(megatron_impl, gemv_bias_grad, input, weight, bias,
                       gradient_accumulation_fusion, allreduce_dgrad, sequence_parallel,
                       grad_output_buffer=None, **kwargs):
     """ColumnParallelLinear._forward_impl with the bias in the GEMM where the layout allows
@@ -100,7 +100,7 @@ def _bias_in_epilogue(megatron_impl, triton_bias_grad, input, weight, bias,
                              gradient_accumulation_fusion=gradient_accumulation_fusion,
                              allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,
                              grad_output_buffer=grad_output_buffer, **kwargs)
-    return biased_linear(input, weight, bias, gradient_accumulation_fusion, triton_bias_grad)
+    return biased_linear(input, weight, bias, gradient_accumulation_fusion, gemv_bias_grad)
 
 
 class _EmbeddingIntoMainGrad(torch.autograd.Function):
@@ -156,8 +156,8 @@ class WordEmbeddingIntoMainGrad(VocabParallelEmbedding):
 
 def install_fused_layers(model: torch.nn.Module, config, triton_fusions: bool) -> None:
     """Switch a freshly built model chunk's layers to the paths above (tensor-parallel size
-    1, no sequence parallelism; the layers themselves fall back per call otherwise), their
-    bias gradients by Triton's column sum with `triton_fusions`."""
+    1, no sequence parallelism; the layers themselves fall back per call otherwise), with
+    `triton_fusions` their bias gradients by column_sums.column_sum."""
     if config.tensor_model_parallel_size > 1 or config.sequence_parallel:
         return
     for module in model.modules():

@@ -6,11 +6,11 @@ for the weight and bias gradients, which reads the input and the output gradient
 (on an H200 at the GPT's [4096, 2048] bf16 rows: 19 + 19 + 23 us, 48 ms per iteration of
 ../shared/GPU.md's GPT). Here the backward reads each row once and makes all three: every
 program takes a run of rows, writes their input gradients and sums their weight and bias
-contributions in fp32; a torch reduction then adds the programs' partial sums, so the
-result does not depend on which program finished first (no atomics). The loop over a
-program's rows is software-pipelined (loads of the next row steps in flight): 28.5 us in
-all with the residual's gradient added (TritonResidualNorm), against 33 us unpipelined and
-55 us for torch's two kernels plus autograd's separate add.
+contributions in fp32; a small second kernel (column_sums.finish) adds the programs' partial
+sums, so the result does not depend on which program finished first (no atomics). The loop
+over a program's rows is software-pipelined (loads of the next row steps in flight): 28 us
+in all with the residual's gradient added (TritonResidualNorm) and torch's finishing, against
+33 us unpipelined and about 55 us for torch's two kernels plus autograd's separate add.
 """
 
 from __future__ import annotations
