@@ -11,7 +11,6 @@ deterministic (no atomics in a GEMM with one output row).
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import torch
 
@@ -46,9 +45,10 @@ def finish(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[groups, count, columns] (or [count, columns]) fp32 partial sums -> [groups, columns]
     (or [columns]) sums over count, in dtype. One Triton launch that holds a program's whole
     column block in registers (torch's sum and cast are two launches: 6.9 us on an H200 for the
-    norm's [2, 264, 2048]); torch's ops where the partials are on the CPU or too many."""
+    norm's [2, 264, 2048]); torch's ops where the partials are on the CPU or too many. The
+    partials come from Triton kernels, so Triton is there whenever they are on a GPU."""
     count = partials.shape[-2]
-    if not partials.is_cuda or count > FINISH_MAX_COUNT or not _triton_importable():
+    if not partials.is_cuda or count > FINISH_MAX_COUNT:
         return partials.sum(-2).to(dtype)
     stacked = partials.reshape(-1, count, partials.shape[-1]).contiguous()
     groups, _, columns = stacked.shape
@@ -59,11 +59,6 @@ def finish(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         stacked, out, count, columns, BLOCK_ROWS=block_rows, BLOCK_COLUMNS=block_columns,
         num_warps=4)
     return out.view(partials.shape[:-2] + (columns,))
-
-
-@functools.cache
-def _triton_importable() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 @functools.cache

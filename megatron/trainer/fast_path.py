@@ -8,8 +8,9 @@ the project's Triton kernels for the local layers' norms, bias-dropout-add and b
 (triton_norm.py, triton_dropout.py, triton_gelu.py).
 Each is a default only: given explicitly, a flag is the user's choice and is validated as
 such (arguments.py); switched off (`--cuda-graph-impl none`, `--no-cross-entropy-loss-fusion`,
-`--no-gradient-accumulation-fusion`, `--no-triton-fusions`) it stays off. Where a default cannot hold, the run falls
-back and `log_fallbacks` says, in one line per feature, every reason that applies.
+`--no-gradient-accumulation-fusion`, `--no-triton-fusions`) it stays off. Where a default
+cannot hold, the run falls back and `log_fallbacks` says, in one line per feature, every
+reason that applies.
 
 `resolve` is a pure function of the flags and of what the machine offers (`Machine`), so
 each condition is testable on a machine without a GPU.
@@ -66,8 +67,9 @@ def on_gpu(args, machine: Machine) -> bool:
 
 def resolve(args, machine: Machine) -> list[str]:
     """Settle the defaults of `args` (`cuda_graph_impl` "auto", `cross_entropy_loss_fusion`
-    None, `gradient_accumulation_fusion` True, `triton_fusions` None) for this machine; returns one line per
-    default that fell back, naming its reasons. Explicit choices are left as given."""
+    None, `gradient_accumulation_fusion` True, `triton_fusions` None) for this machine;
+    returns one line per default that fell back, naming its reasons. Explicit choices are
+    left as given."""
     gpu = on_gpu(args, machine)
     no_gpu = ("no CUDA GPU on this machine" if not machine.cuda else
               "--distributed-backend gloo runs the ranks on the CPU")
