@@ -12,6 +12,11 @@ import pytest
 
 MIN_CORES_FOR_PARALLEL_FILES = 8
 
+# torch.compile (megatron-core's fused ops) would start a pool of one compiler process per
+# core in every rank that compiles: 16 on the GPU machines, in each of several ranks per test
+# and several tests at once. The tests' kernels are few and small: compile them in-process.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 
 @pytest.hookimpl(optionalhook=True)  # pytest without pytest-xdist runs the files in turn
 def pytest_xdist_auto_num_workers(config):
