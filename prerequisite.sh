@@ -63,7 +63,15 @@ if [ -n "$missing" ]; then
   "$PY" -m pip install -q "${pip_local[@]}" $missing ||
     { echo "prerequisite.sh: could not install: $missing (offline? put their wheels in .whl/ or PIP_FIND_LINKS)" >&2; exit 1; }
 fi
-if ! "$PY" -c "import importlib.metadata as m; m.version('megatron-dpp')" 2>/dev/null ||
-    [ -z "$(ls megatron/dpp/_native*.so 2>/dev/null)" ]; then
+# (re)build the native extensions when missing or older than their sources; on a GPU machine
+# the cuBLASLt GEMMs (csrc/gemm) as well
+native_stale() {
+  local built
+  built=$(ls megatron/dpp/_native*.so 2>/dev/null | head -n 1)
+  [ -z "$built" ] && return 0
+  [ -n "$(find csrc setup.py -newer "$built" -print -quit)" ] && return 0
+  command -v nvidia-smi >/dev/null 2>&1 && [ -z "$(ls megatron/trainer/_gemm_epilogues*.so 2>/dev/null)" ]
+}
+if ! "$PY" -c "import importlib.metadata as m; m.version('megatron-dpp')" 2>/dev/null || native_stale; then
   "$PY" -m pip install -q --no-build-isolation --no-deps -e .
 fi

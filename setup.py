@@ -1,6 +1,7 @@
-"""Installs MegatronDPP and builds its native transport extension (csrc/)."""
+"""Installs MegatronDPP and builds its native extensions (csrc/)."""
 
 import glob
+import logging
 import os
 
 from setuptools import find_namespace_packages, setup
@@ -13,7 +14,7 @@ def native_extension():
     sources = sorted(glob.glob("csrc/*.cpp"))
     macros, libraries = [], ["rt"]
     cuda_sources = sorted(glob.glob("csrc/*.cu"))
-    with_cuda = cpp_extension.CUDA_HOME is not None and _torch_has_cuda()
+    with_cuda = _with_cuda()
     if with_cuda:
         sources += cuda_sources
         macros.append(("DPP_WITH_CUDA", "1"))
@@ -35,6 +36,52 @@ def native_extension():
     )
 
 
+def _cublaslt_location():
+    """(include dir, link arguments) for cuBLASLt: the CUDA toolkit's, else the one pip's
+    nvidia packages hold (torch's own); None where neither is there."""
+    from torch.utils import cpp_extension
+
+    home = cpp_extension.CUDA_HOME
+    if home and os.path.exists(os.path.join(home, "include", "cublasLt.h")):
+        for libdir in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib")):
+            if glob.glob(os.path.join(home, libdir, "libcublasLt.so*")):
+                return os.path.join(home, "include"), [f"-L{os.path.join(home, libdir)}",
+                                                       "-lcublasLt"]
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    for root in nvidia.__path__:
+        for header in sorted(glob.glob(os.path.join(root, "*", "include", "cublasLt.h"))):
+            package = os.path.dirname(os.path.dirname(header))
+            libraries = sorted(glob.glob(os.path.join(package, "lib", "libcublasLt.so*")))
+            if libraries:  # pip ships the versioned name only: link it by path
+                return os.path.dirname(header), [libraries[0],
+                                                 f"-Wl,-rpath,{os.path.dirname(libraries[0])}"]
+    return None
+
+
+def gemm_extension():
+    """megatron.trainer._gemm_epilogues (csrc/gemm/): host code calling cuBLASLt, built
+    where CUDA and cuBLASLt are; the MLP's GEMMs fall back to torch's without it."""
+    from torch.utils import cpp_extension
+
+    location = _cublaslt_location()
+    if location is None:
+        logging.getLogger("setup").warning(
+            "cuBLASLt headers not found: megatron.trainer._gemm_epilogues is not built (the "
+            "MLP keeps separate GEMM and GeLU kernels)")
+        return None
+    include, link = location
+    return cpp_extension.CUDAExtension(
+        name="megatron.trainer._gemm_epilogues",
+        sources=sorted(glob.glob("csrc/gemm/*.cpp")),
+        include_dirs=[include],
+        extra_link_args=link,
+        extra_compile_args={"cxx": ["-O2", "-std=c++17"], "nvcc": []},
+    )
+
+
 def _torch_has_cuda():
     import torch
 
@@ -47,7 +94,17 @@ def extensions():
         return [], {}
     from torch.utils.cpp_extension import BuildExtension
 
-    return [native_extension()], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+    modules = [native_extension()]
+    if _with_cuda():
+        modules.append(gemm_extension())
+    return ([module for module in modules if module is not None],
+            {"build_ext": BuildExtension.with_options(use_ninja=True)})
+
+
+def _with_cuda() -> bool:
+    from torch.utils import cpp_extension
+
+    return cpp_extension.CUDA_HOME is not None and _torch_has_cuda()
 
 
 ext_modules, cmdclass = extensions()

@@ -142,6 +142,8 @@ CONFIGS |= {
     "one-gpu-cudnn": [*FUSED[:1], *XENT, *GRAPHS, "--attention-backend", "fused"],
     # the defaults with torch's norm and megatron-core's compiled fusions, not the Triton ones
     "one-gpu-torch-kernels": ["--no-triton-fusions"],
+    # the defaults with fc1's GEMM then the Triton bias-GeLU, not the cuBLASLt epilogues
+    "one-gpu-no-gelu-epilogue": ["--no-gelu-gemm-epilogue"],
 }
 # issue 23's acceptance: the defaults' share of the fastest flags' tokens/s, and their MFU
 ACCEPTANCE = {"one-gpu-default": ("one-gpu-fastest", 0.98, 55.0)}
@@ -173,6 +175,7 @@ RATIOS = (
     ("one-gpu-default", "one-gpu-fastest"), ("one-gpu-default", "one-gpu-local"),
     ("one-gpu-default", "one-default"), ("one-gpu-cudnn", "one-gpu-flash"),
     ("one-gpu-default", "one-gpu-flash"), ("one-gpu-default", "one-gpu-torch-kernels"),
+    ("one-gpu-default", "one-gpu-no-gelu-epilogue"),
 )
 
 LINE = re.compile(

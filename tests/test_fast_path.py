@@ -19,7 +19,7 @@ from megatron.trainer.arguments import ArgumentError, parse_args
 from tests.distributed import run_ranks
 from tests.trainer_runs import TINY, train_runs, with_flags
 
-GPU_MACHINE = dict(cuda=True, triton=True, transformer_engine=False)
+GPU_MACHINE = dict(cuda=True, triton=True, transformer_engine=False, gemm_epilogues=True)
 FLAGS = with_flags(TINY, train_iters=2, global_batch_size=8)
 
 
@@ -38,16 +38,18 @@ def test_everything_on_where_nothing_rules_it_out():
     args = _resolved(FLAGS)
     assert (args.cuda_graph_impl, args.cross_entropy_loss_fusion,
             args.cross_entropy_fusion_impl, args.gradient_accumulation_fusion,
-            args.triton_fusions) == ("block", True, "triton", True, True)
+            args.triton_fusions, args.gelu_gemm_epilogue) == ("block", True, "triton", True,
+                                                               True, True)
     assert args.fast_path_fallbacks == []
 
 
 def test_each_switch_turns_its_feature_off_without_a_line():
     args = _resolved([*FLAGS, "--cuda-graph-impl", "none", "--no-cross-entropy-loss-fusion",
-                      "--no-gradient-accumulation-fusion", "--no-triton-fusions"])
+                      "--no-gradient-accumulation-fusion", "--no-triton-fusions",
+                      "--no-gelu-gemm-epilogue"])
     assert (args.cuda_graph_impl, args.cross_entropy_loss_fusion,
-            args.gradient_accumulation_fusion, args.triton_fusions) == ("none", False, False,
-                                                                        False)
+            args.gradient_accumulation_fusion, args.triton_fusions,
+            args.gelu_gemm_epilogue) == ("none", False, False, False, False)
     assert args.fast_path_fallbacks == []
 
 
@@ -55,12 +57,14 @@ def test_each_switch_turns_its_feature_off_without_a_line():
     ([], dict(transformer_engine=True), fast_path.CUDA_GRAPHS, "Transformer Engine layers"),
     (["--attention-backend", "local"], {}, fast_path.CUDA_GRAPHS, "--attention-backend local"),
     ([], dict(transformer_engine=True), fast_path.TRITON_FUSIONS, "Transformer Engine layers"),
+    ([], dict(transformer_engine=True), fast_path.GELU_EPILOGUE, "Transformer Engine layers"),
     ([], dict(triton=False), fast_path.CROSS_ENTROPY, "Triton is not importable"),
     ([], dict(triton=False), fast_path.TRITON_FUSIONS, "Triton is not importable"),
     (["--cross-entropy-fusion-impl", "te"], {}, fast_path.CROSS_ENTROPY,
      "needs Transformer Engine"),
     (["--deterministic-mode"], {}, fast_path.CROSS_ENTROPY, "--deterministic-mode"),
-], ids=["te-layers", "attention-local", "te-layers-triton", "no-triton", "no-triton-triton",
+], ids=["te-layers", "attention-local", "te-layers-triton", "te-layers-gelu-epilogue",
+        "no-triton", "no-triton-triton",
         "te-impl-without-te", "deterministic"])
 def test_conditions_that_need_a_gpu_to_train_name_their_reason(flags, machine, feature, reason):
     """Conditions whose run needs CUDA (or a package this machine lacks): the decision only
@@ -121,36 +125,49 @@ def _check_trained(result, iterations=2):
         math.isfinite(value) for losses in result["losses"] for value in losses.values())
 
 
-# (extra flags, feature that falls back, the reason it names)
+NO_GRAPHS = ["--cuda-graph-impl", "none"]  # where no condition turns them off: no GPU here
+# (machine, extra flags, {feature that falls back: the reason its line names})
 FALLBACKS = [
-    (["--tensor-model-parallel-size", "2"], fast_path.CUDA_GRAPHS,
-     "--tensor-model-parallel-size 2"),
-    (["--recompute-activations"], fast_path.CUDA_GRAPHS, "activation recomputation"),
-    (["--overlap-grad-reduce"], fast_path.CUDA_GRAPHS, "--overlap-grad-reduce"),
-    (["--seq-length-cv", "0.5"], fast_path.CUDA_GRAPHS, "--seq-length-cv 0.5"),
-    # (graphs off: these ranks have no GPU to record them on)
-    (["--cross-entropy-fusion-impl", "native", "--cuda-graph-impl", "none"],
-     fast_path.CROSS_ENTROPY, "native needs --bf16"),
+    ({}, ["--tensor-model-parallel-size", "2"],
+     {fast_path.CUDA_GRAPHS: "--tensor-model-parallel-size 2",
+      fast_path.GELU_EPILOGUE: "--tensor-model-parallel-size 2"}),
+    ({}, ["--recompute-activations"], {fast_path.CUDA_GRAPHS: "activation recomputation"}),
+    ({}, ["--overlap-grad-reduce"], {fast_path.CUDA_GRAPHS: "--overlap-grad-reduce"}),
+    ({}, ["--seq-length-cv", "0.5"], {fast_path.CUDA_GRAPHS: "--seq-length-cv 0.5"}),
+    ({}, ["--cross-entropy-fusion-impl", "native", *NO_GRAPHS],
+     {fast_path.CROSS_ENTROPY: "native needs --bf16"}),
+    (dict(gemm_epilogues=False), NO_GRAPHS,
+     {fast_path.GELU_EPILOGUE: "_gemm_epilogues is not built"}),
+    ({}, ["--swiglu", *NO_GRAPHS], {fast_path.GELU_EPILOGUE: "--swiglu"}),
+    ({}, ["--squared-relu", *NO_GRAPHS], {fast_path.GELU_EPILOGUE: "--squared-relu"}),
+    ({}, ["--no-bias-gelu-fusion", *NO_GRAPHS],
+     {fast_path.GELU_EPILOGUE: "--no-bias-gelu-fusion"}),
+    ({}, ["--disable-bias-linear", *NO_GRAPHS],
+     {fast_path.GELU_EPILOGUE: "--disable-bias-linear"}),
+    ({}, ["--use-distributed-optimizer", "--overlap-param-gather", "--overlap-grad-reduce"],
+     {fast_path.CUDA_GRAPHS: "--overlap-param-gather",
+      fast_path.GELU_EPILOGUE: "--overlap-param-gather"}),
 ]
 GLOO = "--distributed-backend gloo runs the ranks on the CPU"
 
 
 def test_each_fallback_logs_its_reason_and_trains():
-    runs = [({}, [*FLAGS, *flags]) for flags, _, _ in FALLBACKS]
-    # a GPU machine whose ranks run over gloo compute on the CPU: all four fall back; and
+    runs = [(machine, [*FLAGS, *flags]) for machine, flags, _ in FALLBACKS]
+    # a GPU machine whose ranks run over gloo compute on the CPU: all five fall back; and
     # this machine, which has no GPU
     runs += [({}, [*FLAGS, "--distributed-backend", "gloo"]), (None, FLAGS)]
     results = run_ranks(2, _runs_on_machines, runs, 2, "gpt")[-1]
-    for (_, feature, reason), result, (_, flags) in zip(FALLBACKS, results, runs, strict=False):
-        lines = _fallback_lines(result)
-        assert len(lines) == 1 and lines[0].startswith(feature + " off: "), (flags, lines)
-        assert reason in lines[0]
+    for (_, flags, expected), result in zip(FALLBACKS, results, strict=False):
+        lines = dict(line.split(" off: ", 1) for line in _fallback_lines(result))
+        assert sorted(lines) == sorted(expected), (flags, lines)
+        for feature, reason in expected.items():
+            assert reason in lines[feature], (flags, lines[feature])
         _check_trained(result)
     for result, reason in zip(results[-2:], (GLOO, "no CUDA GPU on this machine"), strict=True):
         lines = _fallback_lines(result)
         assert sorted(line.split(" off: ")[0] for line in lines) == sorted(
             [fast_path.CUDA_GRAPHS, fast_path.CROSS_ENTROPY, fast_path.GRAD_ACCUMULATION,
-             fast_path.TRITON_FUSIONS])
+             fast_path.TRITON_FUSIONS, fast_path.GELU_EPILOGUE])
         assert all(reason in line for line in lines), lines
         _check_trained(result)
 

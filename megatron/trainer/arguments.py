@@ -303,6 +303,11 @@ def _fast_path_args(g):
                    help="torch's layer norm and megatron-core's torch.compile'd "
                         "bias-dropout-add and bias-GeLU, not the project's Triton kernels "
                         "(the default on a GPU with Triton; fast_path.py)")
+    g.add_argument("--no-gelu-gemm-epilogue", dest="gelu_gemm_epilogue", action="store_false",
+                   default=None,
+                   help="fc1's GEMM then a separate bias-GeLU kernel, not cuBLASLt's "
+                        "bias-GeLU epilogue (the default on a GPU for the local layers' MLP; "
+                        "fast_path.py)")
 
 
 CKPT_FORMATS = ("torch_dist", "torch")

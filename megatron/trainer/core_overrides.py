@@ -365,6 +365,12 @@ LAYER_SUBMODULES = Internal(
     "trainer/models.py _with_norms, _with_sdpa, _with_triton_bias_dropout_add",
     fields=("input_layernorm", "pre_mlp_layernorm", "self_attention", "self_attn_bda",
             "mlp_bda"))
+# gelu_mlp.install: the dense MLP's forward, per instance, where gelu_mlp.applies_to holds
+MLP_FORWARD = Internal(
+    "megatron.core.transformer.mlp:MLP.forward", "replaced", "trainer/gelu_mlp.py install",
+    positional=(("self", "hidden_states", "per_token_scale"),),
+    read_by=("self.linear_fc1", "self.linear_fc2", "bias_gelu_impl(intermediate_parallel, "
+             "bias_parallel)", "self.activation_func = ", "return output, output_bias"))
 # triton_gelu.installed: the MLP's bias-GeLU, which it imports by name
 MLP_BIAS_GELU = Internal(
     "megatron.core.transformer.mlp:bias_gelu_impl", "replaced", "trainer/triton_gelu.py installed",

@@ -1,14 +1,16 @@
 """The fast path, on by default where its conditions hold.
 
-Four speed features are on unless the run rules them out: CUDA graphs of the transformer
+Five speed features are on unless the run rules them out: CUDA graphs of the transformer
 blocks (`--cuda-graph-impl block`, cuda_graphs.py), the single-pass cross-entropy
 (`--cross-entropy-loss-fusion --cross-entropy-fusion-impl triton`, cross_entropy.py), the
-gradient-accumulation fusion (the weight-gradient GEMM adds into main_grad, no_apex.py) and
+gradient-accumulation fusion (the weight-gradient GEMM adds into main_grad, no_apex.py),
 the project's Triton kernels for the local layers' norms, bias-dropout-add and bias-GeLU
-(triton_norm.py, triton_dropout.py, triton_gelu.py).
+(triton_norm.py, triton_dropout.py, triton_gelu.py) and the MLP's bias-GeLU inside its
+GEMMs (gelu_mlp.py, gemm_epilogues.py).
 Each is a default only: given explicitly, a flag is the user's choice and is validated as
 such (arguments.py); switched off (`--cuda-graph-impl none`, `--no-cross-entropy-loss-fusion`,
-`--no-gradient-accumulation-fusion`, `--no-triton-fusions`) it stays off. Where a default
+`--no-gradient-accumulation-fusion`, `--no-triton-fusions`, `--no-gelu-gemm-epilogue`) it
+stays off. Where a default
 cannot hold, the run falls back and `log_fallbacks` says, in one line per feature, every
 reason that applies.
 
@@ -28,6 +30,7 @@ CUDA_GRAPHS = "CUDA-graph blocks (--cuda-graph-impl block)"
 CROSS_ENTROPY = "single-pass cross-entropy (--cross-entropy-loss-fusion)"
 GRAD_ACCUMULATION = "gradient-accumulation fusion"
 TRITON_FUSIONS = "Triton layer norm, bias-dropout-add and bias-GeLU"
+GELU_EPILOGUE = "bias-GeLU in the MLP's GEMM epilogues (cuBLASLt)"
 
 # The graphed B/W test with W out of order passes on an H200 (tests/test_weight_grad.py), but
 # graphed against eager W tasks in a pipeline is a two-GPU measurement not made yet: off by
@@ -43,16 +46,20 @@ class Machine:
     cuda: bool
     triton: bool
     transformer_engine: bool
+    gemm_epilogues: bool  # the native module megatron.trainer._gemm_epilogues was built
 
     @classmethod
     def detect(cls) -> Machine:
         import torch
 
+        from megatron.trainer import gemm_epilogues
+
         cuda = torch.cuda.is_available()
         return cls(cuda=cuda,
                    triton=cuda and importlib.util.find_spec("triton") is not None,
                    transformer_engine=cuda and importlib.util.find_spec(
-                       "transformer_engine") is not None)
+                       "transformer_engine") is not None,
+                   gemm_epilogues=cuda and gemm_epilogues.built())
 
 
 class GraphsRefused(ValueError):
@@ -67,7 +74,8 @@ def on_gpu(args, machine: Machine) -> bool:
 
 def resolve(args, machine: Machine) -> list[str]:
     """Settle the defaults of `args` (`cuda_graph_impl` "auto", `cross_entropy_loss_fusion`
-    None, `gradient_accumulation_fusion` True, `triton_fusions` None) for this machine;
+    None, `gradient_accumulation_fusion` True, `triton_fusions` and `gelu_gemm_epilogue`
+    None) for this machine;
     returns one line per default that fell back, naming its reasons. Explicit choices are
     left as given."""
     gpu = on_gpu(args, machine)
@@ -99,6 +107,12 @@ def resolve(args, machine: Machine) -> list[str]:
         args.triton_fusions = not reasons
         if reasons:
             fallbacks.append(_line(TRITON_FUSIONS, reasons, "--no-triton-fusions"))
+
+    if args.gelu_gemm_epilogue is None:
+        reasons = ([] if gpu else [no_gpu]) + _gelu_epilogue_conflicts(args, machine)
+        args.gelu_gemm_epilogue = not reasons
+        if reasons:
+            fallbacks.append(_line(GELU_EPILOGUE, reasons, "--no-gelu-gemm-epilogue"))
 
     # the B/W split and the deferred output layer defer exactly these GEMMs, so they keep
     # them on the CPU as well
@@ -150,6 +164,27 @@ def _graph_conflicts(args, machine: Machine) -> list[str]:
          "are checked with megatron.core's local layers)"),
         (args.attention_backend == "local", "--attention-backend local (megatron-core's "
          "DotProductAttention is not checked under the graphs)"),
+    )
+    return [reason for bad, reason in checks if bad]
+
+
+def _gelu_epilogue_conflicts(args, machine: Machine) -> list[str]:
+    """What keeps the MLP off the epilogue GEMMs (gelu_mlp.applies_to, per run)."""
+    tp = args.tensor_model_parallel_size
+    activation = "--swiglu" if args.swiglu else "--squared-relu" if args.squared_relu else None
+    checks = (
+        (not machine.gemm_epilogues and machine.cuda, "megatron.trainer._gemm_epilogues is "
+         "not built (the project was installed without CUDA: run prerequisite.sh again)"),
+        (_transformer_engine_layers(args, machine), "Transformer Engine layers (their MLP "
+         "runs its own GEMMs)"),
+        (tp > 1, f"--tensor-model-parallel-size {tp} (the epilogue GEMMs are for one "
+         "tensor-parallel rank)"),
+        (activation is not None, f"{activation} (the epilogues compute the tanh GeLU)"),
+        (args.no_bias_gelu_fusion, "--no-bias-gelu-fusion (the MLP's exact GeLU, not the tanh "
+         "one of the epilogues)"),
+        (args.disable_bias_linear, "--disable-bias-linear (no fc1 bias for the epilogue)"),
+        (args.overlap_param_gather, "--overlap-param-gather (fc1's and fc2's forward "
+         "pre-hooks, which wait for their parameters, would be skipped)"),
     )
     return [reason for bad, reason in checks if bad]
 

@@ -52,6 +52,16 @@ def accumulate_weight_grad(input, grad_output, main_grad) -> None:
         kernels.wgrad_gemm_accum_fp16(input, grad_output, main_grad)
 
 
+def weight_grad(weight, input, grad_output, into_main_grad: bool) -> torch.Tensor | None:
+    """A linear layer's weight gradient from its 2-D input and output gradient: added to
+    main_grad where `into_main_grad` (the gradient-accumulation fusion, which the B/W split
+    may defer) with autograd's placeholder returned, else returned."""
+    if into_main_grad:
+        accumulate_weight_grad(input, grad_output, weight.main_grad)
+        return _dummy_weight_grad(weight, input.dtype)
+    return grad_output.t().matmul(input)
+
+
 class _BiasInEpilogueLinear(torch.autograd.Function):
     """output = input @ weight^T + bias on 2-D input, the bias added by the GEMM."""
 
@@ -70,12 +80,8 @@ class _BiasInEpilogueLinear(torch.autograd.Function):
             grad_bias = column_sums.column_sum(grad_output)
         else:
             grad_bias = grad_output.sum(dim=0)
-        if ctx.accumulate:
-            accumulate_weight_grad(input, grad_output, weight.main_grad)
-            grad_weight = _dummy_weight_grad(weight, input.dtype)
-        else:
-            grad_weight = grad_output.t().matmul(input)
-        return grad_input, grad_weight, grad_bias, None, None
+        return (grad_input, weight_grad(weight, input, grad_output, ctx.accumulate), grad_bias,
+                None, None)
 
 
 def biased_linear(input, weight, bias, accumulate_into_main_grad: bool,

@@ -25,7 +25,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron.trainer import core_overrides, triton_dropout
+from megatron.trainer import core_overrides, gelu_mlp, triton_dropout
 from megatron.trainer.attention import MLA_SDPA_BY_BACKEND, SDPA_BY_BACKEND
 from megatron.trainer.cross_entropy import vocab_parallel_cross_entropy
 from megatron.trainer.fused_layers import install_fused_layers
@@ -381,6 +381,9 @@ def _finish_stage(model, args, config):
     model.single_pass_cross_entropy = (args.cross_entropy_loss_fusion
                                        and args.cross_entropy_fusion_impl == "triton")
     install_fused_layers(model, config, bool(args.triton_fusions))
+    if args.gelu_gemm_epilogue:
+        log.info("%d MLPs compute bias-GeLU in their GEMM epilogues (gelu_mlp.py)",
+                 gelu_mlp.install(model))
     if config.defer_embedding_wgrad_compute:
         _defer_only_in_output_layer(model, config)
     return model

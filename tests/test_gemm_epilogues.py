@@ -1,0 +1,112 @@
+"""The cuBLASLt epilogue GEMMs (megatron/trainer/gemm_epilogues.py) against float64 math, and
+the MLP built on them (gelu_mlp.py) against megatron-core's fc1, bias-GeLU and fc2.
+
+They need a GPU and the native module, which prerequisite.sh builds where CUDA is.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.trainer import gemm_epilogues
+from tests.distributed import run_ranks
+from tests.trainer_runs import TINY, train_runs, with_flags
+
+needs_gemms = pytest.mark.skipif(
+    not (torch.cuda.is_available() and gemm_epilogues.built()),
+    reason="the epilogue GEMMs need a CUDA GPU and megatron.trainer._gemm_epilogues "
+           "(built by prerequisite.sh where CUDA is)")
+
+# largest error allowed, relative to the largest reference value: bf16 and fp16 round the
+# output once (and the pre-activation GeLU reads), fp32 accumulates over K in another order
+RELATIVE_ERROR = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+# (tokens, hidden, ffn): ../shared/GPU.md's GPT, and odd multiples of 8
+SHAPES = [(4096, 2048, 8192), (136, 72, 200)]
+
+
+def _gelu_tanh(x):
+    return 0.5 * x * (1 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3)))
+
+
+def _close(actual, reference, dtype):
+    reference = reference.to(torch.float64)
+    error = (actual.to(torch.float64) - reference).abs().max().item()
+    assert error <= RELATIVE_ERROR[dtype] * reference.abs().max().item(), error
+
+
+def _operands(tokens, hidden, ffn, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+
+    def make(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=generator)).to(dtype).cuda()
+
+    # scaled so the pre-activations span GeLU's curved middle and both tails
+    return (make(tokens, hidden), make(ffn, hidden, scale=2 / hidden ** 0.5), make(ffn),
+            make(hidden, ffn, scale=1 / ffn ** 0.5), make(tokens, hidden))
+
+
+@needs_gemms
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES, ids=["gpt", "odd"])
+def test_epilogues_compute_bias_gelu_and_its_gradient(shape, dtype):
+    x, w1, b1, w2, grad_y = _operands(*shape, dtype)
+    output, pre = gemm_epilogues.linear_bias_gelu(x, w1, b1)
+    reference_pre = x.double() @ w1.double().t() + b1.double()
+    _close(pre, reference_pre, dtype)
+    _close(output, _gelu_tanh(reference_pre), dtype)
+    assert output.dtype == pre.dtype == dtype
+
+    grad_pre, grad_bias = gemm_epilogues.gelu_backward_linear(grad_y, w2, pre)
+    # the derivative at the pre-activation the GEMM stored, as the backward reads it
+    at = pre.double().requires_grad_()
+    _gelu_tanh(at).backward(grad_y.double() @ w2.double())
+    _close(grad_pre, at.grad, dtype)
+    _close(grad_bias, at.grad.sum(0), dtype)
+    assert grad_bias.shape == b1.shape and grad_bias.dtype == dtype
+
+
+@needs_gemms
+def test_mlp_function_gives_the_unfused_gradients_and_accumulates_into_main_grad():
+    from megatron.trainer.gelu_mlp import _GeluMLP
+
+    x, w1, b1, w2, grad_y = _operands(136, 72, 200, torch.float32)
+    leaves = [t.clone().requires_grad_() for t in (x, w1, b1, w2)]
+    F.linear(F.gelu(F.linear(leaves[0], leaves[1], leaves[2]), approximate="tanh"),
+             leaves[3]).backward(grad_y)
+    fused = [t.clone().requires_grad_() for t in (x, w1, b1, w2)]
+    _GeluMLP.apply(*fused, False).backward(grad_y)
+    for mine, reference in zip(fused, leaves, strict=True):
+        _close(mine.grad, reference.grad, torch.float32)
+
+    # the gradient-accumulation fusion: weight gradients added to main_grad, placeholders out
+    fused = [t.clone().requires_grad_() for t in (x, w1, b1, w2)]
+    for weight in (fused[1], fused[3]):
+        weight.main_grad = torch.ones_like(weight)
+        weight.grad_added_to_main_grad = False
+    _GeluMLP.apply(*fused, True).backward(grad_y)
+    for weight, reference in ((fused[1], leaves[1]), (fused[3], leaves[3])):
+        _close(weight.main_grad - 1, reference.grad, torch.float32)
+        assert weight.grad_added_to_main_grad
+    _close(fused[0].grad, leaves[0].grad, torch.float32)
+
+
+@needs_gemms
+def test_trainer_defaults_train_as_without_the_epilogues():
+    """The defaults (MLPs on the epilogue GEMMs, graphed) against --no-gelu-gemm-epilogue
+    (fc1, Triton bias-GeLU, fc2) in fp32 without dropout: the same losses and gradient norms
+    up to the GEMMs' summation order."""
+    flags = with_flags(TINY, train_iters=3, global_batch_size=8, hidden_size=64,
+                       num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0)
+    fused, unfused = run_ranks(1, train_runs, [flags, [*flags, "--no-gelu-gemm-epilogue"]], 1,
+                               gpu=True)[0]
+    assert not [m for _, m in fused["logs"] if " off: " in m]
+    assert any("MLPs compute bias-GeLU in their GEMM epilogues" in m for _, m in fused["logs"])
+    assert not any("GEMM epilogues" in m for _, m in unfused["logs"])
+
+    def values(run):
+        losses = [value for step in run["losses"] for value in step.values()]
+        return torch.tensor([*losses, *run["grad_norms"]], dtype=torch.float64)
+
+    torch.testing.assert_close(values(fused), values(unfused), rtol=1e-4, atol=0)
