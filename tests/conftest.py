@@ -1,4 +1,5 @@
-"""How many xdist workers `pytest -n auto` starts (the README's test command).
+"""How many xdist workers `pytest -n auto` starts (the README's test command), and in what
+order they take the tests.
 
 Most tests start two to eight rank processes of their own. On a small machine (CI: 2 cores)
 parallel test files would only fight for the cores and run into their rendezvous and
@@ -22,3 +23,10 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 def pytest_xdist_auto_num_workers(config):
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return cores // 2 if cores >= MIN_CORES_FOR_PARALLEL_FILES else 1
+
+
+def pytest_collection_modifyitems(items):
+    """Tests marked `long` first. The README's command hands tests out one at a time
+    (`--dist load --maxschedchunk 1`), so every worker starts on a long test and the suite
+    ends on short ones; started late, one long test would end it alone."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)

@@ -176,6 +176,7 @@ def test_async_save_staged_in_shared_memory_resumes_exactly(saved_runs):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="megatron-core's persistent "
                     "checkpoint worker selects a CUDA device when it starts")
+@pytest.mark.long
 def test_persistent_worker_writes_shared_memory_copies_that_resume_exactly(tmp_path):
     # the case the flag is for: without it the worker process receives the GPU tensors
     # through CUDA IPC and copies them to the host itself

@@ -64,6 +64,7 @@ checkpointing.shutil.rmtree = killing_rmtree
 """
 
 
+@pytest.mark.long
 def test_a_full_disk_then_a_crashed_resave_leave_a_loadable_checkpoint(tmp_path):
     root = tmp_path / "ckpt"
     # the runs below resume with other --train-iters: the checkpoint's lr schedule continues

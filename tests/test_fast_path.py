@@ -181,6 +181,7 @@ def test_bert_falls_back_from_graphs_and_trains():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fast path's defaults need a GPU")
+@pytest.mark.long
 def test_default_graphs_equal_eager_through_the_trainer():
     """The trainer with its defaults (graphs, single-pass cross-entropy, accumulation fusion)
     against the same run in eager mode: the same losses, bit for bit, with dropout on."""
@@ -194,6 +195,7 @@ def test_default_graphs_equal_eager_through_the_trainer():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton fusions run on a GPU")
+@pytest.mark.long
 def test_triton_fusions_train_as_torchs_kernels():
     """The defaults (Triton norm handing back the residual, bias-GeLU, column sums) against
     `--no-triton-fusions` (torch's norm, megatron-core's fusions) in fp32 without dropout:

@@ -14,7 +14,13 @@ from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
 from megatron.trainer import no_apex
 from tests.distributed import run_ranks
 
+# megatron-core's fused functions without torch.compile: on the CPU it would build C++
+# kernels that no GPU run uses (10-70 s per process on a loaded machine); the functions' math
+# is what these tests check
+eagerly = torch._dynamo.config.patch(disable=True)
 
+
+@eagerly
 def test_bias_gelu_is_the_tanh_gelu():
     generator = torch.Generator().manual_seed(0)
     x = (torch.randn(64, 2, 96, generator=generator) * 3).requires_grad_()
@@ -34,6 +40,7 @@ def test_bias_gelu_is_the_tanh_gelu():
     torch.testing.assert_close(bias.grad, reference_bias.grad, rtol=1e-4, atol=1e-4)
 
 
+@eagerly
 def _cross_entropies(rank):
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
@@ -121,6 +128,7 @@ def _main_grads(rank, fused: bool, extra_flags=()):
                     "placeholder weight gradient on a CUDA device")
 @pytest.mark.parametrize("tying", [[], ["--untie-embeddings-and-output-weights"]],
                          ids=["tied", "untied"])
+@pytest.mark.long
 def test_weight_grad_accumulation_fusion_gives_the_unfused_gradients(tying):
     # the embedding accumulates into main_grad (fused_layers.py), untied and tied on one
     # stage, where the output layer's placeholder gradient is then left unfilled

@@ -93,6 +93,7 @@ def test_mlp_function_gives_the_unfused_gradients_and_accumulates_into_main_grad
 
 
 @needs_gemms
+@pytest.mark.long
 def test_trainer_defaults_train_as_without_the_epilogues():
     """The defaults (MLPs on the epilogue GEMMs, graphed) against --no-gelu-gemm-epilogue
     (fc1, Triton bias-GeLU, fc2) in fp32 without dropout: the same losses and gradient norms

@@ -244,6 +244,7 @@ def test_single_gpt_script_trains_on_cpu(single_gpt_run):
     assert "throughput: " in result.stdout and "tokens/s" in result.stdout
 
 
+@pytest.mark.long
 def test_single_bert_script_trains_on_cpu(tmp_path):
     result = run_script("run_single_bert.sh", script_env(tmp_path, TRAIN_ITERS=2,
                                                          LOG_INTERVAL=1, USE_DPP=0))
@@ -270,6 +271,7 @@ def test_single_process_trains_without_dpp_and_says_why(tmp_path):
 
 
 @pytest.mark.skipif(not torch_cuda_available(), reason="the one-GPU path needs a CUDA GPU")
+@pytest.mark.long
 def test_single_gpt_script_trains_on_one_gpu(tmp_path):
     env = script_env(tmp_path, TRAIN_ITERS=3, LOG_INTERVAL=1, GPUS_PER_NODE=1,
                      MODEL_SIZE="tiny", CUDA_VISIBLE_DEVICES="0")

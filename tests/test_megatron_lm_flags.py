@@ -340,6 +340,7 @@ def test_refusals_name_the_flag_and_the_reason(monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused rope, FlashAttention and "
                     "CUDA determinism paths need a CUDA GPU")
+@pytest.mark.long
 def test_gpu_paths_of_the_flags():
     """On one GPU (Transformer Engine where installed): bitwise reruns under
     --deterministic-mode, fused and unfused rope agree, --use-flash-attn trains."""

@@ -63,6 +63,7 @@ def test_bert_has_no_mla():
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="MLA's fused YaRN RoPE (Triton) and the fast path need a CUDA GPU")
+@pytest.mark.long
 def test_mla_fast_path_on_gpu_equals_unfused_eager():
     """Local MLA layers with the GPU defaults (fused YaRN RoPE, CUDA-graph blocks, fused
     cross-entropy) against the same run unfused and eager: the same losses."""

@@ -129,6 +129,7 @@ def test_flags_that_would_do_nothing_are_refused():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the state machine saves and restores "
                     "the CUDA generator and reduces its flags on CUDA tensors: needs a CUDA GPU")
+@pytest.mark.long
 def test_reruns_on_a_gpu():
     """One GPU, bf16, dropout on, the fast path's defaults (graphed blocks): the re-runs give
     the clean run's losses (bitwise: --deterministic-mode, as Megatron-LM's rerun tests)."""

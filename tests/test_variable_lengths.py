@@ -70,6 +70,7 @@ def assert_same_losses(losses, reference, name):
     assert losses == pytest.approx(reference, rel=2e-5, abs=1e-6), name
 
 
+@pytest.mark.long
 def test_variable_lengths_train_as_pp1_in_every_schedule(sample_prefix):
     """PP=2 and PP=4 under megatron-core's schedule (natural and cost order) and DPP (also
     with the B/W split, with virtual stages, with TP=2 and sequence parallelism padded to
