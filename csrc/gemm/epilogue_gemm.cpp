@@ -1,6 +1,6 @@
 // megatron.trainer._gemm_epilogues: cuBLASLt matrix products whose epilogue applies the
-// bias and the (tanh) GeLU forward, or the GeLU derivative and the bias gradient backward,
-// so that the MLP's activation costs no pass of its own over the [tokens, ffn] tensors.
+// bias and the (tanh) GeLU forward, or the GeLU derivative backward, so that the MLP's
+// activation costs no pass of its own over the [tokens, ffn] tensors.
 //
 // Plain pybind11 over raw addresses: megatron/trainer/gemm_epilogues.py checks the tensors
 // (dtype, device, layout, alignment) and allocates outputs and workspace; this file only
@@ -149,7 +149,8 @@ cudaDataType_t data_type(int code) {
     case 1: return CUDA_R_16F;
     case 2: return CUDA_R_32F;
     default:
-      throw std::invalid_argument("epilogue GEMM: dtype code must be 0 (bf16), 1 (fp16) or 2 (fp32)");
+      throw std::invalid_argument(
+          "epilogue GEMM: dtype code must be 0 (bf16), 1 (fp16) or 2 (fp32)");
   }
 }
 
@@ -166,13 +167,13 @@ class EpilogueGemm {
         bias, aux, workspace, workspace_bytes, stream);
   }
 
-  // D = op(A) op(B) * gelu'(aux); bias_grad = D summed over its n columns.
-  void dgelu_bgrad(int dtype, bool transa, bool transb, uint64_t m, uint64_t n, uint64_t k,
-                   uintptr_t a, int64_t lda, uintptr_t b, int64_t ldb, uintptr_t d, int64_t ldd,
-                   uintptr_t bias_grad, uintptr_t aux, uintptr_t workspace,
-                   uint64_t workspace_bytes, uintptr_t stream) {
-    run(CUBLASLT_EPILOGUE_DGELU_BGRAD, dtype, transa, transb, m, n, k, a, lda, b, ldb, d, ldd,
-        bias_grad, aux, workspace, workspace_bytes, stream);
+  // D = op(A) op(B) * gelu'(aux). (cuBLASLt's DGELU_BGRAD, which also sums the bias
+  // gradient, took 498 against 288 us for GEMM + Triton on the H200's fc2 shape.)
+  void dgelu(int dtype, bool transa, bool transb, uint64_t m, uint64_t n, uint64_t k,
+             uintptr_t a, int64_t lda, uintptr_t b, int64_t ldb, uintptr_t d, int64_t ldd,
+             uintptr_t aux, uintptr_t workspace, uint64_t workspace_bytes, uintptr_t stream) {
+    run(CUBLASLT_EPILOGUE_DGELU, dtype, transa, transb, m, n, k, a, lda, b, ldb, d, ldd, 0, aux,
+        workspace, workspace_bytes, stream);
   }
 
   size_t plans() const { return plans_.size(); }
@@ -204,7 +205,9 @@ class EpilogueGemm {
       found = plans_.emplace(key, std::move(plan)).first;
     }
     Plan& plan = *found->second;
-    plan.operation.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, reinterpret_cast<void*>(bias));
+    if (bias != 0) {
+      plan.operation.set(CUBLASLT_MATMUL_DESC_BIAS_POINTER, reinterpret_cast<void*>(bias));
+    }
     plan.operation.set(CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, reinterpret_cast<void*>(aux));
     const float one = 1.0f, zero = 0.0f;
     void* output = reinterpret_cast<void*>(d);
@@ -228,6 +231,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<EpilogueGemm>(m, "EpilogueGemm")
       .def(py::init<>())
       .def("gelu_aux_bias", &EpilogueGemm::gelu_aux_bias)
-      .def("dgelu_bgrad", &EpilogueGemm::dgelu_bgrad)
+      .def("dgelu", &EpilogueGemm::dgelu)
       .def_property_readonly("plans", &EpilogueGemm::plans);
 }

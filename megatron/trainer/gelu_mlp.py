@@ -11,7 +11,7 @@ returned unapplied, as the MLP's `skip_bias_add` does, for the bias-dropout-add.
 It applies with one tensor-parallel rank, megatron-core's own ColumnParallelLinear and
 RowParallelLinear (the local specs), a biased fc1 and megatron-core's fused tanh bias-GeLU;
 fast_path.py decides for the run and logs why not. A call it cannot take (a per-token scale,
-other keyword arguments, operands gemm_epilogues does not take) runs megatron-core's forward.
+operands gemm_epilogues does not take) runs megatron-core's forward.
 """
 
 from __future__ import annotations
@@ -55,9 +55,11 @@ class _GeluMLP(torch.autograd.Function):
 
 
 def _forward(mlp: MLP, megatron_forward, hidden_states, per_token_scale=None, **kwargs):
+    """MLP.forward; like megatron-core's dense MLP it ignores `kwargs` (the layer passes
+    MoE's padding_mask to every MLP)."""
     fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
     input = hidden_states.reshape(-1, hidden_states.shape[-1])
-    if (per_token_scale is not None or kwargs
+    if (per_token_scale is not None
             or not gemm_epilogues.available(input, fc1.weight, fc1.bias, fc2.weight)):
         return megatron_forward(hidden_states, per_token_scale, **kwargs)
     output = _GeluMLP.apply(input, fc1.weight, fc1.bias, fc2.weight,

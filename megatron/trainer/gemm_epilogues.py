@@ -2,9 +2,10 @@
 
 Forward, fc1's GEMM adds the bias, applies the tanh GeLU and also writes its input (the
 pre-activation) for the backward. Backward, fc2's input-gradient GEMM multiplies by the
-GeLU's derivative at that pre-activation and sums the bias gradient. Against a GEMM followed
-by triton_gelu's kernels this drops, per layer and microbatch, a read of the [tokens, ffn]
-pre-activation forward and a write and a read of fc2's input gradient backward.
+GeLU's derivative at that pre-activation; the bias gradient is a column sum of the result
+(column_sums.py). Against a GEMM followed by triton_gelu's kernels this drops, per layer and
+microbatch, a read of the [tokens, ffn] pre-activation forward and a write and a read of
+fc2's input gradient backward.
 
 The GeLU is cuBLASLt's tanh approximation, the one megatron-core's bias_gelu_impl computes.
 Tensors are 2-D, contiguous, of one dtype (bf16, fp16 or fp32, fp32 accumulation; fp32 has
@@ -17,6 +18,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from megatron.trainer import column_sums
 
 _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 # cuBLASLt's larger Hopper kernels ask for up to 32 MiB; allocated per call from torch's
@@ -87,15 +90,14 @@ def gelu_backward_linear(grad_output: torch.Tensor, weight: torch.Tensor,
     """The backward of `gelu(pre) @ weight^T` up to pre: grad_output [M, H], weight [H, N]
     (the next layer's), pre [M, N] -> (grad_pre, grad_bias) with
     grad_pre = (grad_output @ weight) * gelu'(pre) [M, N] and grad_bias its column sums [N]
-    (rounded to the dtype once, from fp32)."""
+    (column_sums.py: accumulated in fp32, rounded once)."""
     rows, outer = grad_output.shape
     features = weight.shape[1]
     if weight.shape[0] != outer or pre.shape != (rows, features):
         raise ValueError(f"gelu_backward_linear: grad_output {tuple(grad_output.shape)}, "
                          f"weight {tuple(weight.shape)} and pre {tuple(pre.shape)} do not match")
     grad_pre = pre.new_empty((rows, features))
-    grad_bias = pre.new_empty((features,))
     # column-major: D[N, M] = weight'[N, H] x grad_output'[H, M]
-    _launch("dgelu_bgrad", pre.dtype, pre.device, (False, False, features, rows, outer),
-            (weight, features, grad_output, outer, grad_pre, features, grad_bias, pre))
-    return grad_pre, grad_bias
+    _launch("dgelu", pre.dtype, pre.device, (False, False, features, rows, outer),
+            (weight, features, grad_output, outer, grad_pre, features, pre))
+    return grad_pre, column_sums.column_sum(grad_pre)
