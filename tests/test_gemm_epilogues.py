@@ -98,7 +98,11 @@ def _megatron_mlps(rank):
     calls it, with and without gelu_mlp.install: outputs, gradients, and how many forwards
     went through the epilogue GEMMs."""
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        model_parallel_cuda_manual_seed,
+    )
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -119,10 +123,10 @@ def _megatron_mlps(rank):
     gemm_epilogues.linear_bias_gelu = lambda *a: calls.append(1) or through_epilogues(*a)
     results = {}
     for fused in (False, True):
-        torch.manual_seed(1)
+        model_parallel_cuda_manual_seed(1)  # the same initial weights for both
         mlp = MLP(config, submodules).cuda()
-        with torch.no_grad():
-            mlp.linear_fc1.bias.normal_()  # megatron-core starts biases at zero
+        with torch.no_grad():  # megatron-core starts biases at zero
+            mlp.linear_fc1.bias.copy_(torch.randn(256, generator=torch.Generator().manual_seed(2)))
         installed = gelu_mlp.install(mlp) if fused else 0
         leaf = x.clone().requires_grad_()
         output, bias = mlp(leaf, padding_mask=None)  # as TransformerLayer calls it (0.19)
