@@ -1,9 +1,14 @@
 """Run a function on N gloo ranks in fresh processes (the tests' stand-in for torchrun).
 
-`run_ranks(n, fn, *args)` spawns n processes with torchrun's environment variables, calls
+`run_ranks(n, fn, *args)` starts n processes with torchrun's environment variables, calls
 `fn(rank, *args)` in each, and returns the list of their return values; an exception in
 any rank fails the call with that rank's traceback. The ranks see no GPU unless `gpu=True`:
 the CPU tests mean CPU processes on gloo, also on a machine that has GPUs.
+
+CPU ranks are forked from a server that imported torch, megatron.core and the trainer once
+(per test process): importing them took 3-5 s of CPU in every rank, most of the suite's CPU
+time. Each rank then takes the caller's environment as it is at the call, as a spawned
+process would. GPU ranks are spawned: the server runs without visible GPUs.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import traceback
 import warnings
 
 DEFAULT_TIMEOUT = 240
+PRELOADED = ["torch", "megatron.core", "megatron.trainer.training"]
 
 
 # Below Linux's ephemeral range (32768-60999): a port the kernel hands out is also what the
@@ -39,6 +45,7 @@ def free_port() -> int:
 
 
 def _entry(rank, world_size, port, fn, args, results, env):
+    os.environ.clear()
     os.environ.update(env)
     os.environ.update({
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
@@ -92,14 +99,21 @@ def run_ranks(world_size: int, fn, *args, timeout: float = DEFAULT_TIMEOUT, env=
 
 def _run_ranks_once(world_size, fn, args, timeout, env, reporting, gpu):
     reporting = list(range(world_size)) if reporting is None else list(reporting)
-    ctx = mp.get_context("spawn")
+    visible = {} if gpu else {"CUDA_VISIBLE_DEVICES": ""}
+    if gpu:
+        ctx = mp.get_context("spawn")
+    else:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOADED)  # read when the server starts (first call)
     results = ctx.Queue()
     port = free_port()
+    environment = {**os.environ, **visible, **(env or {})}
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results, env or {}))
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results, environment))
         for r in range(world_size)
     ]
-    with _inherited_environment({} if gpu else {"CUDA_VISIBLE_DEVICES": ""}):
+    # the server, started by the first call, keeps the environment of that start
+    with _inherited_environment(visible):
         for proc in procs:
             proc.start()
     outputs: dict[int, object] = {}
