@@ -8,7 +8,6 @@ import os
 import queue
 import random
 import signal
-import socket
 import threading
 import time
 import traceback
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from megatron.dpp.transport import native
+from tests.distributed import free_port
 
 pytestmark = pytest.mark.skipif(
     not native.available(), reason="native transport extension megatron.dpp._native not built")
@@ -28,12 +28,6 @@ SLOTS, SLOT_BYTES = 8, 64 << 10  # small ring: fragmentation and full-ring waits
 
 def shm_entries() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith("dpp-")}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def message_tensor(src: int, index: int) -> torch.Tensor:
