@@ -151,6 +151,7 @@ FALLBACKS = [
 GLOO = "--distributed-backend gloo runs the ranks on the CPU"
 
 
+@pytest.mark.long
 def test_each_fallback_logs_its_reason_and_trains():
     runs = [(machine, [*FLAGS, *flags]) for machine, flags, _ in FALLBACKS]
     # a GPU machine whose ranks run over gloo compute on the CPU: all five fall back; and
