@@ -174,7 +174,8 @@ def _gelu_epilogue_conflicts(args, machine: Machine) -> list[str]:
     activation = "--swiglu" if args.swiglu else "--squared-relu" if args.squared_relu else None
     checks = (
         (not machine.gemm_epilogues and machine.cuda, "megatron.trainer._gemm_epilogues is "
-         "not built (the project was installed without CUDA: run prerequisite.sh again)"),
+         "not built (installed without CUDA or cuBLASLt's headers: bash prerequisite.sh where "
+         "they are)"),
         (_transformer_engine_layers(args, machine), "Transformer Engine layers (their MLP "
          "runs its own GEMMs)"),
         (tp > 1, f"--tensor-model-parallel-size {tp} (the epilogue GEMMs are for one "

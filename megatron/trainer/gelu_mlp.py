@@ -3,10 +3,10 @@ bias-GeLU in their epilogues (gemm_epilogues.py), installed per MLP instance.
 
 The function saves what megatron-core's three steps save (fc1's input, the pre-activation,
 fc2's input) and computes the same gradients: backward, fc2's input-gradient GEMM yields the
-pre-activation's gradient and fc1's bias gradient at once; both weight gradients go through
-fused_layers.weight_grad, so the gradient-accumulation fusion and the zero-bubble B/W split
-(dpp/weight_grad.py) treat them as they treat megatron-core's linear layers. fc2's bias is
-returned unapplied, as the MLP's `skip_bias_add` does, for the bias-dropout-add.
+pre-activation's gradient, whose column sums are fc1's bias gradient; both weight gradients
+go through fused_layers.weight_grad, so the gradient-accumulation fusion and the zero-bubble
+B/W split (dpp/weight_grad.py) treat them as they treat megatron-core's linear layers. fc2's
+bias is returned unapplied, as the MLP's `skip_bias_add` does, for the bias-dropout-add.
 
 It applies with one tensor-parallel rank, megatron-core's own ColumnParallelLinear and
 RowParallelLinear (the local specs), a biased fc1 and megatron-core's fused tanh bias-GeLU;
