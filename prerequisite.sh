@@ -21,9 +21,10 @@ if [ ! -e /usr/include/infiniband/verbs.h ] && [ "$(id -u)" = 0 ] && command -v 
     echo "prerequisite.sh: could not install libibverbs-dev; the RDMA transport will not be built" >&2
 fi
 
-# Offline: only what is missing is installed, and from local wheels when there are some
-# (PIP_FIND_LINKS, or a .whl/ folder in this checkout): with everything installed, no
-# network is needed at all.
+# Offline: only what is missing is installed, and only from a .whl/ folder in this checkout
+# when there is one: with everything installed, no network is needed at all. PIP_FIND_LINKS
+# (pip reads it itself) adds local wheels without turning the package index off: machines
+# set it to a shared wheel folder that need not hold every requirement.
 missing=$("$PY" - requirements.txt <<'PYEOF'
 import importlib.metadata as metadata
 import sys
@@ -51,17 +52,14 @@ for line in open(sys.argv[1]):
 PYEOF
 )
 pip_local=()
-if [ -d .whl ] && [ -z "${PIP_FIND_LINKS:-}" ]; then
-  pip_local=(--find-links .whl)
-fi
-if [ -n "${PIP_FIND_LINKS:-}" ] || [ -d .whl ]; then
-  pip_local+=(--no-index)
+if [ -d .whl ]; then
+  pip_local=(--find-links .whl --no-index)
 fi
 if [ -n "$missing" ]; then
   echo "prerequisite.sh: installing" $missing >&2
   # shellcheck disable=SC2086  # one requirement per word
   "$PY" -m pip install -q "${pip_local[@]}" $missing ||
-    { echo "prerequisite.sh: could not install: $missing (offline? put their wheels in .whl/ or PIP_FIND_LINKS)" >&2; exit 1; }
+    { echo "prerequisite.sh: could not install: $missing (offline? put their wheels in .whl/)" >&2; exit 1; }
 fi
 # (re)build the native extensions when missing or older than their sources; on a GPU machine
 # the cuBLASLt GEMMs (csrc/gemm) as well

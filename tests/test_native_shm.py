@@ -30,6 +30,16 @@ def shm_entries() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith("dpp-")}
 
 
+def job_token() -> str:
+    """A job's segment-name token, so that a test looks for its own job's segments only
+    (test files running beside it create and remove theirs meanwhile)."""
+    return "test" + os.urandom(6).hex()
+
+
+def job_segments(token: str) -> set[str]:
+    return {name for name in shm_entries() if name.startswith(f"dpp-{token}-")}
+
+
 def message_tensor(src: int, index: int) -> torch.Tensor:
     """The index-th message of rank src: random dtype, rank and shape; every 500th is
     larger than several slots."""
@@ -70,7 +80,7 @@ def _edges():
     return [Edge(0, 1, MessageKind.ACTIVATION), Edge(1, 0, MessageKind.GRADIENT)]
 
 
-def exchange_worker(rank: int, port: int, messages: int, gpu_path: str | None,
+def exchange_worker(rank: int, port: int, messages: int, gpu_path: str | None, token: str,
                     results) -> None:
     """Both directions at once: a thread sends while the main thread takes the peer's
     messages in shuffled blocks (out of order) and checks each against its checksum.
@@ -86,7 +96,8 @@ def exchange_worker(rank: int, port: int, messages: int, gpu_path: str | None,
             torch.cuda.set_device(device)
         inbox = NativeInbox()
         backend = ShmBackend(timeout=10.0, slots=SLOTS, slot_bytes=SLOT_BYTES,
-                             device_slot_bytes=SLOT_BYTES, path=gpu_path or "auto")
+                             device_slot_bytes=SLOT_BYTES, path=gpu_path or "auto",
+                             token=token)
         senders, receivers = backend.open(_edges(), rank, inbox)
         (out_edge,), (in_edge,) = senders, receivers
         send_failure = []
@@ -123,7 +134,8 @@ def exchange_worker(rank: int, port: int, messages: int, gpu_path: str | None,
         results.put((rank, "error", traceback.format_exc()))
 
 
-def kill_worker(rank: int, port: int, victim: int, timeout: float, results) -> None:
+def kill_worker(rank: int, port: int, victim: int, timeout: float, token: str,
+                results) -> None:
     """Rank `victim` kills itself with SIGKILL after 50 messages; the other must raise a
     TransportError naming the dead peer within the timeout."""
     try:
@@ -133,8 +145,8 @@ def kill_worker(rank: int, port: int, victim: int, timeout: float, results) -> N
         from megatron.dpp.transport.shm import ShmBackend
 
         inbox = NativeInbox()
-        senders, _ = ShmBackend(timeout=timeout, slots=SLOTS, slot_bytes=SLOT_BYTES).open(
-            _edges()[:1], rank, inbox)
+        senders, _ = ShmBackend(timeout=timeout, slots=SLOTS, slot_bytes=SLOT_BYTES,
+                                token=token).open(_edges()[:1], rank, inbox)
         if rank == victim:
             if rank == 0:
                 for index in range(50):
@@ -201,26 +213,25 @@ def collect(processes, results, expected: int, deadline: float = 60.0):
 
 
 def test_exchange_random_messages_both_directions_out_of_order():
-    before = shm_entries()
-    processes, results = run_job(exchange_worker, 2, MESSAGES, None)
+    token = job_token()
+    processes, results = run_job(exchange_worker, 2, MESSAGES, None, token)
     found = collect(processes, results, 2)
     for rank, status, mismatches, send_failure, leftover in found:
         assert status == "ok"
         assert mismatches == 0, f"rank {rank}: {mismatches} messages differ"
         assert not send_failure, f"rank {rank}: {send_failure}"
         assert leftover == 0
-    assert shm_entries() - before == set()
+    assert job_segments(token) == set()
     assert all(process.exitcode == 0 for process in processes)
 
 
 def test_two_jobs_with_the_same_ranks_side_by_side():
-    before = shm_entries()
-    first = run_job(exchange_worker, 2, 1000, None)
-    second = run_job(exchange_worker, 2, 1000, None)
-    for processes, results in (first, second):
+    tokens = [job_token(), job_token()]
+    jobs = [run_job(exchange_worker, 2, 1000, None, token) for token in tokens]
+    for processes, results in jobs:
         for _, status, mismatches, send_failure, _ in collect(processes, results, 2):
             assert status == "ok" and mismatches == 0 and not send_failure
-    assert shm_entries() - before == set()
+    assert set().union(*map(job_segments, tokens)) == set()
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and native.build_info()["cuda"]),
@@ -229,20 +240,20 @@ def test_two_jobs_with_the_same_ranks_side_by_side():
 def test_gpu_tensors_arrive_intact_over_each_gpu_path(path):
     """Two processes (on two GPUs where there are two): GPU tensors of every dtype, many
     larger than a slot, both directions, taken out of order."""
-    before = shm_entries()
-    processes, results = run_job(exchange_worker, 2, 2000, path)
+    token = job_token()
+    processes, results = run_job(exchange_worker, 2, 2000, path, token)
     for rank, status, mismatches, send_failure, leftover in collect(processes, results, 2, 120):
         assert status == "ok" and not send_failure, (rank, send_failure)
         assert mismatches == 0, f"rank {rank}: {mismatches} messages differ"
         assert leftover == 0
-    assert shm_entries() - before == set()
+    assert job_segments(token) == set()
 
 
 @pytest.mark.parametrize("victim", [1, 0], ids=["receiver-killed", "sender-killed"])
 def test_kill_minus_9_makes_the_peer_raise_a_named_error(victim):
     timeout = 2.0
-    before = shm_entries()
-    processes, results = run_job(kill_worker, 2, victim, timeout)
+    token = job_token()
+    processes, results = run_job(kill_worker, 2, victim, timeout, token)
     found = collect(processes, results, 2)
     survivor = [item for item in found if item[0] != victim]
     assert [item[1] for item in survivor] == ["raised"], found
@@ -250,7 +261,7 @@ def test_kill_minus_9_makes_the_peer_raise_a_named_error(victim):
     assert f"pipeline peer rank {victim} (pid" in message and "died" in message, message
     assert elapsed < timeout + 2.0
     assert processes[victim].exitcode == -signal.SIGKILL
-    assert shm_entries() - before == set()
+    assert job_segments(token) == set()
 
 
 def test_receiver_removes_its_segment_when_the_sender_never_attaches():

@@ -13,7 +13,7 @@ import contextlib
 from unittest import mock
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from megatron.trainer import core_overrides
 
@@ -52,6 +52,14 @@ class _CudaToCpuMode(TorchFunctionMode):
         if func in (torch.Tensor.to,) and args:
             args = tuple(_as_cpu(a) if isinstance(a, (str, torch.device)) else a for a in args)
         return func(*args, **kwargs)
+
+    def __exit__(self, exc_type, exc_val, exc_tb):
+        # a Ctrl-C that lands inside torch's dispatch to this mode, after torch took the mode
+        # off the stack and before it put it back, unwinds with the mode already off: popping
+        # again would pop another mode or raise, replacing the KeyboardInterrupt
+        if exc_type is not None and self not in _get_current_function_mode_stack():
+            return None
+        return super().__exit__(exc_type, exc_val, exc_tb)
 
 
 def _backward_in_mode(apply):
