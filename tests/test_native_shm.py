@@ -37,7 +37,11 @@ def job_token() -> str:
 
 
 def job_segments(token: str) -> set[str]:
-    return {name for name in shm_entries() if name.startswith(f"dpp-{token}-")}
+    """The segments of `_edges()` that a job with this token left in /dev/shm."""
+    from megatron.dpp.transport.shm import segment_name
+
+    return {name for name in (segment_name(token, edge).lstrip("/") for edge in _edges())
+            if os.path.exists(f"/dev/shm/{name}")}
 
 
 def message_tensor(src: int, index: int) -> torch.Tensor:
@@ -269,7 +273,7 @@ def test_receiver_removes_its_segment_when_the_sender_never_attaches():
     from megatron.dpp.transport.native import NativeInbox
     from megatron.dpp.transport.shm import ShmBackend, segment_name
 
-    token = "lonely" + os.urandom(4).hex()
+    token = job_token()
     edge = Edge(1, 0, MessageKind.GRADIENT)
     inbox = NativeInbox()
     _, receivers = ShmBackend(timeout=0.5, token=token).open([edge], 0, inbox)
