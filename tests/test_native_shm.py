@@ -26,10 +26,6 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int64)
 SLOTS, SLOT_BYTES = 8, 64 << 10  # small ring: fragmentation and full-ring waits happen
 
 
-def shm_entries() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("dpp-")}
-
-
 def job_token() -> str:
     """A job's segment-name token, so that a test looks for its own job's segments only
     (test files running beside it create and remove theirs meanwhile)."""
