@@ -1,7 +1,8 @@
 // GPU tensors copied device to device through CUDA IPC: the receiver exports a pool of
 // device slots (one IPC event per slot); the sender copies peer to peer into the slot on
 // its side stream, records the slot's event and publishes the slot in the ring at once.
-// The receiver's side stream waits for that event, copies out, and frees the slot.
+// The receiver's side stream waits for that event and copies out; the message is announced
+// to the schedule as soon as that copy is queued, and the slot is freed when it is done.
 #include <algorithm>
 #include <array>
 #include <optional>
@@ -135,7 +136,7 @@ class DeviceReceivePath final : public CudaReceivePath {
   }
 
   bool read_into(ShmReceiver& receiver, void* destination, uint64_t nbytes,
-                 uintptr_t copy_stream) override {
+                 uintptr_t copy_stream, const std::function<void()>& queued) override {
     DeviceGuard guard(device_);
     const cudaStream_t copy = as_stream(copy_stream);
     auto* out = static_cast<unsigned char*>(destination);
@@ -170,10 +171,11 @@ class DeviceReceivePath final : public CudaReceivePath {
       event = 1 - event;
       if (last) break;
     }
-    // Waits for the last copy-out: everything the consumer will read is on the device now,
-    // so no stream needs to wait.
-    release(receiver, *in_flight, copied_[1 - event]);
     if (offset != nbytes) throw TransportFailure("short GPU message on the shm channel");
+    // Announced before the data is there: the consumer's stream waits for the copy on the
+    // device, its host does not. The slot is freed once the copy-out is done.
+    queued();
+    release(receiver, *in_flight, copied_[1 - event]);
     receiver.finish_message(sequence);
     return true;
   }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -21,10 +22,11 @@ class CudaSendPath {
 class CudaReceivePath {
  public:
   virtual ~CudaReceivePath() = default;
-  // Copies the current message into device memory on `copy_stream` and synchronizes it;
-  // false if interrupted.
+  // Copies the current message into device memory on `copy_stream`, calls `queued` once
+  // the last fragment's copy is queued, then synchronizes the copy and frees the slots;
+  // false if interrupted before then.
   virtual bool read_into(ShmReceiver& receiver, void* destination, uint64_t nbytes,
-                         uintptr_t copy_stream) = 0;
+                         uintptr_t copy_stream, const std::function<void()>& queued) = 0;
 };
 
 std::unique_ptr<CudaSendPath> make_cuda_send_path(const ShmSender& sender, int device,

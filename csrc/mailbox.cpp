@@ -19,10 +19,11 @@ constexpr std::chrono::milliseconds kSleepTick{50};
 
 }  // namespace
 
-void Mailbox::put(const MailboxKey& key, at::Tensor tensor) {
+void Mailbox::put(const MailboxKey& key, at::Tensor tensor, BeforeUse before_use) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto [where, fresh] = messages_.insert_or_assign(key, std::move(tensor));
+    auto [where, fresh] =
+        messages_.insert_or_assign(key, Entry{std::move(tensor), std::move(before_use)});
     (void)where;
     if (!fresh && !error_) {
       error_ = "duplicate message " + key_text(key);
@@ -42,12 +43,16 @@ void Mailbox::fail(const std::string& message) {
 }
 
 std::optional<at::Tensor> Mailbox::take(const MailboxKey& key) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto found = messages_.find(key);
-  if (found == messages_.end()) return std::nullopt;
-  at::Tensor tensor = std::move(found->second);
-  messages_.erase(found);
-  return tensor;
+  Entry entry;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto found = messages_.find(key);
+    if (found == messages_.end()) return std::nullopt;
+    entry = std::move(found->second);
+    messages_.erase(found);
+  }
+  if (entry.before_use) entry.before_use();
+  return std::move(entry.tensor);
 }
 
 bool Mailbox::has(const MailboxKey& key) const {

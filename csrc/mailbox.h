@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -20,6 +21,11 @@ namespace dpp {
 // (kind, chunk, microbatch), as the Python MessageKey.
 using MailboxKey = std::tuple<int32_t, int32_t, int32_t>;
 
+// Run by take() on the taking thread before the tensor is handed out: a GPU message is
+// announced when its copy is queued, and this makes the taker's current stream wait for
+// the copy, so the consumer's kernels queue behind it instead of its host waiting.
+using BeforeUse = std::function<void()>;
+
 class Mailbox {
  public:
   explicit Mailbox(double spin_us) : spin_us_(spin_us < 0 ? 0 : spin_us) {}
@@ -27,7 +33,7 @@ class Mailbox {
   Mailbox& operator=(const Mailbox&) = delete;
 
   // A key that is already here is a protocol error: it is recorded as the failure.
-  void put(const MailboxKey& key, at::Tensor tensor);
+  void put(const MailboxKey& key, at::Tensor tensor, BeforeUse before_use = {});
   // Records the first failure; every later wait or take reports it.
   void fail(const std::string& message);
 
@@ -37,6 +43,9 @@ class Mailbox {
   size_t size() const;
   std::optional<std::string> error() const;
   uint32_t version() const { return __atomic_load_n(&version_, __ATOMIC_SEQ_CST); }
+  // Changes the version without a message: wakes a waiter to look again (the schedule's
+  // GPU progress, which it decides on as well as on arrivals).
+  void notify() { bump(); }
 
   // Blocks until the version differs from `seen` or a failure is recorded (true), or
   // `timeout_s` passes (false).
@@ -45,8 +54,13 @@ class Mailbox {
  private:
   void bump();
 
+  struct Entry {
+    at::Tensor tensor;
+    BeforeUse before_use;
+  };
+
   mutable std::mutex mutex_;
-  std::map<MailboxKey, at::Tensor> messages_;
+  std::map<MailboxKey, Entry> messages_;
   std::optional<std::string> error_;
   std::atomic<bool> failed_{false};
   double spin_us_;

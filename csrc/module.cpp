@@ -115,12 +115,15 @@ PYBIND11_MODULE(_native, m) {
           },
           py::arg("kind"), py::arg("chunk"), py::arg("microbatch"), py::arg("tensor"))
       .def("fail", &Mailbox::fail, py::arg("message"))
+      .def("notify", &Mailbox::notify,
+           "Changes the version without a message: a waiter wakes and looks again")
       .def(
           "take",
           [](Mailbox& self, int kind, int chunk, int microbatch) {
             return self.take(MailboxKey{kind, chunk, microbatch});
           },
-          "The message's tensor, removed from the mailbox, or None when it has not arrived",
+          "The message's tensor, removed from the mailbox, or None when it has not arrived; a "
+          "GPU message makes the current stream wait for its copy first",
           py::arg("kind"), py::arg("chunk"), py::arg("microbatch"))
       .def(
           "has",

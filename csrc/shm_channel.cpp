@@ -170,14 +170,15 @@ void ShmReceiver::enable_cuda(int device, bool export_pool, uint64_t device_slot
 #endif
 }
 
-bool ShmReceiver::read_into_cuda(void* destination, uint64_t nbytes, uintptr_t copy_stream) {
+bool ShmReceiver::read_into_cuda(void* destination, uint64_t nbytes, uintptr_t copy_stream,
+                                 const std::function<void()>& queued) {
   if (!cuda_) throw TransportFailure("receive channel has no CUDA path (enable_cuda not called)");
   if (!in_message_) throw TransportFailure("read_into_cuda() without a message from next()");
   if (nbytes != current_.nbytes) {
     throw TransportFailure("read_into_cuda() of " + std::to_string(nbytes) +
                            " bytes for a message of " + std::to_string(current_.nbytes));
   }
-  return cuda_->read_into(*this, destination, nbytes, copy_stream);
+  return cuda_->read_into(*this, destination, nbytes, copy_stream, queued);
 }
 
 // ---------------------------------------------------------------- sender

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -59,7 +60,11 @@ class ShmReceiver {
   // Exports a CUDA slot pool (IPC) and registers the ring for staged copies; call before
   // the sender attaches. Throws when built without CUDA.
   void enable_cuda(int device, bool export_pool, uint64_t device_slot_bytes);
-  bool read_into_cuda(void* destination, uint64_t nbytes, uintptr_t copy_stream);
+  // Queues the current message's copy into device memory on `copy_stream`, calls `queued`
+  // (on this thread) once the whole copy is queued, then waits for it and frees the slots;
+  // false if interrupted before the copy was queued.
+  bool read_into_cuda(void* destination, uint64_t nbytes, uintptr_t copy_stream,
+                      const std::function<void()>& queued);
 
   pid_t sender_pid() const { return sender_.pid(); }
   const std::string& name() const { return segment_.name(); }

@@ -1,5 +1,6 @@
 #include "shm_drain.h"
 
+#include <memory>
 #include <utility>
 
 #include "errors.h"
@@ -9,6 +10,8 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
+
+#include "cuda_resources.h"
 #endif
 
 namespace dpp {
@@ -76,10 +79,7 @@ void ShmDrain::run() {
 #endif
     while (true) {
       const std::optional<MessageMeta> meta = receiver_.next();
-      if (!meta) return;
-      at::Tensor tensor = receive(*meta);
-      if (!tensor.defined()) return;
-      mailbox_.put(MailboxKey{meta->kind, meta->chunk, meta->microbatch}, std::move(tensor));
+      if (!meta || !deliver(*meta)) return;
     }
   } catch (const std::exception& error) {
     // Every failure must reach the waiting schedule; the sender learns through the ring.
@@ -106,19 +106,32 @@ at::Tensor ShmDrain::device_tensor(const MessageMeta& meta) const {
 #endif
 }
 
-at::Tensor ShmDrain::receive(const MessageMeta& meta) {
-  const auto options = at::TensorOptions().dtype(scalar_type_of(meta.dtype));
+bool ShmDrain::deliver(const MessageMeta& meta) {
+  const MailboxKey key{meta.kind, meta.chunk, meta.microbatch};
+  check_size(meta);
   if (!meta.on_cuda) {
-    check_size(meta);
+    const auto options = at::TensorOptions().dtype(scalar_type_of(meta.dtype));
     at::Tensor tensor = at::empty(meta.shape, options);
-    return receiver_.read_into(tensor.data_ptr(), meta.nbytes) ? tensor : at::Tensor();
+    if (!receiver_.read_into(tensor.data_ptr(), meta.nbytes)) return false;
+    mailbox_.put(key, std::move(tensor));
+    return true;
   }
 #ifdef DPP_WITH_CUDA
   if (device_ < 0) throw TransportFailure("GPU message arrived, but this rank has no CUDA path");
-  check_size(meta);
   at::Tensor tensor = device_tensor(meta);
-  if (!receiver_.read_into_cuda(tensor.data_ptr(), meta.nbytes, copy_stream_)) return {};
-  return tensor;
+  const auto index = static_cast<c10::DeviceIndex>(device_);
+  // Put once the copy is queued: the taker's stream waits for `copied` on the device.
+  const auto announce = [&] {
+    auto copied = std::make_shared<CudaEvent>();
+    cuda_check(cudaEventRecord(copied->get(), as_stream(copy_stream_)),
+               "cudaEventRecord (message copied)");
+    mailbox_.put(key, tensor, [copied, index] {
+      cuda_check(cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(index).stream(),
+                                     copied->get(), 0),
+                 "cudaStreamWaitEvent (message copied)");
+    });
+  };
+  return receiver_.read_into_cuda(tensor.data_ptr(), meta.nbytes, copy_stream_, announce);
 #else
   throw TransportFailure("GPU message arrived, but the native transport was built without CUDA");
 #endif

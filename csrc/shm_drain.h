@@ -30,8 +30,9 @@ class ShmDrain {
 
  private:
   void run();
-  // The current message as a tensor of its own; undefined when interrupted meanwhile.
-  at::Tensor receive(const MessageMeta& meta);
+  // Copies the current message into a tensor of its own and puts it into the mailbox (a
+  // GPU message as soon as its copy is queued); false when interrupted meanwhile.
+  bool deliver(const MessageMeta& meta);
   // An empty tensor on the device for a GPU message like `meta`, usable on the consumer
   // stream.
   at::Tensor device_tensor(const MessageMeta& meta) const;

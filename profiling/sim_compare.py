@@ -1,6 +1,7 @@
 """Measured vs simulated bubble: replay a traced pipeline run's own forward and backward
 durations in the simulator (megatron/dpp/simulate.py) and compare, per iteration and
-stage, the bubble the run had with the bubble the simulator predicts.
+stage, the bubble the run had with the bubble the simulator predicts. A W run in parts counts
+as the sum of its parts.
 
     python profiling/sim_compare.py runs/dpp-trace                # schedule from the header
     python profiling/sim_compare.py runs/1f1b-trace/trace.json --json
@@ -61,13 +62,17 @@ def measured_durations(compute: list[Span], pp: int, chunks: int) -> Durations:
     """Durations of one iteration: each (kind, virtual stage, microbatch) averaged over the
     stage's ranks. Raises TraceError when a task is missing or unlabelled."""
     topology = PipelineTopology(pp, chunks)
-    samples: dict[tuple[str, int, int], list[float]] = defaultdict(list)
+    # per rank first: a W run in parts is one span per part, and the task is their sum
+    per_rank: dict[tuple[str, int, int, int], float] = defaultdict(float)
     for span in compute:
         if span.microbatch is None:
             raise TraceError(f"iteration {span.iteration}: a {span.kind} on rank {span.rank} "
                              "has no microbatch label")
         v = topology.virtual_stage(span.stage, span.chunk or 0)
-        samples[span.kind, v, span.microbatch].append(span.duration)
+        per_rank[span.kind, v, span.microbatch, span.rank] += span.duration
+    samples: dict[tuple[str, int, int], list[float]] = defaultdict(list)
+    for (kind, v, microbatch, _), duration in per_rank.items():
+        samples[kind, v, microbatch].append(duration)
     m = 1 + max(key[2] for key in samples)
     table = {}
     # W spans: a run with the split backward (its B spans are the input gradients only)

@@ -186,6 +186,30 @@ def test_dpp_with_random_delivery_delays():
     _check_split(results, _chunks(extra), _microbatches(world, batch, extra))
 
 
+def test_dpp_decides_at_simulated_gpu_time():
+    """The GPU-time decisions (megatron/dpp/gpu_queue.py) on a simulated device (each task
+    3 ms, the host one task ahead) with arrivals delayed at random: megatron-core's losses
+    and gradients, every W after its B."""
+    world, layers, batch, extra = CASES["pp4"]
+    flags = _flags(layers, batch, *extra, "--dpp-transport", "torch")
+    results = run_ranks(world, compare_schedules, flags, world,
+                        env={"DPP_TEST_SIMULATED_TASK_MS": "3",
+                             "DPP_TEST_DELIVERY_JITTER_MS": "5"})
+    _check_dpp_matches_core(results)
+    _check_split(results, _chunks(extra), _microbatches(world, batch, extra))
+
+
+def test_static_replay_equals_core():
+    """--dpp-static: the plan (interleaved, with the split its zero-bubble order) run in
+    order on the DPP runtime gives megatron-core's losses and gradients."""
+    world, layers, batch, extra = CASES["pp2_vpp2"]
+    flags = _flags(layers, batch, *extra, "--dpp-static", "--dpp-transport", "torch")
+    results = run_ranks(world, compare_schedules, flags, world,
+                        env={"DPP_TEST_DELIVERY_JITTER_MS": "5"})
+    _check_dpp_matches_core(results)
+    _check_split(results, _chunks(extra), _microbatches(world, batch, extra))
+
+
 def test_dropout_keyed_by_microbatch_not_by_order():
     """Dropout 0.1 at PP=2 x VPP=2: DPP steps that interleave each rank's two chunks'
     forwards differently (megatron's order at slack 0; at slack 2 more warm-up forwards,

@@ -82,10 +82,37 @@ def test_variable_lengths_fall_back_from_graphs():
     assert line.startswith(fast_path.CUDA_GRAPHS + " off: ") and "--variable-seq-lengths" in line
 
 
-def test_split_backward_in_a_pipeline_falls_back_from_graphs():
-    (line,) = _resolved([*FLAGS, "--use-dpp", "--dpp-split-backward",
-                         "--pipeline-model-parallel-size", "2"], world_size=2).fast_path_fallbacks
-    assert line.startswith(fast_path.CUDA_GRAPHS + " off: ") and "--dpp-split-backward" in line
+PP2_DPP = [*FLAGS, "--use-dpp", "--pipeline-model-parallel-size", "2"]
+
+
+def test_use_dpp_alone_splits_the_backward_under_graphs_at_1f1b_memory():
+    args = _resolved(PP2_DPP, world_size=2)
+    assert (args.dpp_split_backward, args.dpp_max_inflight, args.cuda_graph_impl) == (
+        True, 0, "block")
+    (line,) = args.fast_path_fallbacks
+    assert line.startswith(fast_path.SPLIT_BACKWARD + " on by default") and "slack 0" in line
+    given = _resolved([*PP2_DPP, "--dpp-max-inflight", "2"], world_size=2)
+    assert (given.dpp_split_backward, given.dpp_max_inflight) == (True, 2)
+
+
+@pytest.mark.parametrize(("flags", "machine", "reason"), [
+    (["--no-gradient-accumulation-fusion"], {}, "--no-gradient-accumulation-fusion"),
+    (["--transformer-impl", "transformer_engine"], dict(transformer_engine=True),
+     "Transformer Engine layers"),
+    ([], dict(cuda=False, triton=False), "no CUDA GPU"),
+], ids=["no-fusion", "te-layers", "cpu"])
+def test_use_dpp_keeps_the_backward_whole_where_the_split_cannot_run(flags, machine, reason):
+    args = _resolved([*PP2_DPP, *flags], world_size=2, **machine)
+    assert args.dpp_split_backward is False and args.dpp_max_inflight is None
+    (line,) = [line for line in args.fast_path_fallbacks
+               if line.startswith(fast_path.SPLIT_BACKWARD + " off: ")]
+    assert reason in line
+
+
+def test_the_split_stays_the_users_choice():
+    off = _resolved([*PP2_DPP, "--no-dpp-split-backward"], world_size=2)
+    assert off.dpp_split_backward is False and off.fast_path_fallbacks == []
+    assert _resolved(FLAGS).dpp_split_backward is False  # no --use-dpp: megatron-core's
     assert _resolved([*FLAGS, "--dpp-split-backward"]).cuda_graph_impl == "block"  # PP=1
 
 

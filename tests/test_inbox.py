@@ -123,3 +123,33 @@ def test_waits_spin_only_where_every_local_rank_has_cores_to_spare(monkeypatch, 
     monkeypatch.setattr(native.os, "sched_getaffinity", lambda pid: set(range(cores)))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))
     assert native.default_spin_us() == (native.SPIN_US if spins else 0.0)
+
+
+class _ReadyMarker:
+    """Stands in for a CUDA event: records whether the taker waited on it."""
+
+    def __init__(self):
+        self.waited = 0
+
+    def wait(self):
+        self.waited += 1
+
+
+def test_an_announced_message_makes_its_taker_wait_for_the_data(inbox):
+    """A message put with a `ready` marker (its copy still queued) is handed out at once;
+    its taker's stream waits on the marker (once), not its host."""
+    ready = _ReadyMarker()
+    inbox.put(key(3), torch.ones(2), ready)
+    assert inbox.has(key(3)) and ready.waited == 0
+    assert torch.equal(inbox.take(key(3), timeout=1.0), torch.ones(2))
+    assert ready.waited == 1
+    inbox.put(key(4), torch.zeros(1))  # without a marker: nothing to wait on
+    assert torch.equal(inbox.take(key(4), timeout=1.0), torch.zeros(1))
+    assert ready.waited == 1
+
+
+def test_notify_wakes_a_waiter_without_a_message(inbox):
+    seen = inbox.version
+    threading.Timer(0.05, inbox.notify).start()
+    assert inbox.wait(seen, timeout=5.0) != seen
+    assert len(inbox) == 0

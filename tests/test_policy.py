@@ -539,3 +539,44 @@ def test_token_cap_holds_under_variance(split):
             fixed = simulate(static, p, m, durations, microbatch_order=order, record=True)
             assert caps == pytest.approx([f + dearest for f in
                                           held_cost_peaks(fixed, costs, split)]), p
+
+
+def test_without_deviation_only_the_plan_runs_while_the_gpu_is_busy():
+    """deviate=False (the runtime's GPU still busy): a missing planned input means wait,
+    even with a W pending; with deviate=True (the GPU ran dry) the W fills."""
+    f, b, w = ([Task(kind, 0, i) for i in range(3)] for kind in (FORWARD, BACKWARD, WEIGHT))
+    policy = GreedyPolicy(StageConfig(1, 3, num_microbatches=3, split_backward=True))
+    run_plan_prefix(policy, [f[0], f[1], b[0], f[2]])
+    assert policy.next_task(lambda t: False, deviate=False) is None  # B1 planned, not here
+    assert policy.next_task(lambda t: False) == w[0]
+    policy.complete(w[0])
+    assert policy.next_task(b[1].__eq__, deviate=False) == b[1]
+    policy.complete(b[1])
+    # a planned W still yields to the next planned F or B when that one is here
+    assert policy.next_task(b[2].__eq__, deviate=False) == b[2]
+
+
+@pytest.mark.parametrize("p,chunks,m", [(4, 1, 8), (4, 2, 8), (3, 1, 7)])
+@pytest.mark.parametrize("split", [False, True])
+def test_static_policy_runs_its_plan_in_order_under_any_arrivals(p, chunks, m, split):
+    """static=True: each rank runs exactly its plan, in order, whatever the durations; the
+    same timeline as the engine's StaticReplay of that plan."""
+    from megatron.dpp.engine import StaticReplay, run_pipeline
+
+    rng = random.Random(p * 100 + chunks * 10 + m)
+    topology = PipelineTopology(p, chunks)
+    stages = [StageConfig(r, p, chunks, m, slack=2, split_backward=split) for r in range(p)]
+    kinds = (FORWARD, BACKWARD, WEIGHT) if split else (FORWARD, BACKWARD)
+    durations = {kind: [[rng.uniform(0.5, 2.0) for _ in range(m)] for _ in range(p * chunks)]
+                 for kind in kinds}
+    static = [GreedyPolicy(s, static=True) for s in stages]
+    plans = [policy.plan for policy in static]
+    ran = run_pipeline(topology, static, durations, record=True)
+    replayed = run_pipeline(topology, [StaticReplay(r, topology, plans[r]) for r in range(p)],
+                            durations, record=True)
+    assert ran.timeline == replayed.timeline
+    for r in range(p):
+        assert [task for rank, task, _, _ in ran.timeline if rank == r] == plans[r]
+    dynamic = run_pipeline(topology, [GreedyPolicy(s) for s in stages], durations, record=True)
+    assert any([t for rank, t, _, _ in dynamic.timeline if rank == r] != plans[r]
+               for r in range(p)), "the durations never made the dynamic rule deviate"

@@ -408,3 +408,21 @@ def test_loopback_exchange_over_real_queue_pairs():
     backends = [RdmaBackend(exchange=exchange.for_rank(rank), slots=4, slot_bytes=8192,
                             timeout=10.0) for rank in range(2)]
     assert_received_everything(exchange_over(backends))
+
+
+def test_a_same_host_fallback_from_shm_warns_with_the_reason(monkeypatch, caplog):
+    """Without the native extension, auto (and rdma) carry same-host edges over torch: one
+    WARNING names why the extension does not import; --dpp-transport shm stops instead."""
+    import logging
+
+    from megatron.dpp.transport import native, pipeline
+    from megatron.dpp.transport.channel import TransportError
+
+    monkeypatch.setattr(native, "_load", lambda: (None, "No module named 'megatron.dpp._native'"))
+    with caplog.at_level(logging.WARNING, logger=pipeline.__name__):
+        assert pipeline._native_backend(60.0, "auto") is None
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING
+    assert "fall back from shm" in record.message and "No module named" in record.message
+    with pytest.raises(TransportError, match="No module named"):
+        pipeline._native_backend(60.0, "shm")

@@ -169,3 +169,20 @@ def rewrite(path, by_iteration):
     with open(path, "w", newline="") as file:
         for k, (iteration, plans) in enumerate(sorted(by_iteration.items())):
             write_actions(file, plans, iteration, header=k == 0)
+
+
+def test_a_w_run_in_parts_counts_as_the_sum_of_its_parts():
+    """A W traced as 4 part spans on one rank is one task of their summed time (the mean of
+    the parts made W count a quarter); stage ranks are still averaged."""
+    from profiling.aggregate import Span
+
+    def span(kind, rank, stage, duration, start=0.0):
+        return Span(kind, rank, stage, 0, 0, 0, start, duration)
+
+    compute = [span("forward", 0, 0, 1.0), span("backward", 0, 0, 2.0),
+               span("forward", 1, 1, 1.0), span("backward", 1, 1, 2.0),
+               *(span("weight", 0, 0, 0.5, start=3.0 + k) for k in range(4)),
+               *(span("weight", 1, 1, 1.0, start=3.0 + k) for k in range(4))]
+    durations = sim_compare.measured_durations(compute, 2, 1)
+    assert durations.weight == [[2.0], [4.0]]
+    assert durations.backward == [[2.0], [2.0]]

@@ -410,7 +410,8 @@ def test_trainer_flag_runs_each_w_after_its_b(two_ranks):
 
 # --- GPU: the CUDA-graph blocks with B and W graphed apart --------------------------------
 
-GPU_MODES = ("eager", "graphs, W right after B", "eager deferred", "graphs deferred")
+GPU_MODES = ("eager", "graphs, W right after B", "eager deferred", "graphs deferred",
+             "graphs deferred, W in 2 parts")
 
 
 def _graphs_deferred_vs_eager(rank, backward_order, w_order):
@@ -442,8 +443,9 @@ def _graphs_deferred_vs_eager(rank, backward_order, w_order):
             (model,) = wrap_model_chunks(build_model_chunks(args, config, build_gpt_stage),
                                          args, config, device)
             store = None if mode == "eager" else WeightGradStore()
-            deferring = mode.endswith("deferred")
-            installed = (install_block_graphs([model], args, device, store)
+            deferring = "deferred" in mode
+            parts = 2 if mode.endswith("2 parts") else 1
+            installed = (install_block_graphs([model], args, device, store, parts)
                          if mode.startswith("graphs") else [])
             fc1 = model.module.module.decoder.layers[0].mlp.linear_fc1.weight
             steps = []
@@ -459,7 +461,9 @@ def _graphs_deferred_vs_eager(rank, backward_order, w_order):
                 fc1_untouched_by_b = bool(fc1.main_grad.abs().sum() == 0)
                 if deferring:
                     for index in w_order:
-                        store.run((0, index))
+                        # a W in parts: complete only at its last part
+                        assert all(not store.run((0, index), parts) for _ in range(parts - 1))
+                        assert store.run((0, index), parts)
                     store.end_iteration()
                 steps.append(([loss.item() for loss in losses],
                               [p.main_grad.cpu() for p in model.parameters()],
@@ -479,11 +483,12 @@ def test_graphed_b_and_w_equal_the_eager_backward():
     eager = results["eager"]
     # a slot is free only after its W; the second step reuses the three
     assert results["graphs deferred"]["slots"] == [3]
+    assert results["graphs deferred, W in 2 parts"]["slots"] == [3]
     for mode in GPU_MODES[1:]:
         exact = mode == "graphs, W right after B"  # the same sums in the same order
         for (eager_losses, eager_grads, _), (losses, grads, untouched) in zip(
                 eager["steps"], results[mode]["steps"], strict=True):
-            assert untouched == mode.endswith("deferred"), mode
+            assert untouched == ("deferred" in mode), mode
             assert losses == eager_losses, mode
             for eager_grad, grad in zip(eager_grads, grads, strict=True):
                 assert eager_grad.abs().sum() > 0

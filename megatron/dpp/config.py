@@ -19,12 +19,15 @@ class DppOptions:
     backend choice per pipeline edge. timeout: seconds a stage waits for a peer before it
     raises, naming what it waited for. weight_slices: with the split backward, the parts
     each W runs in, each a decision of the policy (4: docs/benchmarks/simulator_split.md;
-    8 gains 0.1 % more in the simulator, and each part is a task-loop step)."""
+    8 gains 0.1 % more in the simulator, and each part is a task-loop step). static: run the
+    plan in order, each task once its input is here, never deviating (the static schedule
+    on the same runtime, to compare the dynamic one with)."""
 
     slack: int = 2
     transport: str = "auto"
     timeout: float = 60.0
     weight_slices: int = 4
+    static: bool = False
 
     def __post_init__(self):
         if self.slack < 0:
@@ -42,7 +45,8 @@ class DppOptions:
         """From the trainer's flags; a flag left unset (None) takes the default."""
         given = {"slack": getattr(args, "dpp_max_inflight", None),
                  "transport": getattr(args, "dpp_transport", None),
-                 "timeout": getattr(args, "dpp_timeout", None)}
+                 "timeout": getattr(args, "dpp_timeout", None),
+                 "static": getattr(args, "dpp_static", None)}
         return cls(**{name: value for name, value in given.items() if value is not None})
 
 

@@ -277,12 +277,15 @@ class GreedyPolicy:
                  "_next_weight", "_in_flight", "_held", "_running", "_running_pos",
                  "_backward_ahead", "_local_forward_chunk", "_local_backward_chunk",
                  "_costs", "_cost_peak_from", "_cost_cap", "_held_cost", "_ahead_cost",
-                 "_weight_slices", "_weight_parts")
+                 "_weight_slices", "_weight_parts", "static")
 
     def __init__(self, stage: StageConfig, extra_warmup: int | None = None,
                  microbatch_order: list[int] | None = None,
-                 costs: list[float] | None = None):
+                 costs: list[float] | None = None, static: bool = False):
         self.stage = stage
+        # the plan in order, each task once its input is here: the static schedule on the
+        # same runtime (ZB-H1 or interleaved zero bubble with the split), for comparison
+        self.static = static
         chunks, m = stage.num_chunks, stage.num_microbatches
         if extra_warmup is None:
             extra_warmup = plan_extra_warmup(stage)
@@ -410,9 +413,12 @@ class GreedyPolicy:
     def input_is_local(self, task: Task) -> bool:
         return self.stage.topology.input_is_local(self.stage.rank, task)
 
-    def next_task(self, arrived) -> Task | None:
+    def next_task(self, arrived, deviate: bool = True) -> Task | None:
         """The task to run now, or None; `arrived(task)` says whether the task's input from
-        another rank is here (asked only where the input is not local)."""
+        another rank is here (asked only where the input is not local). `deviate=False`:
+        only the plan's next task (or, at a planned W, the next planned F or B when that is
+        ready), never a task run ahead of the plan: the runtime passes it while its GPU is
+        still busy, for the planned input may yet arrive before the GPU is free."""
         if self._running is not None:
             raise RuntimeError(f"next_task called while {self._running} is still running")
         pos = self._next_pos
@@ -426,13 +432,15 @@ class GreedyPolicy:
         elif kind == BACKWARD:
             ready = task[1] == self._local_backward_chunk or arrived(task)
         else:  # a W (its B, earlier in the plan, ran): it fills, so a ready F or B goes first
-            substitute = self._past_weights(arrived)
+            substitute = None if self.static else self._past_weights(arrived)
             if substitute is not None:
                 return substitute
             ready = True
         if ready:
             self._running, self._running_pos = task, pos
             return task
+        if self.static or not deviate:
+            return None
         return self._run_ahead(arrived)
 
     def _past_weights(self, arrived) -> Task | None:

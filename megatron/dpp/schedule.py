@@ -15,6 +15,7 @@ layers' weight-gradient GEMMs deferred, and a W task that runs them
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,13 @@ from megatron.core.utils import get_model_config
 
 from megatron.dpp.actions import BACKWARD, FORWARD, KINDS, WEIGHT, Task
 from megatron.dpp.config import DppOptions
+from megatron.dpp.gpu_queue import (
+    QUEUE_AHEAD,
+    SIMULATED_TASK_ENV,
+    GpuQueue,
+    SimulatedDevice,
+    cuda_marker,
+)
 from megatron.dpp.output_weight_grad import DeferredOutputWeightGrads
 from megatron.dpp.plan import StageConfig
 from megatron.dpp.policy import GreedyPolicy, microbatch_order_for
@@ -79,6 +87,7 @@ class DppSchedule:
         self.weight_grads = weight_grads
         self._transport: PipelineTransport | None = None
         self._coordinator: _TaskCoordinator | None = None
+        self._gpu_queue: GpuQueue | None = None
         self.tracer = NullTracer()  # the trainer installs a Tracer under --trace
         self._microbatch_costs: list[float] | None = None
         self._cost_order = True
@@ -92,6 +101,9 @@ class DppSchedule:
         self._cost_order = reorder
 
     def close(self) -> None:
+        if self._gpu_queue is not None:
+            self._gpu_queue.close()
+            self._gpu_queue = None
         if self._transport is not None:
             self._transport.close()
             self._transport = None
@@ -106,6 +118,12 @@ class DppSchedule:
             transport=self.options.transport, timeout=self.options.timeout,
         )
         self._coordinator = _TaskCoordinator()
+        simulated_ms = float(os.environ.get(SIMULATED_TASK_ENV, "0"))
+        if device.type == "cuda":
+            self._gpu_queue = GpuQueue(cuda_marker, self._transport.inbox.notify)
+        elif simulated_ms > 0:
+            self._gpu_queue = GpuQueue(SimulatedDevice(simulated_ms / 1000.0).marker,
+                                       self._transport.inbox.notify)
 
     def __call__(
         self,
@@ -158,6 +176,8 @@ class _Iteration:
         self.num_microbatches = num_microbatches
         self.transport = schedule._transport
         self.coordinator = schedule._coordinator
+        # the tasks queued on this stage's GPU (None: no device to pace, decide at once)
+        self.gpu_queue = schedule._gpu_queue
         self.tracer = schedule.tracer
         self.pipeline = schedule._pipeline
         self.pp_size = len(self.pipeline)
@@ -174,7 +194,8 @@ class _Iteration:
             weight_slices=schedule.options.weight_slices,
         )
         order = microbatch_order_for(self.stage, costs) if cost_order else None
-        self.policy = GreedyPolicy(self.stage, microbatch_order=order, costs=costs)
+        self.policy = GreedyPolicy(self.stage, microbatch_order=order, costs=costs,
+                                   static=schedule.options.static)
         self.executed: list[Task] = []  # the actions in the order they ran
         # inputs the policy found missing at its last look (a timeout names them)
         self._missing: list[MessageKey] = []
@@ -214,6 +235,8 @@ class _Iteration:
                     self.executed.append(task)
                 elif self._weight(task):  # a W in parts is recorded once, at its last
                     self.executed.append(task)
+                if self.gpu_queue is not None:
+                    self.gpu_queue.launched()
                 if self.coordinator.deciding:
                     self.policy.complete(task)
         self.tracer.record_actions(self.rank, self.executed)
@@ -238,25 +261,31 @@ class _Iteration:
         return [self.forward_data_store[k] for k in order]
 
     def _next(self) -> Task:
-        """The next task; blocks on the inbox while nothing is ready."""
+        """The next task, decided at GPU time (megatron/dpp/gpu_queue.py): with the GPU
+        still busy only the plan's next task runs, as soon as its input is announced; a
+        deviation from the plan waits until the GPU has run dry. Blocks on the inbox (which
+        also wakes when a queued task ends) while nothing may run."""
         if not self.coordinator.deciding:
             with self.tracer.span("recv_wait"):
                 return self.coordinator.share(None)
+        gpu = self.gpu_queue
+        if gpu is not None:
+            gpu.wait_until(QUEUE_AHEAD)
         inbox = self.transport.inbox
         version = inbox.version
-        task = self._ready_task()
+        task = self._ready_task(gpu)
         if task is None:
             with self.tracer.span("recv_wait"):
                 while task is None:
                     # a timeout names the inputs the policy looked for, and their peers
                     self.transport.wait(version, self._missing)
                     version = inbox.version
-                    task = self._ready_task()
+                    task = self._ready_task(gpu)
         return self.coordinator.share(task)
 
-    def _ready_task(self) -> Task | None:
+    def _ready_task(self, gpu: GpuQueue | None) -> Task | None:
         self._missing = []
-        return self.policy.next_task(self._arrived)
+        return self.policy.next_task(self._arrived, deviate=gpu is None or gpu.busy() == 0)
 
     def _arrived(self, task: Task) -> bool:
         key = _input_key(task)
@@ -274,15 +303,21 @@ class _Iteration:
         with self.tracer.span("send", task.microbatch, task.chunk):
             self.transport.send(self.pipeline[rank], _input_key(consumer), tensor)
 
+    def _take(self, task: Task):
+        """`task`'s input. An announced message whose data is still on its way makes this
+        stage's stream wait for it on the device: on a GPU the span is that wait."""
+        with self.tracer.span("recv_wait", task.microbatch, task.chunk):
+            return self.transport.take(_input_key(task))
+
     def _forward(self, task: Task) -> None:
         chunk, microbatch = task.chunk, task.microbatch
         last = self.topology.is_last(self.rank, chunk)
         input_tensor = None
-        span = self.tracer.start("forward", microbatch, chunk)
         if not self.topology.input_is_local(self.rank, task):
-            input_tensor = self.transport.take(_input_key(task))
+            input_tensor = self._take(task)
             if not self.forward_only:
                 input_tensor.requires_grad_(True)
+        span = self.tracer.start("forward", microbatch, chunk)
         data = self.iterators[chunk]
         if isinstance(data, _Batches):
             data = data.of(microbatch)
@@ -317,9 +352,9 @@ class _Iteration:
     def _backward(self, task: Task) -> None:
         chunk, microbatch = task.chunk, task.microbatch
         input_tensor, output = self.saved.pop((chunk, microbatch))
-        span = self.tracer.start("backward", microbatch, chunk)
         output_grad = (None if self.topology.input_is_local(self.rank, task)
-                       else self.transport.take(_input_key(task)))
+                       else self._take(task))
+        span = self.tracer.start("backward", microbatch, chunk)
         self.backwards_run[chunk] += 1
         last = self.backwards_run[chunk] == self.num_microbatches
         # megatron-core's convention for the chunk's last backward: without a

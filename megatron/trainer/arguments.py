@@ -279,10 +279,15 @@ def _dpp_args(g):
     g.add_argument("--dpp-transport", default="auto", choices=["auto", "torch", "shm", "rdma"])
     g.add_argument("--dpp-timeout", type=float, default=60.0,
                    help="seconds a stage waits for a pipeline peer before raising")
-    g.add_argument("--dpp-split-backward", action="store_true",
+    g.add_argument("--dpp-split-backward", action=argparse.BooleanOptionalAction, default=None,
                    help="split each backward into input gradients (B) and deferred weight "
                         "gradients (W): with --use-dpp the dynamic schedule places the W "
-                        "tasks; at PP=1 each W runs right after its B")
+                        "tasks; at PP=1 each W runs right after its B (default: on with "
+                        "--use-dpp on GPUs where the layers allow it, fast_path.py)")
+    g.add_argument("--dpp-static", action="store_true",
+                   help="with --use-dpp: run the DPP plan (1F1B, interleaved, ZB-H1 with the "
+                        "split) in order, never deviating: the static schedule on the same "
+                        "runtime, to compare the dynamic one with")
     g.add_argument("--multi-node", action="store_true",
                    help="the job spans nodes: checked against torchrun's WORLD_SIZE and "
                         "LOCAL_WORLD_SIZE at start-up")
@@ -757,6 +762,7 @@ def _validate_dpp(args, need):
     if args.dpp_max_inflight is not None:
         need(args.dpp_max_inflight >= 0,
              f"--dpp-max-inflight {args.dpp_max_inflight} must be >= 0")
+    need(not args.dpp_static or args.use_dpp, "--dpp-static needs --use-dpp")
     if args.use_dpp:
         need(args.pipeline_model_parallel_size > 1,
              "--use-dpp needs --pipeline-model-parallel-size > 1 (nothing to schedule otherwise)")

@@ -18,12 +18,14 @@ another slot's. Its backward graph adds the weight gradients into megatron-core 
 gradient-accumulation fusion the linear layers' GEMMs do it), so parameters are not inputs
 of the replay and no per-parameter hook runs for the block.
 
-With --dpp-split-backward a slot records two backward graphs: B (input, bias and layer-norm
-gradients) with the linear layers' weight-gradient GEMMs deferred, and W, those GEMMs. A
-backward inside `WeightGradStore.deferring` replays B and leaves W (the replay of the W
-graph, then the slot's release) to the store: the slot's saved inputs and recorded output
-gradients must stay until W, so the slot is not free before it. Any other backward replays
-both. Graphing W rather than running its GEMMs eagerly keeps W one launch, as B is.
+With --dpp-split-backward a slot records B (input, bias and layer-norm gradients) with the
+linear layers' weight-gradient GEMMs deferred, and W, those GEMMs, as `weight_parts` graphs
+of consecutive GEMMs: the schedule runs a W in that many parts and decides between them, so
+an F or B that arrives while a filler W runs waits for one part, not the whole W. A backward
+inside `WeightGradStore.deferring` replays B and leaves the W parts (the last one frees the
+slot) to the store: the slot's saved inputs and recorded output gradients must stay until
+W, so the slot is not free before it. Any other backward replays all of them. Graphing W
+rather than running its GEMMs eagerly keeps each part one launch, as B is.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ class _Slot:
     grad_input: torch.Tensor
     forward_graph: torch.cuda.CUDAGraph
     backward_graph: torch.cuda.CUDAGraph
-    weight_graph: torch.cuda.CUDAGraph | None  # the deferred weight gradients (B/W split)
+    # the deferred weight gradients in parts (B/W split; empty without it)
+    weight_graphs: list[torch.cuda.CUDAGraph]
 
 
 class _ReplayBlock(torch.autograd.Function):
@@ -77,12 +80,14 @@ class _ReplayBlock(torch.autograd.Function):
         slot.grad_output.copy_(grad_output)
         slot.backward_graph.replay()
         graphs = ctx.graphs
-        if slot.weight_graph is None:
+        if not slot.weight_graphs:
             graphs.release(slot)
         elif graphs.weight_grads.is_deferring:
-            graphs.weight_grads.defer(functools.partial(graphs.finish_weight_grads, slot))
+            for part in range(len(slot.weight_graphs)):
+                graphs.weight_grads.defer(functools.partial(graphs.weight_part, slot, part))
         else:
-            graphs.finish_weight_grads(slot)
+            for part in range(len(slot.weight_graphs)):
+                graphs.weight_part(slot, part)
         # the slot's next forward may reuse this memory while the gradient is still in a send
         return None, None, slot.grad_input.clone()
 
@@ -91,9 +96,12 @@ class BlockGraphs:
     """Replaces one TransformerBlock's forward by slot replays where the call allows it."""
 
     def __init__(self, block: TransformerBlock, shape: tuple[int, ...], dtype: torch.dtype,
-                 weight_grads: WeightGradStore | None = None):
+                 weight_grads: WeightGradStore | None = None, weight_parts: int = 1):
+        if weight_parts < 1:
+            raise CudaGraphError(f"weight_parts must be >= 1, got {weight_parts}")
         self.block = block
         self.weight_grads = weight_grads
+        self.weight_parts = weight_parts
         self.shape, self.dtype = torch.Size(shape), dtype
         self.eager_forward = block.forward
         # replays read the parameters' storage: updates must stay in place (megatron-core's
@@ -117,10 +125,12 @@ class BlockGraphs:
     def release(self, slot: _Slot) -> None:
         self.free.append(slot)
 
-    def finish_weight_grads(self, slot: _Slot) -> None:
-        """The slot's W: its weight-gradient GEMMs, then the slot is free again."""
-        slot.weight_graph.replay()
-        self.release(slot)
+    def weight_part(self, slot: _Slot, part: int) -> None:
+        """Part `part` of the slot's W (its share of the weight-gradient GEMMs); after the
+        last part the slot is free again."""
+        slot.weight_graphs[part].replay()
+        if part == len(slot.weight_graphs) - 1:
+            self.release(slot)
 
     def _replayable(self, x, attention_mask, args, kwargs) -> bool:
         # training passes of the configured shape, with nothing but the hidden states
@@ -190,23 +200,32 @@ class BlockGraphs:
                     _accumulate_into_main_grads(
                         [(param.main_grad, grad) for (_, param), grad
                          in zip(added_here, grads[1:], strict=True) if grad is not None])
-                weight_graph = None
+                weight_graphs = []
                 if self.weight_grads is not None:
                     # in the slot's pool: the tensors W reads were kept alive through B's
                     # capture, so no allocation of B aliases them
-                    weight_graph = torch.cuda.CUDAGraph()
-                    with _capture(weight_graph, pool), torch.no_grad():
-                        for work in deferred:
-                            work()
+                    for group in split_evenly(deferred, self.weight_parts):
+                        graph = torch.cuda.CUDAGraph()
+                        with _capture(graph, pool), torch.no_grad():
+                            for work in group:
+                                work()
+                        weight_graphs.append(graph)
                 del deferred, split
         torch.cuda.current_stream().wait_stream(side)
         slot = _Slot(static_input, output.detach(), grad_output, grads[0],
-                     forward_graph, backward_graph, weight_graph)
+                     forward_graph, backward_graph, weight_graphs)
         del grads, output
         self.slots.append(slot)
         log.info("CUDA graphs: recorded slot %d of a %d-layer block for shape %s",
                  len(self.slots), len(self.block.layers), tuple(self.shape))
         return slot
+
+
+def split_evenly(items: list, parts: int) -> list[list]:
+    """`items` in `parts` consecutive groups whose sizes differ by at most one, none empty
+    (fewer groups when there are fewer items)."""
+    parts = max(1, min(parts, len(items)))
+    return [items[len(items) * k // parts:len(items) * (k + 1) // parts] for k in range(parts)]
 
 
 def _accumulate_into_main_grads(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -287,9 +306,10 @@ def _capture(graph: torch.cuda.CUDAGraph, pool):
 
 
 def install_block_graphs(model_chunks, args, device: torch.device,
-                         weight_grads: WeightGradStore | None = None) -> list[BlockGraphs]:
+                         weight_grads: WeightGradStore | None = None,
+                         weight_parts: int = 1) -> list[BlockGraphs]:
     """Give every chunk's transformer block slot-recorded CUDA graphs (B and W apart when
-    `weight_grads`, the schedule's store, is given)."""
+    `weight_grads`, the schedule's store, is given, W in `weight_parts` graphs)."""
     if device.type != "cuda":
         raise CudaGraphError("--cuda-graph-impl block needs a CUDA device; this run is on "
                              f"{device.type}")
@@ -299,7 +319,7 @@ def install_block_graphs(model_chunks, args, device: torch.device,
     for chunk in model_chunks:
         for module in chunk.modules():
             if isinstance(module, TransformerBlock) and len(module.layers) > 0:
-                graphs = BlockGraphs(module, shape, dtype, weight_grads)
+                graphs = BlockGraphs(module, shape, dtype, weight_grads, weight_parts)
                 module.forward = graphs.forward
                 installed.append(graphs)
     return installed

@@ -32,11 +32,7 @@ GRAD_ACCUMULATION = "gradient-accumulation fusion"
 TRITON_FUSIONS = "Triton layer norm, bias-dropout-add and bias-GeLU"
 GELU_EPILOGUE = "bias-GeLU in the MLP's GEMM epilogues (cuBLASLt)"
 
-# The graphed B/W test with W out of order passes on an H200 (tests/test_weight_grad.py), but
-# graphed against eager W tasks in a pipeline is a two-GPU measurement not made yet: off by
-# default there, on when asked for. At PP=1 (each W right after its B) it was measured
-SPLIT_GRAPHS_UNMEASURED = ("graphed weight-gradient tasks in a pipeline are not yet measured "
-                           "against eager ones; --cuda-graph-impl block turns them on")
+SPLIT_BACKWARD = "DPP's split backward (--dpp-split-backward, the ZB-H1 plan)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +77,7 @@ def resolve(args, machine: Machine) -> list[str]:
     gpu = on_gpu(args, machine)
     no_gpu = ("no CUDA GPU on this machine" if not machine.cuda else
               "--distributed-backend gloo runs the ranks on the CPU")
-    fallbacks = []
+    fallbacks = _resolve_dpp(args, machine, gpu, no_gpu)
 
     if args.cuda_graph_impl == "auto":
         reasons = _graph_conflicts(args, machine) + ([] if gpu else [no_gpu])
@@ -124,6 +120,39 @@ def resolve(args, machine: Machine) -> list[str]:
     return fallbacks
 
 
+def _resolve_dpp(args, machine: Machine, gpu: bool, no_gpu: str) -> list[str]:
+    """`--use-dpp` alone runs the fastest variant measured (docs/benchmarks/): the split
+    backward with its W tasks placed by the schedule, at 1F1B's peak activation memory
+    (slack 0, the ZB-H1 plan holds no more). Returns the lines that say what was chosen."""
+    if args.dpp_split_backward is not None:
+        return []
+    args.dpp_split_backward = False
+    if not args.use_dpp or args.pipeline_model_parallel_size == 1:
+        return []
+    reasons = ([] if gpu else [no_gpu]) + _split_conflicts(args, machine)
+    if reasons:
+        return [_line(SPLIT_BACKWARD, reasons, "--no-dpp-split-backward")]
+    args.dpp_split_backward = True
+    chosen = f"{SPLIT_BACKWARD} on by default with --use-dpp"
+    if args.dpp_max_inflight is None:
+        args.dpp_max_inflight = 0
+        chosen += (", slack 0: the peak activation memory of megatron-core's 1F1B "
+                   "(--dpp-max-inflight N holds N more microbatches)")
+    return [chosen + " (--no-dpp-split-backward for the unsplit backward)"]
+
+
+def _split_conflicts(args, machine: Machine) -> list[str]:
+    checks = (
+        (not args.gradient_accumulation_fusion, "--no-gradient-accumulation-fusion (the "
+         "split defers the fused weight-gradient GEMMs)"),
+        (_transformer_engine_layers(args, machine), "Transformer Engine layers (their own "
+         "weight-gradient path)"),
+        (args.defer_embedding_wgrad_compute, "--defer-embedding-wgrad-compute (it defers the "
+         "output layer's weight gradient itself)"),
+    )
+    return [reason for bad, reason in checks if bad]
+
+
 def resolve_for_model(args, masked_attention: bool) -> list[str]:
     """The model's part: a model whose blocks take an attention mask (BERT's padding mask)
     would never replay the graphs, which record unmasked blocks only."""
@@ -158,8 +187,6 @@ def _graph_conflicts(args, machine: Machine) -> list[str]:
         (args.seq_length_cv > 0, f"--seq-length-cv {args.seq_length_cv} (a graph replays one "
          "shape)"),
         (args.variable_seq_lengths, "--variable-seq-lengths (a graph replays one shape)"),
-        (args.dpp_split_backward and args.pipeline_model_parallel_size > 1,
-         f"--dpp-split-backward at PP > 1 ({SPLIT_GRAPHS_UNMEASURED})"),
         (_transformer_engine_layers(args, machine), "Transformer Engine layers (the graphs "
          "are checked with megatron.core's local layers)"),
         (args.attention_backend == "local", "--attention-backend local (megatron-core's "

@@ -22,6 +22,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 
 from megatron.dpp import tracing
+from megatron.dpp.config import DppOptions
 from megatron.dpp.weight_grad import SplitBackwardNoPipelining, WeightGradStore
 from megatron.trainer import (
     checkpointing,
@@ -149,7 +150,9 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     # --dpp-split-backward: the schedule's B/W split, which the CUDA-graph blocks follow
     weight_grads = WeightGradStore() if args.dpp_split_backward else None
     if args.cuda_graph_impl == "block":
-        install_block_graphs(model, args, device, weight_grads)
+        # a graph per part of W, so the schedule decides between the parts
+        install_block_graphs(model, args, device, weight_grads,
+                             DppOptions.from_args(args).weight_slices)
     if not args.megatron_optimizer_fallbacks:
         stack.enter_context(no_apex.foreach_multi_tensor_ops())
     timers = Timers(logging_config.timing_level, synchronize=device.type == "cuda")

@@ -114,8 +114,15 @@ class Inbox(ABC):
         self.sources = tuple(edges)
 
     @abstractmethod
-    def put(self, key: MessageKey, tensor: torch.Tensor) -> None:
-        """Deliver `key`; a key that is already here is recorded as a failure."""
+    def put(self, key: MessageKey, tensor: torch.Tensor, ready=None) -> None:
+        """Deliver `key`; a key that is already here is recorded as a failure. `ready`: a
+        CUDA event that marks the tensor's data as written (a message announced while its
+        copy is still queued); `take` makes the taker's stream wait for it."""
+
+    @abstractmethod
+    def notify(self) -> None:
+        """Wake every waiter without a message (it looks again: the schedule also decides
+        on its GPU's progress)."""
 
     @abstractmethod
     def fail(self, error: BaseException) -> None:
@@ -150,7 +157,9 @@ class Inbox(ABC):
         (False); raise the recorded failure, if any."""
 
     def take(self, key: MessageKey, timeout: float | None = None) -> torch.Tensor:
-        """Remove and return the message `key`, waiting for it up to `timeout` seconds."""
+        """Remove and return the message `key`, waiting for it up to `timeout` seconds. A
+        message announced before its data landed is handed out at once: the current CUDA
+        stream waits for the data on the device."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             seen = self.version
@@ -201,16 +210,21 @@ class PythonInbox(Inbox):
     are Python threads, and where the native extension is not built."""
 
     def __init__(self):
-        self._messages: dict[MessageKey, torch.Tensor] = {}
+        self._messages: dict[MessageKey, tuple[torch.Tensor, object]] = {}
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self._version = 0
 
-    def put(self, key: MessageKey, tensor: torch.Tensor) -> None:
+    def put(self, key: MessageKey, tensor: torch.Tensor, ready=None) -> None:
         with self._cond:
             if key in self._messages and self._error is None:
                 self._error = TransportError(f"duplicate message {key}")
-            self._messages[key] = tensor
+            self._messages[key] = tensor, ready
+            self._version += 1
+            self._cond.notify_all()
+
+    def notify(self) -> None:
+        with self._cond:
             self._version += 1
             self._cond.notify_all()
 
@@ -245,7 +259,13 @@ class PythonInbox(Inbox):
 
     def _pop(self, key: MessageKey) -> torch.Tensor | None:
         with self._cond:
-            return self._messages.pop(key, None)
+            message = self._messages.pop(key, None)
+        if message is None:
+            return None
+        tensor, ready = message
+        if ready is not None:
+            ready.wait()  # the current stream waits on the device; the host goes on
+        return tensor
 
     def _block(self, seen_version: int, timeout: float | None) -> bool:
         with self._cond:

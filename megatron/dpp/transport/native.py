@@ -34,6 +34,12 @@ def available() -> bool:
     return _load()[0] is not None
 
 
+def unavailable_reason() -> str:
+    """Why the extension does not import, with the way to build it ("" when it does)."""
+    extension, reason = _load()
+    return "" if extension is not None else f"megatron.dpp._native: {reason}; {_BUILD_HINT}"
+
+
 def module() -> ModuleType:
     """The extension module; raises TransportError saying why it cannot be imported."""
     extension, reason = _load()
@@ -80,9 +86,16 @@ class NativeInbox(Inbox):
 
     def __init__(self, spin_us: float | None = None):
         self.mailbox = module().Mailbox(default_spin_us() if spin_us is None else spin_us)
+        # `ready` events of messages put from Python (the native drains keep their own)
+        self._ready: dict[MessageKey, object] = {}
 
-    def put(self, key: MessageKey, tensor: torch.Tensor) -> None:
+    def put(self, key: MessageKey, tensor: torch.Tensor, ready=None) -> None:
+        if ready is not None:
+            self._ready[key] = ready  # before the key is visible to a taker
         self.mailbox.put(int(key.kind), key.chunk, key.microbatch, tensor)
+
+    def notify(self) -> None:
+        self.mailbox.notify()
 
     def fail(self, error: BaseException) -> None:
         self.mailbox.fail(str(error))
@@ -106,7 +119,12 @@ class NativeInbox(Inbox):
         return len(self.mailbox)
 
     def _pop(self, key: MessageKey) -> torch.Tensor | None:
-        return self.mailbox.take(int(key.kind), key.chunk, key.microbatch)
+        tensor = self.mailbox.take(int(key.kind), key.chunk, key.microbatch)
+        if tensor is not None:
+            ready = self._ready.pop(key, None)
+            if ready is not None:
+                ready.wait()  # the current stream waits on the device; the host goes on
+        return tensor
 
     def _block(self, seen_version: int, timeout: float | None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -65,10 +65,10 @@ class JitterInbox(PythonInbox):
         self._rng = random.Random(seed)
         self._rng_lock = threading.Lock()
 
-    def put(self, key, tensor) -> None:
+    def put(self, key, tensor, ready=None) -> None:
         with self._rng_lock:
             delay = self._rng.uniform(0, self._max_delay)
-        timer = threading.Timer(delay, super().put, args=(key, tensor))
+        timer = threading.Timer(delay, super().put, args=(key, tensor, ready))
         timer.daemon = True
         timer.start()
 
@@ -195,7 +195,7 @@ def _assign_backends(edges, transport, device, timeout, native_inbox):
 
     if transport == "torch":
         return [(TorchBackend(device, timeout), edges)]
-    native = _native_backend(timeout, required=transport == "shm")
+    native = _native_backend(timeout, transport)
     if native is not None and not native_inbox:
         if transport == "shm":
             raise TransportError(f"--dpp-transport shm does not run with {JITTER_ENV} (the "
@@ -273,12 +273,16 @@ def _rdma_problems() -> list[str | None]:
     return _gather(unavailable_reason())
 
 
-def _native_backend(timeout: float, required: bool):
+def _native_backend(timeout: float, transport: str):
+    """The shm backend, or None where the native extension does not import (--dpp-transport
+    shm then stops, naming why; auto and rdma warn that same-host edges take torch)."""
     from megatron.dpp.transport import native
 
     if not native.available():
-        if required:
+        if transport == "shm":
             native.module()  # raises, saying why the extension does not import
+        log.warning("DPP transport %s: edges within this host fall back from shm to the "
+                    "slower torch transport: %s", transport, native.unavailable_reason())
         return None
     from megatron.dpp.transport.shm import ShmBackend
 

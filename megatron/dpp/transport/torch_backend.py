@@ -181,13 +181,16 @@ class TorchRecvChannel(RecvChannel):
                 if int(header[0]) == _CLOSE:
                     return
                 key, dtype, shape = decode_header(header)
-                self.inbox.put(key, self._receive_payload(dtype, shape))
+                self.inbox.put(key, *self._receive_payload(dtype, shape))
         except Exception as error:
             self.inbox.fail(TransportError(
                 f"pipeline peer rank {src} failed or disconnected (edge {self.edge}) while "
                 f"this rank waited for its {self.edge.kind.name.lower()} messages: {brief(error)}"))
 
-    def _receive_payload(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    def _receive_payload(self, dtype: torch.dtype, shape: tuple[int, ...]):
+        """(the payload's tensor, None or the CUDA event after which it is written). On a
+        GPU the receive is only queued on this channel's stream: the message is announced
+        at once, and the consumer's stream waits for the event, not its host."""
         numel = 1
         for dim in shape:
             numel *= dim
@@ -196,15 +199,16 @@ class TorchRecvChannel(RecvChannel):
             buffer = torch.empty(nbytes, dtype=torch.uint8)
             if nbytes:
                 dist.recv(buffer, self.edge.src, group=self.groups.payload)
-            return buffer.view(dtype).view(shape)
+            return buffer.view(dtype).view(shape), None
         with torch.cuda.stream(self._stream):
             buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             if nbytes:
                 dist.recv(buffer, self.edge.src, group=self.groups.payload)
-            self._stream.synchronize()
+            received = torch.cuda.Event()
+            received.record(self._stream)
         # the consumer reads it on the default stream; keep the allocator from reusing it early
         buffer.record_stream(torch.cuda.default_stream(self.device))
-        return buffer.view(dtype).view(shape)
+        return buffer.view(dtype).view(shape), received
 
 
 class TorchBackend(Backend):
