@@ -85,7 +85,7 @@ CONFIGS = {
 # existed: it stays off there, so the documented figures stay reproducible
 CONFIGS = {name: [*flags, "--no-gradient-accumulation-fusion"] for name, flags in CONFIGS.items()}
 CONFIGS |= {
-    # the weight-gradient GEMM accumulates into main_grad (no_apex.WeightGradAccumulation)
+    # the weight-gradient GEMM accumulates into main_grad (dpp.weight_grad_accumulation)
     "wgrad-m32": [*FUSED, *M32],
     "wgrad-graphs-m32": [*FUSED, *M32, *GRAPHS],
     "wgrad-graphs-m64": [*FUSED, *M64, *GRAPHS],

@@ -1,5 +1,5 @@
-"""megatron/trainer/core_overrides.py: the installed megatron-core has every internal the
-trainer relies on; a moved or changed one stops start-up with a message naming it; and in a
+"""megatron/trainer/core_overrides.py and megatron/dpp/core_internals.py: the installed
+megatron-core has every internal the trainer and DPP rely on; a moved or changed one stops start-up with a message naming it; and in a
 built model every substitution the trainer makes is in place, and undone afterwards."""
 
 import contextlib
@@ -9,8 +9,11 @@ from unittest import mock
 import pytest
 import torch
 
+from megatron.dpp import core_internals
+from megatron.dpp.core_internals import CoreInternalsError, Internal
+from megatron.dpp.weight_grad_accumulation import WeightGradAccumulation
 from megatron.trainer import core_overrides, no_apex
-from megatron.trainer.core_overrides import INTERNALS, CoreInternalsError, Internal, verify
+from megatron.trainer.core_overrides import INTERNALS, verify
 from megatron.trainer.gpt import GPT_TASK  # imported before a test deletes what they import
 from megatron.trainer.training import setup
 from tests.distributed import run_ranks
@@ -36,7 +39,7 @@ def tiny_args():
 
 
 _REMOVABLE = [(internal, target) for internal in INTERNALS if internal.how != "injected"
-              for target in core_overrides.targets(internal)]
+              for target in core_internals.targets(internal)]
 
 
 @pytest.mark.parametrize("declared, target", _REMOVABLE,
@@ -55,19 +58,19 @@ def test_start_up_fails_when_megatron_core_stops_reading_an_injected_global(monk
                                                                              tiny_args):
     """The weight-gradient kernels the trainer injects are only used while megatron-core's
     linear layers still call them by that name."""
-    real_source = core_overrides._source
+    real_source = core_internals._source
 
     def source_after_a_rename(internal):
         text = real_source(internal)
-        if internal is core_overrides.WGRAD_KERNELS:
+        if internal is core_internals.WGRAD_KERNELS:
             return text.replace("wgrad_gemm_accum_fp32", "wgrad_accumulate")
         return text
 
-    monkeypatch.setattr(core_overrides, "_source", source_after_a_rename)
+    monkeypatch.setattr(core_internals, "_source", source_after_a_rename)
     message = _setup_fails(tiny_args)
     assert ("megatron.core.tensor_parallel.layers:fused_weight_gradient_mlp_cuda: megatron.core "
             "no longer uses fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32") in message
-    assert core_overrides.WGRAD_KERNELS.user in message
+    assert core_internals.WGRAD_KERNELS.user in message
 
 
 def test_a_changed_signature_names_what_was_expected(monkeypatch, tiny_args):
@@ -127,12 +130,12 @@ def test_backward_step_is_called_with_the_installed_releases_arguments(monkeypat
     config = object()
     monkeypatch.setattr(schedules, "backward_step", _backward_step_0_16)
     verify()
-    assert core_overrides.BACKWARD_STEP.variant() == 0
-    assert core_overrides.backward_step(None, None, None, config) == (
+    assert core_internals.BACKWARD_STEP.variant() == 0
+    assert core_internals.backward_step(None, None, None, config) == (
         "0.16", ModelType.encoder_or_decoder, config)
     monkeypatch.setattr(schedules, "backward_step", _backward_step_0_17)
     verify()
-    assert core_overrides.backward_step(None, None, None, config) == ("0.17", config)
+    assert core_internals.backward_step(None, None, None, config) == ("0.17", config)
 
 
 def _amp_c_kernel(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
@@ -147,13 +150,13 @@ def test_fallback_replaced_apex_kept_anything_else_refused(monkeypatch):
     from megatron.core.optimizer import clip_grads
 
     declared = core_overrides.CLIP_GRADS_L2_NORM
-    with core_overrides.replace_fallback(declared, no_apex.foreach_l2_norm) as in_effect:
+    with core_internals.replace_fallback(declared, no_apex.foreach_l2_norm) as in_effect:
         assert clip_grads.l2_norm_impl is no_apex.foreach_l2_norm
         assert "local_multi_tensor_l2_norm" in in_effect
     assert clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm
 
     monkeypatch.setattr(clip_grads, "l2_norm_impl", _amp_c_kernel)
-    with core_overrides.replace_fallback(declared, no_apex.foreach_l2_norm) as in_effect:
+    with core_internals.replace_fallback(declared, no_apex.foreach_l2_norm) as in_effect:
         assert clip_grads.l2_norm_impl is _amp_c_kernel
         assert in_effect.startswith("apex's amp_C.")
 
@@ -267,7 +270,7 @@ def _substitutions_in_a_built_model(rank, save_dir):
                     "copy scale": core_optimizer.multi_tensor_scale_impl is no_apex.foreach_scale,
                     "grad accumulation fusion": layers._grad_accum_fusion_available,
                     "weight-gradient kernels":
-                        layers.fused_weight_gradient_mlp_cuda is no_apex.WeightGradAccumulation,
+                        layers.fused_weight_gradient_mlp_cuda is WeightGradAccumulation,
                     "bias in epilogue": bool(biased) and all(
                         isinstance(m._forward_impl, functools.partial)
                         and m._forward_impl.func is fused_layers._bias_in_epilogue

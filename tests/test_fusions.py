@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
 
+from megatron.dpp.weight_grad_accumulation import WeightGradAccumulation
 from megatron.trainer import no_apex
 from tests.distributed import run_ranks
 
@@ -168,7 +169,7 @@ def test_weight_grad_accumulation_in_fp32_from_bf16():
     grad_output = torch.randn(256, 160, generator=generator).to("cuda", torch.bfloat16)
     main_grad = torch.randn(160, 96, generator=generator).cuda()
     expected = main_grad + grad_output.float().t() @ total_input.float()
-    no_apex.WeightGradAccumulation.wgrad_gemm_accum_fp32(total_input, grad_output, main_grad)
+    WeightGradAccumulation.wgrad_gemm_accum_fp32(total_input, grad_output, main_grad)
     torch.testing.assert_close(main_grad, expected, rtol=1e-5, atol=1e-4)
 
 

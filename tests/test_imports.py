@@ -1,6 +1,11 @@
-"""No import cycles among the project's modules (megatron/, profiling/, tools/ and the entry
-points), counting every `import` statement, also those inside functions: a cycle that
-only a lazy import keeps from failing today is still a tangle."""
+"""The import rules of the project's modules (megatron/, profiling/, tools/ and the entry
+points), counting every `import` statement, also those inside functions (a dependency that
+only a lazy import hides is still a dependency):
+
+* no import cycles: a cycle that only a lazy import keeps from failing today is a tangle;
+* megatron/dpp stands alone on megatron-core: no module under it imports megatron.trainer
+  (nor names it to importlib).
+"""
 
 from __future__ import annotations
 
@@ -84,3 +89,55 @@ def test_a_cycle_is_named():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set()}
     assert find_cycle(graph) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def imports_of(path: Path, name: str) -> set[str]:
+    """Every dotted name `name` (at `path`) imports, project module or not, with relative
+    imports resolved, plus literal names given to importlib.import_module / __import__."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+        elif (isinstance(node, ast.Call) and node.args
+              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+              and ((isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+                   or (isinstance(node.func, ast.Name)
+                       and node.func.id in ("import_module", "__import__")))):
+            found.add(node.args[0].value)
+    return found
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def offending_imports(importer: str, forbidden: str) -> dict[str, list[str]]:
+    """Module -> the names under `forbidden` it imports, for the modules under `importer`."""
+    offences = {}
+    for name, path in module_names().items():
+        if _within(name, importer):
+            bad = sorted(n for n in imports_of(path, name) if _within(n, forbidden))
+            if bad:
+                offences[name] = bad
+    return offences
+
+
+def test_dpp_never_imports_the_trainer():
+    assert "megatron.dpp.schedule" in module_names()  # the walk sees dpp
+    assert offending_imports("megatron.dpp", "megatron.trainer") == {}
+
+
+def test_an_offending_import_is_named(tmp_path):
+    path = tmp_path / "lazy.py"
+    path.write_text("def f():\n    from ..trainer import core_overrides\n"
+                    "    importlib.import_module('megatron.trainer.data')\n")
+    found = imports_of(path, "megatron.dpp.lazy")
+    assert {"megatron.trainer.core_overrides", "megatron.trainer.data"} <= found

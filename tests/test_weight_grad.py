@@ -189,7 +189,7 @@ def _deferred_step(trainer, store, w_order):
     `w_order`; then megatron-core's gradient finalisation (DP reduction)."""
     from megatron.core.pipeline_parallel import schedules
 
-    from megatron.trainer import core_overrides
+    from megatron.dpp import core_internals
     from megatron.trainer.training import data_iterators
     from tests.pipeline_runs import named_grads
 
@@ -205,7 +205,7 @@ def _deferred_step(trainer, store, w_order):
                                            config, 1, is_first_microbatch=i == 0,
                                            current_microbatch=i)
         with store.deferring((0, i)):
-            core_overrides.backward_step(None, output, None, config)
+            core_internals.backward_step(None, output, None, config)
         held.append(store.held_bytes((0, i)))
     for i in w_order:
         store.run((0, i))

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.utils import get_attr_wrapped_model
 
-from megatron.trainer.fused_layers import accumulate_weight_grad
+from megatron.dpp.weight_grad_accumulation import accumulate_weight_grad
 
 
 class OutputWeightGradError(RuntimeError):

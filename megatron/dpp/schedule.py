@@ -23,6 +23,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor, forward_step
 from megatron.core.utils import get_model_config
 
+from megatron.dpp import core_internals
 from megatron.dpp.actions import BACKWARD, FORWARD, KINDS, WEIGHT, Task
 from megatron.dpp.config import DppOptions
 from megatron.dpp.gpu_queue import (
@@ -40,7 +41,6 @@ from megatron.dpp.tracing import NullTracer
 from megatron.dpp.transport.channel import MessageKey, MessageKind
 from megatron.dpp.transport.pipeline import PipelineTransport
 from megatron.dpp.weight_grad import WeightGradStore
-from megatron.trainer import core_overrides
 
 
 class _TaskCoordinator:
@@ -365,7 +365,7 @@ class _Iteration:
             self.no_sync.enable(chunk)
         with (contextlib.nullcontext() if self.weight_grads is None
               else self.weight_grads.deferring((chunk, microbatch))):
-            input_grad = core_overrides.backward_step(
+            input_grad = core_internals.backward_step(
                 input_tensor, output, output_grad, self.config)
         if self.output_weight_grads is not None and self.topology.is_last(self.rank, chunk):
             self.output_weight_grads.after_backward(microbatch)

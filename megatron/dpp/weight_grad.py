@@ -51,7 +51,7 @@ from collections.abc import Callable, Hashable, Iterator
 import torch
 from megatron.core import parallel_state
 
-from megatron.trainer import core_overrides
+from megatron.dpp import core_internals
 
 
 class WeightGradError(RuntimeError):
@@ -107,7 +107,7 @@ def weight_grads_deferred(collect: Callable[[Callable[[], None]], None]) -> Iter
     """While open, the linear layers' weight-gradient accumulations are not run but handed
     to `collect` as callables that run them. Needs the gradient-accumulation fusion path:
     `megatron.trainer.no_apex.weight_grad_accumulation_fusion()` (or apex) installed."""
-    owner, name = core_overrides.WGRAD_KERNELS.owner_and_name()
+    owner, name = core_internals.WGRAD_KERNELS.owner_and_name()
     kernels = getattr(owner, name, None)
     if kernels is None:
         raise WeightGradError(
@@ -116,7 +116,7 @@ def weight_grads_deferred(collect: Callable[[Callable[[], None]], None]) -> Iter
             f"{name}); neither is installed")
     if isinstance(kernels, _RecordingKernels):
         raise WeightGradError("weight gradients are already being deferred (nested deferral)")
-    with core_overrides.WGRAD_KERNELS.swapped(_RecordingKernels(kernels, collect)):
+    with core_internals.WGRAD_KERNELS.swapped(_RecordingKernels(kernels, collect)):
         yield
 
 
@@ -302,7 +302,7 @@ class SplitBackwardNoPipelining:
             return input_grad
 
         # the schedule calls its module's backward_step for each microbatch
-        with core_overrides.BACKWARD_STEP.swapped(split_backward_step):
+        with core_internals.BACKWARD_STEP.swapped(split_backward_step):
             losses = schedules.forward_backward_no_pipelining(
                 model=model, num_microbatches=num_microbatches, forward_only=False, **kwargs)
         self.store.end_iteration()

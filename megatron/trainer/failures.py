@@ -18,11 +18,11 @@ import traceback
 
 import torch.distributed as dist
 
+from megatron.dpp.core_internals import CoreInternalsError
 from megatron.dpp.transport.channel import TransportError, brief, peer_failure
 from megatron.trainer.arguments import ArgumentError
 from megatron.trainer.batch_schedule import BatchScheduleError
 from megatron.trainer.checkpointing import CheckpointError
-from megatron.trainer.core_overrides import CoreInternalsError
 from megatron.trainer.data import DataError
 from megatron.trainer.replica_check import ReplicaMismatch
 from megatron.trainer.reruns import ResultValidationStop

@@ -23,10 +23,9 @@ import functools
 import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
-from megatron.core.tensor_parallel import layers as core_layers
 
+from megatron.dpp.weight_grad_accumulation import accumulate_weight_grad
 from megatron.trainer import column_sums
-from megatron.trainer.no_apex import WeightGradAccumulation
 
 
 def _dummy_weight_grad(weight: torch.nn.Parameter, dtype: torch.dtype) -> torch.Tensor | None:
@@ -40,16 +39,6 @@ def _dummy_weight_grad(weight: torch.nn.Parameter, dtype: torch.dtype) -> torch.
     if getattr(weight, "zero_out_wgrad", False):
         return torch.zeros(weight.shape, dtype=dtype, device=weight.device)
     return torch.empty(weight.shape, dtype=dtype, device=weight.device)
-
-
-def accumulate_weight_grad(input, grad_output, main_grad) -> None:
-    """main_grad += grad_output^T @ input through the kernels megatron-core's linear layers
-    call (apex's, no_apex's, or a WeightGradStore deferring them to a W task)."""
-    kernels = getattr(core_layers, "fused_weight_gradient_mlp_cuda", WeightGradAccumulation)
-    if main_grad.dtype == torch.float32:
-        kernels.wgrad_gemm_accum_fp32(input, grad_output, main_grad)
-    else:
-        kernels.wgrad_gemm_accum_fp16(input, grad_output, main_grad)
 
 
 def weight_grad(weight, input, grad_output, into_main_grad: bool) -> torch.Tensor | None:

@@ -133,7 +133,7 @@ def transformer_config_from_args(args) -> TransformerConfig:
         use_cpu_initialization=not torch.cuda.is_available(),
         # megatron-core passes TE's backend choice on through NVTE_* variables
         attention_backend=_te_attention_backend(args) if te else AttnBackend.local,
-        # the weight-gradient GEMM adds into the fp32 main_grad (no_apex.WeightGradAccumulation).
+        # the weight-gradient GEMM adds into the fp32 main_grad (dpp.weight_grad_accumulation).
         # On GPU only (it saves a kernel there), unless the B/W split or the deferred output
         # layer needs the path: they defer exactly those GEMMs (megatron/dpp/weight_grad.py)
         gradient_accumulation_fusion=args.gradient_accumulation_fusion and (

@@ -9,9 +9,9 @@ Adam runs as torch's single fused kernel. Results agree with the fallbacks up to
 floating-point summation order (the grad norm) and Adam's fused arithmetic (last bits).
 
 Megatron's gradient-accumulation fusion (the weight-gradient GEMM adds into the fp32
-main_grad itself) needs apex's fused_weight_gradient_mlp_cuda; `WeightGradAccumulation`
-provides its two functions with torch's GEMMs (on CPU too, where the B/W split of
---dpp-split-backward needs the path).
+main_grad itself) needs apex's fused_weight_gradient_mlp_cuda;
+`weight_grad_accumulation_fusion` installs megatron/dpp's `WeightGradAccumulation` in its
+place (torch's GEMMs, on CPU too, where the B/W split of --dpp-split-backward needs the path).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import types
 
 import torch
 
+from megatron.dpp import core_internals
+from megatron.dpp.weight_grad_accumulation import WeightGradAccumulation
 from megatron.trainer import core_overrides
 
 log = logging.getLogger(__name__)
@@ -56,7 +58,7 @@ def foreach_multi_tensor_ops():
     trainer runs; apex's or TE's kernels, when megatron-core found them, stay (logged)."""
     with contextlib.ExitStack() as stack:
         in_effect = [
-            stack.enter_context(core_overrides.replace_fallback(internal, replacement))
+            stack.enter_context(core_internals.replace_fallback(internal, replacement))
             for internal, replacement in ((core_overrides.CLIP_GRADS_L2_NORM, foreach_l2_norm),
                                           (core_overrides.CLIP_GRADS_SCALE, foreach_scale),
                                           (core_overrides.OPTIMIZER_SCALE, foreach_scale))
@@ -65,36 +67,16 @@ def foreach_multi_tensor_ops():
         yield
 
 
-class WeightGradAccumulation:
-    """apex's fused_weight_gradient_mlp_cuda contract: main_grad += grad_output^T @ input
-    (2-D), the GEMM accumulating in place (cuBLAS beta = 1): no bf16 weight gradient is
-    written, re-read and added by a second kernel, and it is not rounded to bf16 first."""
-
-    @staticmethod
-    def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad):
-        if total_input.dtype == torch.float32:
-            main_grad.addmm_(grad_output.t(), total_input)
-        elif main_grad.is_cuda:
-            torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=torch.float32,
-                        out=main_grad)
-        else:  # torch's mixed-dtype GEMM is CUDA-only: fp32 copies of the operands
-            main_grad.addmm_(grad_output.t().float(), total_input.float())
-
-    @staticmethod
-    def wgrad_gemm_accum_fp16(total_input, grad_output, main_grad):
-        main_grad.addmm_(grad_output.t(), total_input)
-
-
 @contextlib.contextmanager
 def weight_grad_accumulation_fusion():
     """Let megatron-core's linear layers take their gradient_accumulation_fusion path with
     `WeightGradAccumulation` where apex is absent (apex's module, when found, stays)."""
-    available, kernels = core_overrides.GRAD_ACCUM_FUSION_AVAILABLE, core_overrides.WGRAD_KERNELS
+    available, kernels = core_internals.GRAD_ACCUM_FUSION_AVAILABLE, core_internals.WGRAD_KERNELS
     if available.resolve():
         owner, name = kernels.owner_and_name()
         current = getattr(owner, name, None)
         if current is None:
-            raise core_overrides.CoreInternalsError(
+            raise core_internals.CoreInternalsError(
                 f"{available.target} is True but {kernels.target} is absent -- needed by "
                 f"megatron/{kernels.user}")
         if current is not WeightGradAccumulation:  # else entered again inside itself
