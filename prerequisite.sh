@@ -68,7 +68,7 @@ native_stale() {
   built=$(ls megatron/dpp/_native*.so 2>/dev/null | head -n 1)
   [ -z "$built" ] && return 0
   [ -n "$(find csrc setup.py -newer "$built" -print -quit)" ] && return 0
-  command -v nvidia-smi >/dev/null 2>&1 && [ -z "$(ls megatron/trainer/_gemm_epilogues*.so 2>/dev/null)" ]
+  command -v nvidia-smi >/dev/null 2>&1 && [ -z "$(ls megatron/trainer/kernels/_gemm_epilogues*.so 2>/dev/null)" ]
 }
 if ! "$PY" -c "import importlib.metadata as m; m.version('megatron-dpp')" 2>/dev/null || native_stale; then
   "$PY" -m pip install -q --no-build-isolation --no-deps -e .

@@ -1,7 +1,7 @@
 """Pretrain BERT with Megatron-LM's flags; add --use-dpp for the dynamic pipeline schedule."""
 
 if __name__ == "__main__":
-    from megatron.trainer.bert import BERT_TASK
-    from megatron.trainer.training import pretrain
+    from megatron.trainer.run.training import pretrain
+    from megatron.trainer.tasks.bert import BERT_TASK
 
     pretrain(BERT_TASK)

@@ -1,7 +1,7 @@
 """Pretrain GPT with Megatron-LM's flags; add --use-dpp for the dynamic pipeline schedule."""
 
 if __name__ == "__main__":
-    from megatron.trainer.gpt import GPT_TASK
-    from megatron.trainer.training import pretrain
+    from megatron.trainer.run.training import pretrain
+    from megatron.trainer.tasks.gpt import GPT_TASK
 
     pretrain(GPT_TASK)

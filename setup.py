@@ -62,19 +62,19 @@ def _cublaslt_location():
 
 
 def gemm_extension():
-    """megatron.trainer._gemm_epilogues (csrc/gemm/): host code calling cuBLASLt, built
+    """megatron.trainer.kernels._gemm_epilogues (csrc/gemm/): host code calling cuBLASLt, built
     where CUDA and cuBLASLt are; the MLP's GEMMs fall back to torch's without it."""
     from torch.utils import cpp_extension
 
     location = _cublaslt_location()
     if location is None:
         logging.getLogger("setup").warning(
-            "cuBLASLt headers not found: megatron.trainer._gemm_epilogues is not built (the "
-            "MLP keeps separate GEMM and GeLU kernels)")
+            "cuBLASLt headers not found: megatron.trainer.kernels._gemm_epilogues is not built "
+            "(the MLP keeps separate GEMM and GeLU kernels)")
         return None
     include, link = location
     return cpp_extension.CUDAExtension(
-        name="megatron.trainer._gemm_epilogues",
+        name="megatron.trainer.kernels._gemm_epilogues",
         sources=sorted(glob.glob("csrc/gemm/*.cpp")),
         include_dirs=[include],
         extra_link_args=link,

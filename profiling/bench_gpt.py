@@ -72,7 +72,7 @@ CONFIGS = {
     "fast-m32-gc-dpp-torch": [*FUSED, *M32, "--manual-gc", "--use-dpp", "--dpp-transport",
                               "torch"],
     "fast-m32-gc-dpp-shm": [*FUSED, *M32, "--manual-gc", "--use-dpp", "--dpp-transport", "shm"],
-    # CUDA graphs of the transformer blocks (megatron/trainer/cuda_graphs.py)
+    # CUDA graphs of the transformer blocks (megatron/trainer/model/cuda_graphs.py)
     "graphs": [*FUSED, *GRAPHS],
     "graphs-m32": [*FUSED, *M32, *GRAPHS],
     "graphs-m32-dpp-torch": [*FUSED, *M32, *GRAPHS, "--use-dpp", "--dpp-transport", "torch"],
@@ -92,7 +92,7 @@ CONFIGS |= {
     "wgrad-graphs-m64-dpp-torch": [*FUSED, *M64, *GRAPHS, "--use-dpp", "--dpp-transport",
                                    "torch"],
     "wgrad-graphs-m64-dpp-shm": [*FUSED, *M64, *GRAPHS, "--use-dpp", "--dpp-transport", "shm"],
-    # + the single-pass cross-entropy (megatron/trainer/cross_entropy.py)
+    # + the single-pass cross-entropy (megatron/trainer/kernels/cross_entropy.py)
     "xent-graphs-m32": [*FUSED, *XENT, *M32, *GRAPHS],
     "xent-graphs-m64": [*FUSED, *XENT, *M64, *GRAPHS],
     "xent-graphs-m64-dpp-torch": [*FUSED, *XENT, *M64, *GRAPHS, "--use-dpp", "--dpp-transport",
@@ -124,7 +124,7 @@ CONFIGS |= {
 }
 
 # every configuration above was measured before the CUDA-graph blocks and the single-pass
-# cross-entropy became defaults on GPU (megatron/trainer/fast_path.py): where a configuration
+# cross-entropy became defaults on GPU (megatron/trainer/config/fast_path.py): where a configuration
 # does not ask for them they stay off, so the documented figures stay reproducible
 CONFIGS = {name: [*flags,
                   *([] if "--cuda-graph-impl" in flags else ["--cuda-graph-impl", "none"]),

@@ -21,9 +21,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron.trainer.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
-from megatron.trainer.fused_layers import biased_linear  # noqa: E402
-from megatron.trainer.triton_norm import TritonNorm  # noqa: E402
+from megatron.trainer.kernels.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
+from megatron.trainer.kernels.fused_layers import biased_linear  # noqa: E402
+from megatron.trainer.kernels.triton_norm import TritonNorm  # noqa: E402
 
 log = logging.getLogger("bench_kernels")
 SEQ, BATCH, HIDDEN, HEADS, VOCAB = 2048, 2, 2048, 16, 50304

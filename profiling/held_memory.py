@@ -1,5 +1,5 @@
 """Activation memory each pipeline schedule holds on a variable-length batch: per rank, the
-peak bytes of the tensors autograd keeps for backward (megatron/trainer/activation_memory.py)
+peak bytes of the tensors autograd keeps for backward (megatron/trainer/run/activation_memory.py)
 in one training step of the first global batch of --variable-seq-lengths GPT on CPU
 processes, the test's model and batch (tests/test_variable_lengths.py).
 

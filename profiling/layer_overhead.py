@@ -31,15 +31,15 @@ import torch
 if __package__ in (None, ""):  # run as a script: the repository root holds `megatron/`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron.trainer import no_apex  # noqa: E402
-from megatron.trainer.arguments import parse_args  # noqa: E402
-from megatron.trainer.initialize import initialize_distributed  # noqa: E402
-from megatron.trainer.models import (  # noqa: E402
+from megatron.trainer.config.arguments import parse_args  # noqa: E402
+from megatron.trainer.core_compat import no_apex  # noqa: E402
+from megatron.trainer.model.models import (  # noqa: E402
     build_gpt_stage,
     build_model_chunks,
     transformer_config_from_args,
 )
-from megatron.trainer.optimizer import wrap_model_chunks  # noqa: E402
+from megatron.trainer.run.initialize import initialize_distributed  # noqa: E402
+from megatron.trainer.run.optimizer import wrap_model_chunks  # noqa: E402
 from profiling.bench_gpt import GPT_LAYER_FLAGS  # noqa: E402
 
 # one micro-batch per step: the global batch is the micro-batch

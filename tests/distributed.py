@@ -23,7 +23,7 @@ import traceback
 import warnings
 
 DEFAULT_TIMEOUT = 240
-PRELOADED = ["torch", "megatron.core", "megatron.trainer.training"]
+PRELOADED = ["torch", "megatron.core", "megatron.trainer.run.training"]
 
 
 # Below Linux's ephemeral range (32768-60999): a port the kernel hands out is also what the

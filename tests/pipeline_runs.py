@@ -24,7 +24,7 @@ def unwrap(module):
 
 def named_grads(trainer) -> dict:
     """Canonical parameter name -> (gradient, tensor-parallel split dim or -1)."""
-    from megatron.trainer.models import _canonical_names
+    from megatron.trainer.model.models import _canonical_names
 
     tied = not trainer.args.untie_embeddings_and_output_weights
     grads = {}
@@ -43,7 +43,7 @@ def one_step(trainer, schedule, num_microbatches: int, forward_only: bool = Fals
     gradients of one forward/backward over the first global batch (as iteration 1)."""
     import torch
 
-    from megatron.trainer.training import data_iterators
+    from megatron.trainer.run.training import data_iterators
 
     for chunk in trainer.model:
         chunk.zero_grad_buffer()
@@ -89,9 +89,9 @@ def compare_schedules(rank, flags, world_size, task_name="gpt"):
 
     from megatron.dpp.config import DppOptions
     from megatron.dpp.schedule import DppSchedule
-    from megatron.trainer.arguments import parse_args
-    from megatron.trainer.data import microbatch_lengths
-    from megatron.trainer.training import setup
+    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.data.data import microbatch_lengths
+    from megatron.trainer.run.training import setup
 
     args = parse_args(flags, world_size=world_size)
     with contextlib.ExitStack() as stack:
@@ -124,10 +124,10 @@ def compare_schedules(rank, flags, world_size, task_name="gpt"):
 
 def _task(name):
     if name == "gpt":
-        from megatron.trainer.gpt import GPT_TASK
+        from megatron.trainer.tasks.gpt import GPT_TASK
 
         return GPT_TASK
-    from megatron.trainer.bert import BERT_TASK
+    from megatron.trainer.tasks.bert import BERT_TASK
 
     return BERT_TASK
 
@@ -144,10 +144,10 @@ def repeated_dpp_runs(rank, flag_sets, world_size, runs):
 
     from megatron.dpp.schedule import DppOptions, DppSchedule
     from megatron.dpp.transport.pipeline import JITTER_ENV
-    from megatron.trainer import initialize
-    from megatron.trainer.arguments import parse_args
-    from megatron.trainer.gpt import GPT_TASK
-    from megatron.trainer.training import setup
+    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.run import initialize
+    from megatron.trainer.run.training import setup
+    from megatron.trainer.tasks.gpt import GPT_TASK
     from tests.trainer_runs import _destroy_model_parallel_only
 
     initialize._shutdown = _destroy_model_parallel_only  # several set-ups in one process

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from megatron.trainer.arguments import ArgumentError, parse_args
+from megatron.trainer.config.arguments import ArgumentError, parse_args
 from tests.distributed import run_ranks
 from tests.trainer_runs import TINY, train_run, with_flags
 
@@ -213,8 +213,8 @@ AT_START = {
 
 @pytest.mark.parametrize("case", list(AT_START))
 def test_entry_point_reports_configuration_errors_in_one_message(case, capsys, monkeypatch):
-    from megatron.trainer.gpt import GPT_TASK
-    from megatron.trainer.training import pretrain
+    from megatron.trainer.run.training import pretrain
+    from megatron.trainer.tasks.gpt import GPT_TASK
 
     overrides, world, message = AT_START[case]
     monkeypatch.setenv("WORLD_SIZE", str(world))
@@ -346,7 +346,7 @@ def test_uneven_pipeline_split_accepted(case):
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from megatron.trainer.models import transformer_config_from_args
+    from megatron.trainer.model.models import transformer_config_from_args
 
     overrides, world, vpp = UNEVEN_ACCEPTED[case]
     args = parse_args(with_flags(BASE, **overrides), world_size=world)
@@ -393,7 +393,7 @@ def _megatron_lm_gpt_flags(tmp_path):
 
 
 def test_megatron_lm_gpt_flags_accepted(tmp_path):
-    from megatron.trainer.arguments import _global_batch_sizes
+    from megatron.trainer.config.arguments import _global_batch_sizes
 
     args = parse_args(_megatron_lm_gpt_flags(tmp_path), world_size=2)
     assert args.tokenizer_type == "GPT2BPETokenizer"  # from --vocab-file and --merge-file
@@ -471,8 +471,8 @@ def test_variable_length_defaults():
 
 
 def test_bert_refuses_variable_seq_lengths():
-    from megatron.trainer.bert import BERT_TASK
-    from megatron.trainer.training import setup
+    from megatron.trainer.run.training import setup
+    from megatron.trainer.tasks.bert import BERT_TASK
 
     args = parse_args(DOCUMENTS, world_size=1)
     with pytest.raises(ArgumentError, match="--variable-seq-lengths is for GPT"):

@@ -1,4 +1,4 @@
-"""megatron/trainer/batch_schedule.py: the trainer's own batch-size calculator gives the
+"""megatron/trainer/data/batch_schedule.py: the trainer's own batch-size calculator gives the
 batch sizes megatron-core's calculators gave (0.16's ramp-up, 0.18+'s step schedule), under
 whichever megatron-core is installed."""
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.trainer.batch_schedule import (
+from megatron.trainer.data.batch_schedule import (
     BatchScheduleError,
     BatchSizeSchedule,
     RampUp,

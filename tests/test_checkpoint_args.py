@@ -14,9 +14,9 @@ import os
 import pytest
 import torch
 
-from megatron.trainer import checkpointing
-from megatron.trainer.arguments import ArgumentError, parse_args
-from megatron.trainer.checkpoint_config import CheckpointConfig
+from megatron.trainer.checkpoint import checkpointing
+from megatron.trainer.checkpoint.checkpoint_config import CheckpointConfig
+from megatron.trainer.config.arguments import ArgumentError, parse_args
 from tests.distributed import run_ranks
 from tests.trainer_runs import TINY, train_runs, with_flags
 

@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from megatron.trainer import checkpointing
-from megatron.trainer.arguments import ArgumentError, parse_args
+from megatron.trainer.checkpoint import checkpointing
+from megatron.trainer.config.arguments import ArgumentError, parse_args
 from tests.distributed import run_ranks
 from tests.test_checkpointing import BASE, SAVE_AT, _check_resumed
 from tests.trainer_runs import TINY, train_runs, with_flags
@@ -141,8 +141,8 @@ def _single_rank_flags(rank, root, world_size):
     import torch.distributed as dist
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from megatron.trainer import initialize, training
-    from megatron.trainer.checkpoint_config import CheckpointConfig
+    from megatron.trainer.checkpoint.checkpoint_config import CheckpointConfig
+    from megatron.trainer.run import initialize, training
     from tests.trainer_runs import _destroy_model_parallel_only, _Records, task_by_name
 
     flags = with_flags(TINY, global_batch_size=2)

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from megatron.trainer import checkpointing
-from megatron.trainer.checkpoint_config import CheckpointConfig
+from megatron.trainer.checkpoint import checkpointing
+from megatron.trainer.checkpoint.checkpoint_config import CheckpointConfig
 from tests.distributed import run_ranks
 from tests.trainer_runs import TINY, train_runs, with_flags
 
@@ -90,7 +90,7 @@ def test_resume_distributed_optimizer_dp2(tmp_path):
 
 
 def test_load_empty_directory_starts_fresh(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="megatron.trainer.checkpointing"):
+    with caplog.at_level(logging.WARNING, logger="megatron.trainer.checkpoint.checkpointing"):
         state = checkpointing.load_checkpoint(str(tmp_path), None, None, None, None)
     assert state == checkpointing.TrainingState()
     assert f"no checkpoint under {tmp_path}" in caplog.text

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.trainer import column_sums
+from megatron.trainer.kernels import column_sums
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
                                reason="the column sum's GEMM path runs on a CUDA GPU")

@@ -1,6 +1,6 @@
-"""megatron/trainer/core_overrides.py and megatron/dpp/core_internals.py: the installed
-megatron-core has every internal the trainer and DPP rely on; a moved or changed one stops start-up with a message naming it; and in a
-built model every substitution the trainer makes is in place, and undone afterwards."""
+"""megatron/trainer/core_compat/core_overrides.py and megatron/dpp/core_internals.py: the
+installed megatron-core has every internal the trainer and DPP rely on; a moved or changed one
+stops start-up with a message naming it; and in a built model every substitution the trainer makes is in place, and undone afterwards."""
 
 import contextlib
 import functools
@@ -12,10 +12,10 @@ import torch
 from megatron.dpp import core_internals
 from megatron.dpp.core_internals import CoreInternalsError, Internal
 from megatron.dpp.weight_grad_accumulation import WeightGradAccumulation
-from megatron.trainer import core_overrides, no_apex
-from megatron.trainer.core_overrides import INTERNALS, verify
-from megatron.trainer.gpt import GPT_TASK  # imported before a test deletes what they import
-from megatron.trainer.training import setup
+from megatron.trainer.core_compat import core_overrides, no_apex
+from megatron.trainer.core_compat.core_overrides import INTERNALS, verify
+from megatron.trainer.run.training import setup
+from megatron.trainer.tasks.gpt import GPT_TASK  # imported before a test deletes what they import
 from tests.distributed import run_ranks
 from tests.trainer_runs import TINY, with_flags
 
@@ -33,7 +33,7 @@ def _setup_fails(args):
 
 @pytest.fixture(scope="module")
 def tiny_args():
-    from megatron.trainer.arguments import parse_args
+    from megatron.trainer.config.arguments import parse_args
 
     return parse_args(with_flags(TINY, train_iters=1), world_size=1)
 
@@ -104,13 +104,13 @@ def test_a_removed_config_field_and_a_changed_value_are_named(monkeypatch, tiny_
 
 
 def test_a_stand_in_whose_parameters_drift_from_megatron_cores_is_reported(monkeypatch):
-    from megatron.trainer.attention import SDPAttention
+    from megatron.trainer.model.attention import SDPAttention
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None):
         """lacks attention_bias and packed_seq_params, which megatron.core passes"""
 
     monkeypatch.setattr(SDPAttention, "forward", forward)
-    with pytest.raises(CoreInternalsError, match="its stand-in megatron.trainer.attention:"
+    with pytest.raises(CoreInternalsError, match="its stand-in megatron.trainer.model.attention:"
                                                  "SDPAttention.forward takes"):
         verify()
 
@@ -186,7 +186,7 @@ def test_apex_weight_gradient_kernels_are_kept(monkeypatch, caplog):
 def test_generalised_tensor_parallel_weights_keep_megatron_cores_path():
     """megatron-core 0.19's GTP (gtp_remat_size > 1) shards a weight further; the fused
     paths of fused_layers.py do not know that layout and hand the call back."""
-    from megatron.trainer import fused_layers
+    from megatron.trainer.kernels import fused_layers
 
     megatron_impl = mock.Mock(return_value="megatron-core's")
     x, weight, bias = torch.randn(4, 2, 8), torch.randn(6, 8, requires_grad=True), torch.randn(6)
@@ -219,7 +219,7 @@ def test_transformer_engine_gpt_spec_is_asked_for_with_arguments_it_takes(monkey
     fused norm-linear layers read it from the config)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    from megatron.trainer import models
+    from megatron.trainer.model import models
 
     spec = object()
     real = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec
@@ -241,11 +241,14 @@ def _substitutions_in_a_built_model(rank, save_dir):
     from megatron.core.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, layers
     from megatron.core.tensor_parallel import random as core_random
 
-    from megatron.trainer import attention, cpu_compat, fused_layers, initialize, models, training
-    from megatron.trainer.arguments import parse_args
-    from megatron.trainer.batch_schedule import BatchSizeSchedule
-    from megatron.trainer.bert import BERT_TASK
-    from megatron.trainer.gpt import GPT_TASK
+    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.core_compat import cpu_compat
+    from megatron.trainer.data.batch_schedule import BatchSizeSchedule
+    from megatron.trainer.kernels import fused_layers
+    from megatron.trainer.model import attention, models
+    from megatron.trainer.run import initialize, training
+    from megatron.trainer.tasks.bert import BERT_TASK
+    from megatron.trainer.tasks.gpt import GPT_TASK
     from tests.pipeline_runs import unwrap
     from tests.trainer_runs import _destroy_model_parallel_only
 
@@ -315,7 +318,7 @@ def _sequence_parallel_norms_tagged(args) -> bool:
     refuses sequence parallelism, so it is switched on after validation."""
     import copy
 
-    from megatron.trainer import models
+    from megatron.trainer.model import models
 
     config = models.transformer_config_from_args(args)
     args = copy.copy(args)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.overrides import _get_current_function_mode_stack
 
-from megatron.trainer.cpu_compat import CpuCompat
+from megatron.trainer.core_compat.cpu_compat import CpuCompat
 
 
 def test_interrupt_between_torchs_pop_and_push_of_the_mode_stays_an_interrupt():

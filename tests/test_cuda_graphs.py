@@ -9,8 +9,8 @@ import contextlib
 import pytest
 import torch
 
-from megatron.trainer.arguments import ArgumentError, parse_args
-from megatron.trainer.cuda_graphs import CudaGraphError, install_block_graphs
+from megatron.trainer.config.arguments import ArgumentError, parse_args
+from megatron.trainer.model.cuda_graphs import CudaGraphError, install_block_graphs
 from tests.distributed import run_ranks
 
 TINY_GPT = [
@@ -49,14 +49,14 @@ def test_cpu_device_is_refused_with_the_device_named():
 
 
 def _eager_vs_graphs(rank, dtype_flags, order):
-    from megatron.trainer import no_apex
-    from megatron.trainer.initialize import initialize_distributed
-    from megatron.trainer.models import (
+    from megatron.trainer.core_compat import no_apex
+    from megatron.trainer.model.models import (
         build_gpt_stage,
         build_model_chunks,
         transformer_config_from_args,
     )
-    from megatron.trainer.optimizer import wrap_model_chunks
+    from megatron.trainer.run.initialize import initialize_distributed
+    from megatron.trainer.run.optimizer import wrap_model_chunks
 
     flags = [*TINY_GPT, *dtype_flags, "--distributed-backend", "nccl"]
     results = {}
@@ -114,15 +114,15 @@ def test_graph_replays_equal_eager_in_any_backward_order(dtype_flags):
 def _graphs_with_dropout(rank, runs):
     """Per run (graphs?, forward order): two steps of three microbatches with dropout 0.1,
     each forward after ForwardRng.reseed(step, microbatch, 0) as the schedules do it."""
-    from megatron.trainer import no_apex
-    from megatron.trainer.initialize import initialize_distributed
-    from megatron.trainer.models import (
+    from megatron.trainer.core_compat import no_apex
+    from megatron.trainer.model.models import (
         build_gpt_stage,
         build_model_chunks,
         transformer_config_from_args,
     )
-    from megatron.trainer.optimizer import wrap_model_chunks
-    from megatron.trainer.rng import ForwardRng
+    from megatron.trainer.run.initialize import initialize_distributed
+    from megatron.trainer.run.optimizer import wrap_model_chunks
+    from megatron.trainer.run.rng import ForwardRng
 
     flags = [*TINY_GPT, "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
              "--distributed-backend", "nccl"]
@@ -190,7 +190,7 @@ def test_graph_replays_draw_the_keyed_dropout_masks():
 def test_block_gradients_reach_main_grad_as_per_tensor_adds_would():
     """The backward graph's one multi-tensor add of the small gradients (biases, norms) gives
     each main_grad exactly what a separate add per tensor gives, for mixed shapes and dtypes."""
-    from megatron.trainer.cuda_graphs import _accumulate_into_main_grads
+    from megatron.trainer.model.cuda_graphs import _accumulate_into_main_grads
 
     generator = torch.Generator().manual_seed(3)
     mains = [torch.randn(shape, generator=generator, dtype=dtype)

@@ -11,7 +11,7 @@ from unittest import mock
 import pytest
 import torch
 
-from megatron.trainer.arguments import ArgumentError, parse_args
+from megatron.trainer.config.arguments import ArgumentError, parse_args
 from tests.distributed import run_ranks
 from tests.pipeline_runs import TINY_GPT, one_step, unwrap
 from tests.trainer_runs import with_flags
@@ -54,9 +54,9 @@ def _steps(rank, flag_sets, world_size):
 
     from megatron.dpp.config import DppOptions
     from megatron.dpp.schedule import DppSchedule
-    from megatron.trainer import initialize
-    from megatron.trainer.gpt import GPT_TASK
-    from megatron.trainer.training import setup
+    from megatron.trainer.run import initialize
+    from megatron.trainer.run.training import setup
+    from megatron.trainer.tasks.gpt import GPT_TASK
     from tests.trainer_runs import _destroy_model_parallel_only
 
     initialize._shutdown = _destroy_model_parallel_only  # several set-ups in one process

@@ -1,4 +1,4 @@
-"""Variable-length data (megatron/trainer/documents.py, microbatches.py): one document per
+"""Variable-length data (megatron/trainer/data/documents.py, microbatches.py): one document per
 sample, Megatron's --split on documents, a resumable shuffled order, blending, padding that
 the loss ignores, grouping by length, token counts, and the reordering iterator."""
 
@@ -13,7 +13,7 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
 )
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
-from megatron.trainer.documents import (
+from megatron.trainer.data.documents import (
     BlendedDocuments,
     DocumentDataConfig,
     DocumentDataset,
@@ -21,7 +21,7 @@ from megatron.trainer.documents import (
     length_statistics,
     split_document_ranges,
 )
-from megatron.trainer.microbatches import (
+from megatron.trainer.data.microbatches import (
     BatchLayout,
     DocumentMicrobatches,
     ReorderedMicrobatches,
@@ -291,15 +291,15 @@ def _padded_and_alone(rank, directory):
     import contextlib
     import copy
 
-    from megatron.trainer.arguments import parse_args
-    from megatron.trainer.gpt import gpt_loss
-    from megatron.trainer.initialize import initialize_distributed
-    from megatron.trainer.models import (
+    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.model.models import (
         build_gpt_stage,
         build_model_chunks,
         transformer_config_from_args,
     )
-    from megatron.trainer.optimizer import wrap_model_chunks
+    from megatron.trainer.run.initialize import initialize_distributed
+    from megatron.trainer.run.optimizer import wrap_model_chunks
+    from megatron.trainer.tasks.gpt import gpt_loss
 
     rng = np.random.default_rng(3)
     builder = IndexedDatasetBuilder(f"{directory}/gpt.bin", dtype=np.int32)

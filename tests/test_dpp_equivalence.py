@@ -8,7 +8,7 @@ import torch
 
 from megatron.dpp.policy import cost_order
 from megatron.dpp.transport import native
-from megatron.trainer.data import variable_length
+from megatron.trainer.data.data import variable_length
 from tests.distributed import run_ranks
 from tests.pipeline_runs import TINY_GPT, compare_schedules, repeated_dpp_runs
 

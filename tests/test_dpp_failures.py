@@ -32,9 +32,9 @@ def _dying_forward_step(forward_step, after: int):
 def _train_then_lose_a_peer(rank, transport, mid_iteration):
     from megatron.dpp.transport import shm
     from megatron.dpp.transport.channel import TransportError
-    from megatron.trainer.arguments import parse_args
-    from megatron.trainer.gpt import GPT_TASK
-    from megatron.trainer.training import setup
+    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.run.training import setup
+    from megatron.trainer.tasks.gpt import GPT_TASK
 
     # the job's segment names hold the token its ranks agree on: the test looks for those
     # only (other tests running beside it have their own)

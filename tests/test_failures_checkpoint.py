@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from megatron.trainer import checkpointing
+from megatron.trainer.checkpoint import checkpointing
 from tests.job import TINY_GPT, Job
 
 RUN_S = 180  # a whole short job, on a loaded 2-core machine
@@ -54,7 +54,7 @@ filesystem_async._write_item = full_disk_write_item
 # copy is deleted.
 KILLED_AFTER_THE_SWAP = """
 import os, signal
-from megatron.trainer import checkpointing
+from megatron.trainer.checkpoint import checkpointing
 rmtree = checkpointing.shutil.rmtree
 def killing_rmtree(path, *args, **kwargs):
     if str(path).endswith("iter_0000002.tmp") and os.path.isdir(str(path)[:-4]):

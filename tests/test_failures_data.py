@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.trainer import failures
-from megatron.trainer.data import DataError, check_data_paths, prefix_problem
+from megatron.trainer.data.data import DataError, check_data_paths, prefix_problem
+from megatron.trainer.run import failures
 from tests.job import TINY_GPT, Job
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -122,14 +122,14 @@ def test_bad_data_ends_every_rank_with_one_line_before_the_job_starts(tmp_path):
         assert statuses[rank] == 1, log[-3000:]
         (error,) = job.lines(rank, " ERROR ")
         assert error.endswith(
-            f"megatron.trainer.failures: bad training data: --data-path {prefix}: "
+            f"megatron.trainer.run.failures: bad training data: --data-path {prefix}: "
             f"{prefix}.bin has 20 bytes, but {prefix}.idx describes 40: the .bin is truncated")
         assert "Traceback" not in log
 
 
 def test_the_traceback_is_logged_at_debug(monkeypatch, caplog):
     monkeypatch.setenv("MEGATRON_LOG_LEVEL", "DEBUG")
-    with caplog.at_level(logging.DEBUG, logger="megatron.trainer.failures"):
+    with caplog.at_level(logging.DEBUG, logger="megatron.trainer.run.failures"):
         with pytest.raises(SystemExit) as caught:
             with failures.exit_on_known_failures("pretrain_gpt.py"):
                 raise DataError("--data-path corpus: corpus.bin not found")

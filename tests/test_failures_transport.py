@@ -75,7 +75,7 @@ def test_ctrl_c_ends_every_rank_with_one_line(tmp_path):
                                        f"\nrank {1 - rank}:\n{job.log(1 - rank)[-1500:]}")
         errors = job.lines(rank, "ERROR")
         assert len(errors) == 1 and errors[0].endswith(
-            "megatron.trainer.failures: interrupted (SIGINT)"), log[-3000:]
+            "megatron.trainer.run.failures: interrupted (SIGINT)"), log[-3000:]
         assert "Traceback" not in log
 
 

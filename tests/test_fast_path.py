@@ -1,4 +1,4 @@
-"""The fast path's defaults (megatron/trainer/fast_path.py): on where nothing rules them out,
+"""The fast path's defaults (megatron/trainer/config/fast_path.py): on where nothing rules them out,
 off otherwise with one log line per feature naming the reason, and the run still trains.
 
 The trainer runs here pretend to be on a GPU machine (`Machine.detect` patched in the ranks)
@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
-from megatron.trainer import fast_path
-from megatron.trainer.arguments import ArgumentError, parse_args
+from megatron.trainer.config import fast_path
+from megatron.trainer.config.arguments import ArgumentError, parse_args
 from tests.distributed import run_ranks
 from tests.trainer_runs import TINY, train_runs, with_flags
 

@@ -1,4 +1,4 @@
-"""--fim-data (megatron/trainer/fim.py): fill-in-the-middle samples of megatron.core's GPT
+"""--fim-data (megatron/trainer/data/fim.py): fill-in-the-middle samples of megatron.core's GPT
 dataset, checked against the plain samples of the same dataset and seed."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import pytest
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-from megatron.trainer.arguments import ArgumentError, parse_args
-from megatron.trainer.configs import TokenizerConfig
-from megatron.trainer.data import build_gpt_datasets
-from megatron.trainer.fim import FimConfig, FimError, FimTransform
-from megatron.trainer.tokenizer import TokenizerFileError, _byte_to_char, build_tokenizer
+from megatron.trainer.config.arguments import ArgumentError, parse_args
+from megatron.trainer.config.configs import TokenizerConfig
+from megatron.trainer.data.data import build_gpt_datasets
+from megatron.trainer.data.fim import FimConfig, FimError, FimTransform
+from megatron.trainer.data.tokenizer import TokenizerFileError, _byte_to_char, build_tokenizer
 from tests.distributed import run_ranks
 from tests.trainer_runs import train_runs, with_flags
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
 
 from megatron.dpp.weight_grad_accumulation import WeightGradAccumulation
-from megatron.trainer import no_apex
+from megatron.trainer.core_compat import no_apex
 from tests.distributed import run_ranks
 
 # megatron-core's fused functions without torch.compile: on the CPU it would build C++
@@ -85,15 +85,15 @@ def test_fused_cross_entropy_matches_unfused_in_bf16_only():
 def _main_grads(rank, fused: bool, extra_flags=()):
     import contextlib
 
-    from megatron.trainer import no_apex
-    from megatron.trainer.arguments import parse_args
-    from megatron.trainer.initialize import initialize_distributed
-    from megatron.trainer.models import (
+    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.core_compat import no_apex
+    from megatron.trainer.model.models import (
         build_gpt_stage,
         build_model_chunks,
         transformer_config_from_args,
     )
-    from megatron.trainer.optimizer import wrap_model_chunks
+    from megatron.trainer.run.initialize import initialize_distributed
+    from megatron.trainer.run.optimizer import wrap_model_chunks
 
     flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
              "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size",
@@ -177,7 +177,7 @@ def _single_pass_cross_entropies(rank):
     """Each of two tensor-parallel ranks holds half of a 160-entry vocabulary."""
     from megatron.core import parallel_state, tensor_parallel
 
-    from megatron.trainer.cross_entropy import vocab_parallel_cross_entropy
+    from megatron.trainer.kernels.cross_entropy import vocab_parallel_cross_entropy
 
     torch.distributed.init_process_group("gloo")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
@@ -230,7 +230,7 @@ def test_single_pass_cross_entropy_in_a_gpt_equals_the_unfused_loss():
 
 
 def test_bias_in_the_gemm_epilogue_gives_linear_and_its_gradients():
-    from megatron.trainer.fused_layers import biased_linear
+    from megatron.trainer.kernels.fused_layers import biased_linear
 
     generator = torch.Generator().manual_seed(9)
     x, weight, bias = (torch.randn(shape, generator=generator).requires_grad_()
@@ -247,7 +247,7 @@ def test_bias_in_the_gemm_epilogue_gives_linear_and_its_gradients():
 
 
 def test_bias_in_the_gemm_epilogue_accumulates_into_main_grad():
-    from megatron.trainer.fused_layers import biased_linear
+    from megatron.trainer.kernels.fused_layers import biased_linear
 
     generator = torch.Generator().manual_seed(10)
     weight = torch.nn.Parameter(torch.randn(24, 16, generator=generator))
@@ -262,7 +262,7 @@ def test_bias_in_the_gemm_epilogue_accumulates_into_main_grad():
 
 
 def test_word_embedding_accumulates_rows_into_main_grad():
-    from megatron.trainer.fused_layers import _EmbeddingIntoMainGrad
+    from megatron.trainer.kernels.fused_layers import _EmbeddingIntoMainGrad
 
     generator = torch.Generator().manual_seed(11)
     weight = torch.nn.Parameter(torch.randn(50, 16, generator=generator))
@@ -284,7 +284,7 @@ def test_word_embedding_accumulates_rows_into_main_grad():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels need a CUDA GPU")
 @pytest.mark.parametrize("vocab", [50304, 1000])
 def test_triton_cross_entropy_matches_the_torch_passes(vocab):
-    from megatron.trainer.cross_entropy import (
+    from megatron.trainer.kernels.cross_entropy import (
         VocabParallelCrossEntropy,
         _TorchPasses,
         _TritonPasses,
@@ -312,7 +312,7 @@ def test_triton_cross_entropy_matches_the_torch_passes(vocab):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="checks CUDA's index_put_ kernel")
 def test_word_embedding_accumulation_is_deterministic_on_gpu():
-    from megatron.trainer.fused_layers import _EmbeddingIntoMainGrad
+    from megatron.trainer.kernels.fused_layers import _EmbeddingIntoMainGrad
 
     generator = torch.Generator().manual_seed(13)
     ids = torch.randint(0, 512, (2, 2048), generator=generator).cuda()  # many repeats
@@ -333,7 +333,7 @@ def test_word_embedding_accumulation_is_deterministic_on_gpu():
 def _cross_entropy_on_biased_logits(rank):
     from megatron.core import parallel_state, tensor_parallel
 
-    from megatron.trainer.fused_layers import biased_linear
+    from megatron.trainer.kernels.fused_layers import biased_linear
 
     torch.distributed.init_process_group("gloo")
     parallel_state.initialize_model_parallel()
@@ -366,10 +366,12 @@ def _fused_layer_paths(rank):
 
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
-    from megatron.trainer import fused_layers, initialize, models
-    from megatron.trainer.arguments import parse_args
-    from megatron.trainer.gpt import GPT_TASK
-    from megatron.trainer.training import setup
+    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.kernels import fused_layers
+    from megatron.trainer.model import models
+    from megatron.trainer.run import initialize
+    from megatron.trainer.run.training import setup
+    from megatron.trainer.tasks.gpt import GPT_TASK
     from tests.pipeline_runs import TINY_GPT, one_step
     from tests.trainer_runs import _destroy_model_parallel_only
 

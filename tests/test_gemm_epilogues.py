@@ -1,5 +1,5 @@
-"""The cuBLASLt epilogue GEMMs (megatron/trainer/gemm_epilogues.py) against float64 math, and
-the MLP built on them (gelu_mlp.py) against megatron-core's fc1, bias-GeLU and fc2.
+"""The cuBLASLt epilogue GEMMs (megatron/trainer/kernels/gemm_epilogues.py) against float64
+math, and the MLP built on them (gelu_mlp.py) against megatron-core's fc1, bias-GeLU and fc2.
 
 They need a GPU and the native module, which prerequisite.sh builds where CUDA is.
 """
@@ -10,13 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron.trainer import gemm_epilogues
+from megatron.trainer.kernels import gemm_epilogues
 from tests.distributed import run_ranks
 from tests.trainer_runs import TINY, train_runs, with_flags
 
 needs_gemms = pytest.mark.skipif(
     not (torch.cuda.is_available() and gemm_epilogues.built()),
-    reason="the epilogue GEMMs need a CUDA GPU and megatron.trainer._gemm_epilogues "
+    reason="the epilogue GEMMs need a CUDA GPU and megatron.trainer.kernels._gemm_epilogues "
            "(built by prerequisite.sh where CUDA is)")
 
 # largest error allowed, relative to the largest reference value: bf16 and fp16 round the
@@ -69,7 +69,7 @@ def test_epilogues_compute_bias_gelu_and_its_gradient(shape, dtype):
 
 @needs_gemms
 def test_mlp_function_gives_the_unfused_gradients_and_accumulates_into_main_grad():
-    from megatron.trainer.gelu_mlp import _GeluMLP
+    from megatron.trainer.model.gelu_mlp import _GeluMLP
 
     x, w1, b1, w2, grad_y = _operands(136, 72, 200, torch.float32)
     leaves = [t.clone().requires_grad_() for t in (x, w1, b1, w2)]
@@ -106,7 +106,7 @@ def _megatron_mlps(rank):
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron.trainer import gelu_mlp
+    from megatron.trainer.model import gelu_mlp
 
     torch.distributed.init_process_group("nccl")
     torch.cuda.set_device(0)

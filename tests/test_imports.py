@@ -4,7 +4,20 @@ only a lazy import hides is still a dependency):
 
 * no import cycles: a cycle that only a lazy import keeps from failing today is a tangle;
 * megatron/dpp stands alone on megatron-core: no module under it imports megatron.trainer
-  (nor names it to importlib).
+  (nor names it to importlib);
+* megatron/trainer's subpackages form layers (`TRAINER_LAYERS`, the picture in
+  docs/design.md), each importing only the trainer subpackages listed for it, bottom to top:
+    core_compat  megatron-core adaptation             -> no other trainer subpackage
+    kernels      Triton / GEMM kernels, fused layers  -> core_compat
+    model        model chunks on megatron-core        -> kernels, core_compat
+    data         datasets, tokenizers, microbatches   -> none
+    checkpoint   save / load, checkpoint arguments    -> core_compat
+    config       flags, validation, typed configs     -> data, checkpoint, kernels, core_compat
+    run          start-up, the loop, optimizer, logs  -> config, checkpoint, data, model,
+                                                         kernels, core_compat
+    tasks        GPT, BERT                            -> run, model, data
+  The modules at megatron/trainer's top (launch.py) may import any of them. Every layer may
+  import megatron.dpp and megatron-core; each subpackage's docstring names what it may import.
 """
 
 from __future__ import annotations
@@ -80,7 +93,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_no_import_cycles():
     modules = module_names()
     graph = {name: imported(path, name, modules) for name, path in modules.items()}
-    assert "megatron.dpp.tracing" in graph["megatron.trainer.training"]  # the walk sees edges
+    assert "megatron.dpp.tracing" in graph["megatron.trainer.run.training"]  # the walk sees edges
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -137,7 +150,52 @@ def test_dpp_never_imports_the_trainer():
 
 def test_an_offending_import_is_named(tmp_path):
     path = tmp_path / "lazy.py"
-    path.write_text("def f():\n    from ..trainer import core_overrides\n"
-                    "    importlib.import_module('megatron.trainer.data')\n")
+    path.write_text("def f():\n    from ..trainer import upper\n"
+                    "    importlib.import_module('megatron.trainer.lazy')\n")
     found = imports_of(path, "megatron.dpp.lazy")
-    assert {"megatron.trainer.core_overrides", "megatron.trainer.data"} <= found
+    assert {"megatron.trainer.upper", "megatron.trainer.lazy"} <= found
+
+
+TRAINER_LAYERS = {
+    "core_compat": set(),
+    "kernels": {"core_compat"},
+    "model": {"kernels", "core_compat"},
+    "data": set(),
+    "checkpoint": {"core_compat"},
+    "config": {"data", "checkpoint", "kernels", "core_compat"},
+    "run": {"config", "checkpoint", "data", "model", "kernels", "core_compat"},
+    "tasks": {"run", "model", "data"},
+}
+
+
+def subpackage_imports() -> dict[str, dict[str, set[str]]]:
+    """Trainer subpackage -> module -> the other trainer subpackages it imports."""
+    found: dict[str, dict[str, set[str]]] = {}
+    for name, path in module_names().items():
+        parts = name.split(".")
+        if parts[:2] != ["megatron", "trainer"] or len(parts) < 4:
+            continue  # the trainer's top modules may import every layer
+        uses = {n.split(".")[2] for n in imports_of(path, name)
+                if n.startswith("megatron.trainer.")} - {parts[2]}
+        found.setdefault(parts[2], {})[name] = uses
+    return found
+
+
+def test_every_trainer_subpackage_has_declared_layer_rules():
+    packages = {p.parent.name for p in (ROOT / "megatron" / "trainer").glob("*/__init__.py")}
+    assert packages == set(TRAINER_LAYERS)
+    assert find_cycle(TRAINER_LAYERS) is None
+    for package, allowed in TRAINER_LAYERS.items():
+        init = ROOT / "megatron" / "trainer" / package / "__init__.py"
+        docstring = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert "import" in docstring, f"{init}: its docstring says what it may import"
+        assert all(name in docstring for name in allowed), (init, allowed)
+
+
+def test_trainer_subpackages_import_only_the_layers_below():
+    found = subpackage_imports()
+    assert "config" in found["run"]["megatron.trainer.run.training"]  # the walk sees edges
+    offences = {module: sorted(uses - TRAINER_LAYERS[package])
+                for package, modules in found.items() for module, uses in modules.items()
+                if uses - TRAINER_LAYERS[package]}
+    assert offences == {}, f"imports across the trainer's layers: {offences}"

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from megatron.trainer import launch
-from megatron.trainer.metrics import IterationStats
+from megatron.trainer.run.metrics import IterationStats
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted(REPO.glob("run_*_*.sh")) + sorted((REPO / "examples").rglob("*.sh")) + [

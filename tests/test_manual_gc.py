@@ -7,9 +7,9 @@ import gc
 
 import pytest
 
-from megatron.trainer import manual_gc
-from megatron.trainer.arguments import ArgumentError, parse_args
-from megatron.trainer.manual_gc import ManualGC
+from megatron.trainer.config.arguments import ArgumentError, parse_args
+from megatron.trainer.run import manual_gc
+from megatron.trainer.run.manual_gc import ManualGC
 from tests.pipeline_runs import TINY_GPT
 
 

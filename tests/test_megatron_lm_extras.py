@@ -44,10 +44,10 @@ def _probe(rank, flags, world_size, nudge: str | None) -> dict:
     nudged first); what the run built and the replica check it raised."""
     from megatron.core import parallel_state
 
-    from megatron.trainer import training
-    from megatron.trainer.arguments import parse_args
-    from megatron.trainer.gpt import GPT_TASK
-    from megatron.trainer.replica_check import ReplicaMismatch
+    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.run import training
+    from megatron.trainer.run.replica_check import ReplicaMismatch
+    from megatron.trainer.tasks.gpt import GPT_TASK
 
     with contextlib.ExitStack() as stack:
         trainer = training.setup(GPT_TASK, parse_args(flags, world_size=world_size), stack)
@@ -77,7 +77,7 @@ def _probe(rank, flags, world_size, nudge: str | None) -> dict:
 
 
 def _probes_then_runs(rank, probes, runs, world_size):
-    from megatron.trainer import initialize
+    from megatron.trainer.run import initialize
     from tests import trainer_runs
 
     initialize._shutdown = trainer_runs._destroy_model_parallel_only
@@ -125,7 +125,7 @@ def runs(ranks):
 
 
 def _parse_error(argv, world_size=2, model="gpt", **overrides) -> str:
-    from megatron.trainer.arguments import ArgumentError, parse_args
+    from megatron.trainer.config.arguments import ArgumentError, parse_args
 
     with pytest.raises(ArgumentError) as error:
         parse_args(with_flags(argv, **overrides), world_size=world_size, model=model)
@@ -133,7 +133,7 @@ def _parse_error(argv, world_size=2, model="gpt", **overrides) -> str:
 
 
 def test_step_batch_size_schedule_sets_each_steps_global_batch(runs):
-    from megatron.trainer.arguments import parse_args
+    from megatron.trainer.config.arguments import parse_args
 
     args = parse_args(STEPS, world_size=2)
     # the steps through the schedule until --train-samples are consumed (as Megatron-LM)
@@ -184,9 +184,10 @@ def test_optimizer_instances_each_keep_the_whole_state():
 
 
 def test_optimizer_instances_are_validated(monkeypatch):
-    from megatron.trainer import fast_path, training
-    from megatron.trainer.arguments import ArgumentError, parse_args
-    from megatron.trainer.gpt import GPT_TASK
+    from megatron.trainer.config import fast_path
+    from megatron.trainer.config.arguments import ArgumentError, parse_args
+    from megatron.trainer.run import training
+    from megatron.trainer.tasks.gpt import GPT_TASK
 
     args = parse_args(INSTANCES, world_size=2)
     assert args.num_distributed_optimizer_instances == 2
@@ -250,8 +251,8 @@ def test_microbatch_groups_reorder_the_interleaved_schedule_with_the_same_losses
 
 
 def test_warmup_flush_overlap_reaches_the_interleaved_schedule():
-    from megatron.trainer.arguments import parse_args
-    from megatron.trainer.models import transformer_config_from_args
+    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.model.models import transformer_config_from_args
 
     flags = with_flags(DP2, pipeline_model_parallel_size=4, num_layers=8,
                        num_layers_per_virtual_pipeline_stage=1) + [
@@ -271,7 +272,7 @@ def test_verify_integrity_manifest_is_written_checked_and_catches_a_changed_file
     import os
     import shutil
 
-    from megatron.trainer.checkpointing import INTEGRITY_MANIFEST, integrity_problem
+    from megatron.trainer.checkpoint.checkpointing import INTEGRITY_MANIFEST, integrity_problem
 
     # every save of the run wrote one; the resumed run loaded iteration 3 through the check
     for iteration in (1, 2, 3):

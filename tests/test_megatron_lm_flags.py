@@ -32,9 +32,9 @@ PER_TOKEN = ["--eod-mask-loss", "--calculate-per-token-loss"]
 
 def _flags_and_probe(rank, runs, world_size, probe_flags):
     """Rank function: the --decoupled-lr probe (which parameters moved), then `runs`."""
-    from megatron.trainer import initialize, training
-    from megatron.trainer.arguments import parse_args
-    from megatron.trainer.gpt import GPT_TASK
+    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.run import initialize, training
+    from megatron.trainer.tasks.gpt import GPT_TASK
     from tests import trainer_runs
 
     initialize._shutdown = trainer_runs._destroy_model_parallel_only
@@ -167,8 +167,8 @@ def test_decoupled_lr_zero_freezes_embedding_and_output_layer(runs):
 def test_tp_pp_dp_mapping_puts_pipeline_neighbours_on_adjacent_ranks():
     from megatron.core.parallel_state import RankGenerator
 
-    from megatron.trainer.arguments import parse_args
-    from megatron.trainer.initialize import rank_order
+    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.run.initialize import rank_order
 
     def groups(extra):
         args = parse_args(PP2 + extra, world_size=4)
@@ -184,7 +184,7 @@ def _attention(layer_scaling: bool, layer_number: int):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron.trainer.attention import SDPAttention
+    from megatron.trainer.model.attention import SDPAttention
 
     config = TransformerConfig(num_layers=8, hidden_size=64, num_attention_heads=4,
                                attention_dropout=0.0, use_cpu_initialization=True,
@@ -195,7 +195,7 @@ def _attention(layer_scaling: bool, layer_number: int):
 
 
 def test_query_key_layer_scaling_keeps_fp16_scores_in_range():
-    from megatron.trainer.attention import layer_scaled_scores
+    from megatron.trainer.model.attention import layer_scaled_scores
 
     generator = torch.Generator().manual_seed(0)
     # [s, b, heads, dim]; scores of about 300 x 300 x 16 / 4 = 3.6e5, beyond fp16's 65504
@@ -215,7 +215,7 @@ def test_query_key_layer_scaling_keeps_fp16_scores_in_range():
 
 
 def test_zero_centred_norm_scales_by_one_plus_weight():
-    from megatron.trainer.norms import ZeroCenteredNorm
+    from megatron.trainer.kernels.norms import ZeroCenteredNorm
 
     x = torch.randn(3, 5, 8)
     norm = ZeroCenteredNorm(8, 1e-5, rms=False)
@@ -239,7 +239,7 @@ class _WhichProcess(torch.utils.data.Dataset):
 
 
 def test_num_workers_read_the_same_batches_in_worker_processes():
-    from megatron.trainer.data import MicroBatchIterator
+    from megatron.trainer.data.data import MicroBatchIterator
 
     def batches(workers):
         iterator = MicroBatchIterator(_WhichProcess(), 2, consumed_samples=4, dp_rank=1,
@@ -254,7 +254,7 @@ def test_num_workers_read_the_same_batches_in_worker_processes():
 
 
 def _parse_error(argv, world_size=1, model="gpt", **overrides) -> str:
-    from megatron.trainer.arguments import ArgumentError, parse_args
+    from megatron.trainer.config.arguments import ArgumentError, parse_args
 
     with pytest.raises(ArgumentError) as error:
         parse_args(with_flags(argv, **overrides), world_size=world_size, model=model)
@@ -271,11 +271,11 @@ def test_deterministic_mode_refuses_what_would_vary(monkeypatch):
 
 
 def test_wandb_needs_its_package_at_start_up_and_gets_the_scalars(monkeypatch, tmp_path):
-    from megatron.trainer import training
-    from megatron.trainer.arguments import ArgumentError, parse_args
-    from megatron.trainer.configs import LoggingConfig
-    from megatron.trainer.gpt import GPT_TASK
-    from megatron.trainer.metrics import ScalarLog
+    from megatron.trainer.config.arguments import ArgumentError, parse_args
+    from megatron.trainer.config.configs import LoggingConfig
+    from megatron.trainer.run import training
+    from megatron.trainer.run.metrics import ScalarLog
+    from megatron.trainer.tasks.gpt import GPT_TASK
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # not importable
     flags = with_flags(BASE, wandb_project="p", wandb_exp_name="e",
@@ -306,7 +306,7 @@ def test_wandb_needs_its_package_at_start_up_and_gets_the_scalars(monkeypatch, t
 
 
 def test_tokenizer_defaults_follow_the_model():
-    from megatron.trainer.arguments import parse_args
+    from megatron.trainer.config.arguments import parse_args
 
     bert = with_flags(BASE, tokenizer_type=None, vocab_size=None,
                       vocab_file="datasets_bert/vocab.txt")

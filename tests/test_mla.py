@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from megatron.trainer.arguments import ArgumentError, parse_args
+from megatron.trainer.config.arguments import ArgumentError, parse_args
 from tests.distributed import run_ranks
 from tests.trainer_runs import TINY, train_runs, with_flags
 

@@ -14,11 +14,11 @@ from tests.pipeline_runs import TINY_GPT, one_step
 def _loss_and_grads(rank, stock: bool):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from megatron.trainer import models
-    from megatron.trainer.arguments import parse_args
-    from megatron.trainer.attention import SDPAttention
-    from megatron.trainer.gpt import GPT_TASK
-    from megatron.trainer.training import setup
+    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.model import models
+    from megatron.trainer.model.attention import SDPAttention
+    from megatron.trainer.run.training import setup
+    from megatron.trainer.tasks.gpt import GPT_TASK
 
     # the stock core needs CUDA in production; under the CPU compatibility layer it runs
     models._stock_attention = lambda args: stock

@@ -6,8 +6,8 @@ import torch
 from megatron.core import utils as core_utils
 from megatron.core.optimizer import clip_grads
 
-from megatron.trainer import no_apex
-from megatron.trainer.cpu_compat import CpuCompat
+from megatron.trainer.core_compat import no_apex
+from megatron.trainer.core_compat.cpu_compat import CpuCompat
 
 
 def _tensors(seed: int, dtype=torch.float32):

@@ -12,7 +12,7 @@ sys.path.insert(0, REPO_ROOT)
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset  # noqa: E402
 
-from megatron.trainer.tokenizer import build_tokenizer  # noqa: E402
+from megatron.trainer.data.tokenizer import build_tokenizer  # noqa: E402
 from tools.preprocess_data import PreprocessError, main, parse_args, preprocess  # noqa: E402
 
 GPT_DIR = os.path.join(REPO_ROOT, "datasets_gpt")

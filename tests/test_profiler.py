@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron.trainer.arguments import ArgumentError, parse_args
-from megatron.trainer.profiler import StepProfiler, breakdown, category_of
+from megatron.trainer.config.arguments import ArgumentError, parse_args
+from megatron.trainer.run.profiler import StepProfiler, breakdown, category_of
 from tests.pipeline_runs import TINY_GPT
 
 

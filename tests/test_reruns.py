@@ -1,5 +1,5 @@
-"""--rerun-mode (megatron/trainer/reruns.py): megatron-core's rerun state machine around the
-training step, under megatron-core's schedule and DPP. Validating changes no loss; an
+"""--rerun-mode (megatron/trainer/core_compat/reruns.py): megatron-core's rerun state machine
+around the training step, under megatron-core's schedule and DPP. Validating changes no loss; an
 iteration whose result is rejected (injected here, as Megatron-LM's functional tests do)
 runs again on the replayed microbatches and gives the clean run's losses; a reproduced
 rejection saves a checkpoint and stops with Megatron-LM's status 16, an unreproduced fatal
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron.trainer.arguments import ArgumentError, parse_args
-from megatron.trainer.failures import known_failure
-from megatron.trainer.reruns import ResultValidationStop
+from megatron.trainer.config.arguments import ArgumentError, parse_args
+from megatron.trainer.core_compat.reruns import ResultValidationStop
+from megatron.trainer.run.failures import known_failure
 from tests.distributed import run_ranks
 from tests.trainer_runs import TINY, train_runs, with_flags
 

@@ -1,4 +1,4 @@
-"""megatron.trainer.tokenizer: shipped vocabularies, every tokenizer type, file errors."""
+"""megatron.trainer.data.tokenizer: shipped vocabularies, every tokenizer type, file errors."""
 
 import importlib.util
 import json
@@ -10,7 +10,7 @@ import pytest
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
-from megatron.trainer.tokenizer import (  # noqa: E402
+from megatron.trainer.data.tokenizer import (  # noqa: E402
     TOKENIZER_TYPES,
     GPT2BPETokenizer,
     TokenizerFileError,

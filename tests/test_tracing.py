@@ -144,7 +144,7 @@ def test_null_tracer_and_bad_inputs(tmp_path, monkeypatch):
                                                 '{"kind": "forward"\n')
     with pytest.raises(aggregate.TraceError, match=r"trace-rank0\.jsonl:2: not JSON"):
         aggregate.merge(str(tmp_path))
-    from megatron.trainer.arguments import ArgumentError, parse_args
+    from megatron.trainer.config.arguments import ArgumentError, parse_args
 
     with pytest.raises(ArgumentError, match="--trace-iters needs --trace"):
         parse_args(with_flags(RUN, trace_iters=[2]), world_size=2)

@@ -1,4 +1,4 @@
-"""The Triton bias-dropout-add (megatron/trainer/triton_dropout.py) against torch: the kept
+"""The Triton bias-dropout-add (megatron/trainer/kernels/triton_dropout.py) against torch: the kept
 fraction, kept and dropped values, gradients from the forward's own mask (the backward
 regenerates it from the seed), repeatability from the generator state, and CUDA graph replays
 (each draws a new mask; a replay after reseeding equals the eager call).
@@ -16,8 +16,8 @@ import os
 import pytest
 import torch
 
-from megatron.trainer import triton_dropout
-from megatron.trainer.triton_dropout import bias_dropout_add, get_bias_dropout_add
+from megatron.trainer.kernels import triton_dropout
+from megatron.trainer.kernels.triton_dropout import bias_dropout_add, get_bias_dropout_add
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 _INTERPRETED = (_HAS_TRITON and not torch.cuda.is_available()

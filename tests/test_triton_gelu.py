@@ -1,4 +1,4 @@
-"""megatron/trainer/triton_gelu.py against megatron-core's bias_gelu_impl.
+"""megatron/trainer/kernels/triton_gelu.py against megatron-core's bias_gelu_impl.
 
 The kernel tests run on a GPU with Triton; with Triton importable and TRITON_INTERPRET=1 they
 also run on CPU in Triton's interpreter (except the CUDA graph test and the full GPT shape,
@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from megatron.trainer.triton_gelu import available, bias_gelu
+from megatron.trainer.kernels.triton_gelu import available, bias_gelu
 
 TRITON = importlib.util.find_spec("triton") is not None
 INTERPRETED = TRITON and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "1"

@@ -1,4 +1,4 @@
-"""TritonNorm (megatron/trainer/triton_norm.py): the Triton kernels on a GPU against torch's
+"""TritonNorm (megatron/trainer/kernels/triton_norm.py): the Triton kernels on a GPU against torch's
 norms in float64, and the module's torch path elsewhere."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 
-from megatron.trainer.triton_norm import TritonNorm, TritonResidualNorm
+from megatron.trainer.kernels.triton_norm import TritonNorm, TritonResidualNorm
 
 GPU = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 needs_gpu = pytest.mark.skipif(not GPU, reason="the norm kernels need a CUDA GPU and Triton")

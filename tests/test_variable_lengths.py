@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron.trainer.documents import DocumentDataConfig, build_document_datasets
-from megatron.trainer.microbatches import BatchLayout, cost_ordered, plan_global_batch
+from megatron.trainer.data.documents import DocumentDataConfig, build_document_datasets
+from megatron.trainer.data.microbatches import BatchLayout, cost_ordered, plan_global_batch
 from tests.distributed import run_ranks
 from tests.trainer_runs import train_runs, with_flags
 
@@ -118,11 +118,11 @@ def held_activation_bytes(rank, flags, world_size):
 
     from megatron.dpp.config import DppOptions
     from megatron.dpp.schedule import DppSchedule
-    from megatron.trainer.activation_memory import SavedTensorBytes
-    from megatron.trainer.arguments import parse_args
-    from megatron.trainer.gpt import GPT_TASK
-    from megatron.trainer.microbatches import reorder_data_iterators
-    from megatron.trainer.training import data_iterators, iteration_lengths, setup
+    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.data.microbatches import reorder_data_iterators
+    from megatron.trainer.run.activation_memory import SavedTensorBytes
+    from megatron.trainer.run.training import data_iterators, iteration_lengths, setup
+    from megatron.trainer.tasks.gpt import GPT_TASK
 
     args = parse_args(flags, world_size=world_size)
     peaks = {}

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from megatron.dpp.weight_grad import WeightGradError, WeightGradStore
-from megatron.trainer import no_apex
-from megatron.trainer.fused_layers import biased_linear
+from megatron.trainer.core_compat import no_apex
+from megatron.trainer.kernels.fused_layers import biased_linear
 from tests.distributed import run_ranks
 from tests.pipeline_runs import TINY_GPT
 from tests.trainer_runs import train_runs, with_flags
@@ -167,7 +167,7 @@ def test_a_model_without_the_fusion_path_is_refused():
     (["--transformer-impl", "transformer_engine"], "use --transformer-impl local"),
 ])
 def test_flag_refuses_what_it_cannot_split(flags, message):
-    from megatron.trainer.arguments import ArgumentError, parse_args
+    from megatron.trainer.config.arguments import ArgumentError, parse_args
 
     with pytest.raises(ArgumentError, match="--dpp-split-backward") as raised:
         parse_args([*SPLIT, *flags], world_size=2)
@@ -190,7 +190,7 @@ def _deferred_step(trainer, store, w_order):
     from megatron.core.pipeline_parallel import schedules
 
     from megatron.dpp import core_internals
-    from megatron.trainer.training import data_iterators
+    from megatron.trainer.run.training import data_iterators
     from tests.pipeline_runs import named_grads
 
     (model,) = trainer.model
@@ -218,10 +218,10 @@ def _deferred_step(trainer, store, w_order):
 def _split_vs_plain(rank, runs, world_size):
     """Per flag list, set up the trainer and run plain, deferred, plain, deferred, plain
     steps on the same weights and batch."""
-    from megatron.trainer import initialize
-    from megatron.trainer.arguments import parse_args
-    from megatron.trainer.gpt import GPT_TASK
-    from megatron.trainer.training import setup
+    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.run import initialize
+    from megatron.trainer.run.training import setup
+    from megatron.trainer.tasks.gpt import GPT_TASK
     from tests.trainer_runs import _destroy_model_parallel_only
 
     initialize._shutdown = _destroy_model_parallel_only  # several setups in one process
@@ -335,7 +335,7 @@ def _sequence_parallel_blocks(rank, w_order):
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron.trainer.cpu_compat import CpuCompat
+    from megatron.trainer.core_compat.cpu_compat import CpuCompat
 
     with CpuCompat(), no_apex.weight_grad_accumulation_fusion():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
@@ -415,15 +415,15 @@ GPU_MODES = ("eager", "graphs, W right after B", "eager deferred", "graphs defer
 
 
 def _graphs_deferred_vs_eager(rank, backward_order, w_order):
-    from megatron.trainer.arguments import parse_args
-    from megatron.trainer.cuda_graphs import install_block_graphs
-    from megatron.trainer.initialize import initialize_distributed
-    from megatron.trainer.models import (
+    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.model.cuda_graphs import install_block_graphs
+    from megatron.trainer.model.models import (
         build_gpt_stage,
         build_model_chunks,
         transformer_config_from_args,
     )
-    from megatron.trainer.optimizer import wrap_model_chunks
+    from megatron.trainer.run.initialize import initialize_distributed
+    from megatron.trainer.run.optimizer import wrap_model_chunks
 
     flags = [*with_flags(TINY_GPT, num_layers=2, hidden_size=64, seq_length=32,
                          max_position_embeddings=32, bf16=True, dpp_split_backward=True),

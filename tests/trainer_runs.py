@@ -52,10 +52,10 @@ class _Records(logging.Handler):
 
 def task_by_name(name: str):
     if name == "gpt":
-        from megatron.trainer.gpt import GPT_TASK
+        from megatron.trainer.tasks.gpt import GPT_TASK
 
         return GPT_TASK
-    from megatron.trainer.bert import BERT_TASK
+    from megatron.trainer.tasks.bert import BERT_TASK
 
     return BERT_TASK
 
@@ -85,8 +85,8 @@ def train_runs(rank, runs, world_size, task_name="gpt", repeat=None, stopping=()
     types `stopping` has `stopped` (the exception's text and `status`) instead of `state`."""
     import torch.distributed as dist
 
-    from megatron.trainer import initialize, training
-    from megatron.trainer.arguments import parse_args
+    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.run import initialize, training
 
     original_step = training.train_step
     # keep the default process group between runs (re-creating it in one process hangs in

@@ -16,13 +16,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron.trainer.documents import (  # noqa: E402
+from megatron.trainer.data.documents import (  # noqa: E402
     DocumentDataConfig,
     build_document_datasets,
     document_lengths,
     length_statistics,
 )
-from megatron.trainer.microbatches import BatchLayout, plan_global_batch  # noqa: E402
+from megatron.trainer.data.microbatches import BatchLayout, plan_global_batch  # noqa: E402
 
 
 def line(name: str, stats: dict) -> str:

@@ -56,7 +56,7 @@ print("python", platform.python_version(), "| torch", torch.__version__, "| mega
 print("GPU:", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")
 print("megatron.trainer from", megatron.trainer.__file__)
 print("native extension", megatron.dpp._native.__file__)
-from megatron.trainer import core_overrides
+from megatron.trainer.core_compat import core_overrides
 core_overrides.verify()
 print("core_overrides.verify(): all", len(core_overrides.INTERNALS), "internals in place")
 ') > "$OUT/versions.txt" 2>&1

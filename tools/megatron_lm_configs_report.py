@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from megatron.trainer.arguments import ArgumentError, build_parser, parse_args  # noqa: E402
+from megatron.trainer.config.arguments import ArgumentError, build_parser, parse_args  # noqa: E402
 from tools.extract_megatron_lm_configs import flag_values  # noqa: E402
 
 CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data",

@@ -35,7 +35,7 @@ from tools.document_encoder import (  # noqa: E402
 
 logger = logging.getLogger("preprocess_data")
 
-# The same names as megatron.trainer.tokenizer.TOKENIZER_TYPES (a test checks), listed here
+# The same names as megatron.trainer.data.tokenizer.TOKENIZER_TYPES (a test checks), listed here
 # so that --help needs no megatron.core import.
 TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
@@ -162,7 +162,7 @@ class IndexedDatasetWriters:
 
 
 def _build_tokenizer(args):
-    from megatron.trainer.tokenizer import build_tokenizer
+    from megatron.trainer.data.tokenizer import build_tokenizer
 
     try:
         return build_tokenizer(

@@ -1,8 +1,8 @@
-// megatron.trainer._gemm_epilogues: cuBLASLt matrix products whose epilogue applies the
+// megatron.trainer.kernels._gemm_epilogues: cuBLASLt matrix products whose epilogue applies the
 // bias and the (tanh) GeLU forward, or the GeLU derivative backward, so that the MLP's
 // activation costs no pass of its own over the [tokens, ffn] tensors.
 //
-// Plain pybind11 over raw addresses: megatron/trainer/gemm_epilogues.py checks the tensors
+// Plain pybind11 over raw addresses: megatron/trainer/kernels/gemm_epilogues.py checks the tensors
 // (dtype, device, layout, alignment) and allocates outputs and workspace; this file only
 // describes the product to cuBLASLt, picks its algorithm once per shape and launches it.
 #include <cublasLt.h>

@@ -1,6 +1,7 @@
 """The megatron.core internals megatron/dpp relies on, and the machinery that declares and
-checks such dependencies (the trainer's own are declared in megatron/trainer/core_overrides.py
-with the same machinery, and `verify()` checks both lists at the trainer's start-up).
+checks such dependencies (the trainer's own are declared in
+megatron/trainer/core_compat/core_overrides.py with the same machinery, and `verify()` checks
+both lists at the trainer's start-up).
 
 megatron-core's public API is what is constructed by keyword (TransformerConfig,
 OptimizerConfig, ...): a renamed keyword there fails with Python's own TypeError naming it.
@@ -228,18 +229,18 @@ GLOBAL_MEMORY_BUFFER = Internal(
 # no_apex.weight_grad_accumulation_fusion: apex's module stood in for
 GRAD_ACCUM_FUSION_AVAILABLE = Internal(
     f"{_LAYERS}:_grad_accum_fusion_available", "private",
-    "trainer/no_apex.py weight_grad_accumulation_fusion, dpp/weight_grad.py",
+    "trainer/core_compat/no_apex.py weight_grad_accumulation_fusion, dpp/weight_grad.py",
     read_by=_WGRAD_KERNELS)
 WGRAD_KERNELS = Internal(
     f"{_LAYERS}:fused_weight_gradient_mlp_cuda", "injected",
-    "trainer/no_apex.py weight_grad_accumulation_fusion, dpp/weight_grad.py "
+    "trainer/core_compat/no_apex.py weight_grad_accumulation_fusion, dpp/weight_grad.py "
     "weight_grads_deferred", read_by=_WGRAD_KERNELS)
 # --defer-embedding-wgrad-compute: dpp/output_weight_grad.py takes the output layer's
 # buffered inputs and output gradients out by microbatch and runs their GEMMs itself;
 # models.py gives the other column-parallel linears a config without the deferral
 OUTPUT_LAYER_DEFERRAL = Internal(
     f"{_LAYERS}:ColumnParallelLinear.forward", "private",
-    "dpp/output_weight_grad.py DeferredOutputWeightGrads, trainer/models.py "
+    "dpp/output_weight_grad.py DeferredOutputWeightGrads, trainer/model/models.py "
     "_defer_only_in_output_layer",
     read_by=("if self.config.defer_embedding_wgrad_compute:",
              "self.embedding_activation_buffer.append(input_parallel)",

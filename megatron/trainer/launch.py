@@ -29,7 +29,7 @@ import struct
 import sys
 import time
 
-from megatron.trainer.addresses import is_ip_address
+from megatron.trainer.config.addresses import is_ip_address
 
 log = logging.getLogger("megatron.trainer.launch")
 
@@ -280,13 +280,13 @@ def prepare_data_cache(model: str, trainer_argv: list[str], world_size: int) -> 
     megatron.core builds them on global rank 0 only and the other ranks then read them, which
     needs a filesystem every node sees; a worker node calls this first so that its ranks find
     identical files locally (the same flags and seed give the same files)."""
-    from megatron.trainer.arguments import parse_args
-    from megatron.trainer.configs import TokenizerConfig
+    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.config.configs import TokenizerConfig
 
     if model == "gpt":
-        from megatron.trainer.gpt import GPT_TASK as task
+        from megatron.trainer.tasks.gpt import GPT_TASK as task
     else:
-        from megatron.trainer.bert import BERT_TASK as task
+        from megatron.trainer.tasks.bert import BERT_TASK as task
     args = parse_args(trainer_argv, world_size=world_size, model=model)
     if args.mock_data:
         return

@@ -104,7 +104,7 @@ def record_rank(rank: int, configs: list[tuple[int, int, int]]) -> list[tuple]:
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import schedules
 
-    from megatron.trainer.cpu_compat import CpuCompat
+    from megatron.trainer.core_compat.cpu_compat import CpuCompat
 
     results = []
     with CpuCompat():

@@ -1,0 +1,237 @@
+"""The fast path, on by default where its conditions hold.
+
+Five speed features are on unless the run rules them out: CUDA graphs of the transformer
+blocks (`--cuda-graph-impl block`, cuda_graphs.py), the single-pass cross-entropy
+(`--cross-entropy-loss-fusion --cross-entropy-fusion-impl triton`, cross_entropy.py), the
+gradient-accumulation fusion (the weight-gradient GEMM adds into main_grad, no_apex.py),
+the project's Triton kernels for the local layers' norms, bias-dropout-add and bias-GeLU
+(triton_norm.py, triton_dropout.py, triton_gelu.py) and the MLP's bias-GeLU inside its
+GEMMs (gelu_mlp.py, gemm_epilogues.py).
+Each is a default only: given explicitly, a flag is the user's choice and is validated as
+such (arguments.py); switched off (`--cuda-graph-impl none`, `--no-cross-entropy-loss-fusion`,
+`--no-gradient-accumulation-fusion`, `--no-triton-fusions`, `--no-gelu-gemm-epilogue`) it
+stays off. Where a default
+cannot hold, the run falls back and `log_fallbacks` says, in one line per feature, every
+reason that applies.
+
+`resolve` is a pure function of the flags and of what the machine offers (`Machine`), so
+each condition is testable on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+
+log = logging.getLogger(__name__)
+
+CUDA_GRAPHS = "CUDA-graph blocks (--cuda-graph-impl block)"
+CROSS_ENTROPY = "single-pass cross-entropy (--cross-entropy-loss-fusion)"
+GRAD_ACCUMULATION = "gradient-accumulation fusion"
+TRITON_FUSIONS = "Triton layer norm, bias-dropout-add and bias-GeLU"
+GELU_EPILOGUE = "bias-GeLU in the MLP's GEMM epilogues (cuBLASLt)"
+
+SPLIT_BACKWARD = "DPP's split backward (--dpp-split-backward, the ZB-H1 plan)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """What the fast path needs from this machine and its Python environment."""
+
+    cuda: bool
+    triton: bool
+    transformer_engine: bool
+    gemm_epilogues: bool  # the native module megatron.trainer.kernels._gemm_epilogues was built
+
+    @classmethod
+    def detect(cls) -> Machine:
+        import torch
+
+        from megatron.trainer.kernels import gemm_epilogues
+
+        cuda = torch.cuda.is_available()
+        return cls(cuda=cuda,
+                   triton=cuda and importlib.util.find_spec("triton") is not None,
+                   transformer_engine=cuda and importlib.util.find_spec(
+                       "transformer_engine") is not None,
+                   gemm_epilogues=cuda and gemm_epilogues.built())
+
+
+class GraphsRefused(ValueError):
+    """An explicit --cuda-graph-impl block that the model cannot replay (the trainer reports
+    it as a flag error)."""
+
+
+def on_gpu(args, machine: Machine) -> bool:
+    """Whether this run's ranks compute on GPUs (gloo on a GPU machine runs on the CPU)."""
+    return machine.cuda and args.distributed_backend in (None, "nccl")
+
+
+def resolve(args, machine: Machine) -> list[str]:
+    """Settle the defaults of `args` (`cuda_graph_impl` "auto", `cross_entropy_loss_fusion`
+    None, `gradient_accumulation_fusion` True, `triton_fusions` and `gelu_gemm_epilogue`
+    None) for this machine;
+    returns one line per default that fell back, naming its reasons. Explicit choices are
+    left as given."""
+    gpu = on_gpu(args, machine)
+    no_gpu = ("no CUDA GPU on this machine" if not machine.cuda else
+              "--distributed-backend gloo runs the ranks on the CPU")
+    fallbacks = _resolve_dpp(args, machine, gpu, no_gpu)
+
+    if args.cuda_graph_impl == "auto":
+        reasons = _graph_conflicts(args, machine) + ([] if gpu else [no_gpu])
+        args.cuda_graph_impl = "none" if reasons else "block"
+        if reasons:
+            fallbacks.append(_line(CUDA_GRAPHS, reasons, "--cuda-graph-impl none"))
+
+    impl_given = args.cross_entropy_fusion_impl is not None
+    if args.cross_entropy_loss_fusion is None:
+        impl = args.cross_entropy_fusion_impl or "triton"
+        reasons = ([] if gpu else [no_gpu]) + _cross_entropy_conflicts(args, impl, machine)
+        args.cross_entropy_loss_fusion = not reasons
+        if reasons:
+            fallbacks.append(_line(CROSS_ENTROPY, reasons, "--no-cross-entropy-loss-fusion"))
+        args.cross_entropy_fusion_impl = impl
+    elif not impl_given:
+        args.cross_entropy_fusion_impl = "native"  # Megatron-LM's default with the flag given
+
+    if args.triton_fusions is None:
+        reasons = [no_gpu] if not gpu else [] if machine.triton else ["Triton is not importable"]
+        if _transformer_engine_layers(args, machine):
+            reasons.append("Transformer Engine layers (they bring their own fused norms)")
+        args.triton_fusions = not reasons
+        if reasons:
+            fallbacks.append(_line(TRITON_FUSIONS, reasons, "--no-triton-fusions"))
+
+    if args.gelu_gemm_epilogue is None:
+        reasons = ([] if gpu else [no_gpu]) + _gelu_epilogue_conflicts(args, machine)
+        args.gelu_gemm_epilogue = not reasons
+        if reasons:
+            fallbacks.append(_line(GELU_EPILOGUE, reasons, "--no-gelu-gemm-epilogue"))
+
+    # the B/W split and the deferred output layer defer exactly these GEMMs, so they keep
+    # them on the CPU as well
+    if (args.gradient_accumulation_fusion and not gpu and not args.dpp_split_backward
+            and not args.defer_embedding_wgrad_compute):
+        args.gradient_accumulation_fusion = False
+        fallbacks.append(_line(GRAD_ACCUMULATION, [no_gpu + " (it saves a kernel only there)"],
+                               "--no-gradient-accumulation-fusion"))
+    return fallbacks
+
+
+def _resolve_dpp(args, machine: Machine, gpu: bool, no_gpu: str) -> list[str]:
+    """`--use-dpp` alone runs the fastest variant measured (docs/benchmarks/): the split
+    backward with its W tasks placed by the schedule, at 1F1B's peak activation memory
+    (slack 0, the ZB-H1 plan holds no more). Returns the lines that say what was chosen."""
+    if args.dpp_split_backward is not None:
+        return []
+    args.dpp_split_backward = False
+    if not args.use_dpp or args.pipeline_model_parallel_size == 1:
+        return []
+    reasons = ([] if gpu else [no_gpu]) + _split_conflicts(args, machine)
+    if reasons:
+        return [_line(SPLIT_BACKWARD, reasons, "--no-dpp-split-backward")]
+    args.dpp_split_backward = True
+    chosen = f"{SPLIT_BACKWARD} on by default with --use-dpp"
+    if args.dpp_max_inflight is None:
+        args.dpp_max_inflight = 0
+        chosen += (", slack 0: the peak activation memory of megatron-core's 1F1B "
+                   "(--dpp-max-inflight N holds N more microbatches)")
+    return [chosen + " (--no-dpp-split-backward for the unsplit backward)"]
+
+
+def _split_conflicts(args, machine: Machine) -> list[str]:
+    checks = (
+        (not args.gradient_accumulation_fusion, "--no-gradient-accumulation-fusion (the "
+         "split defers the fused weight-gradient GEMMs)"),
+        (_transformer_engine_layers(args, machine), "Transformer Engine layers (their own "
+         "weight-gradient path)"),
+        (args.defer_embedding_wgrad_compute, "--defer-embedding-wgrad-compute (it defers the "
+         "output layer's weight gradient itself)"),
+    )
+    return [reason for bad, reason in checks if bad]
+
+
+def resolve_for_model(args, masked_attention: bool) -> list[str]:
+    """The model's part: a model whose blocks take an attention mask (BERT's padding mask)
+    would never replay the graphs, which record unmasked blocks only."""
+    if not masked_attention or args.cuda_graph_impl != "block":
+        return []
+    if not args.cuda_graphs_by_default:
+        raise GraphsRefused("--cuda-graph-impl block does not support a model whose blocks "
+                            "take an attention mask (BERT's padding mask): use "
+                            "--cuda-graph-impl none")
+    args.cuda_graph_impl = "none"
+    return [_line(CUDA_GRAPHS, ["the model's blocks take an attention mask (BERT's padding "
+                                "mask); the graphs record unmasked blocks only"],
+                  "--cuda-graph-impl none")]
+
+
+def log_fallbacks(lines: list[str]) -> None:
+    for line in lines:
+        log.info(line)
+
+
+def _graph_conflicts(args, machine: Machine) -> list[str]:
+    tp = args.tensor_model_parallel_size
+    recompute = args.recompute_activations or args.recompute_granularity is not None
+    checks = (
+        (tp > 1, f"--tensor-model-parallel-size {tp} (the graphs hold no tensor-parallel "
+         "collectives)"),
+        (recompute, "activation recomputation (--recompute-*)"),
+        (args.overlap_grad_reduce, "--overlap-grad-reduce (the backward graph replaces its "
+         "per-parameter hooks)"),
+        (args.overlap_param_gather, "--overlap-param-gather (its forward pre-hooks do not run "
+         "inside a replay)"),
+        (args.seq_length_cv > 0, f"--seq-length-cv {args.seq_length_cv} (a graph replays one "
+         "shape)"),
+        (args.variable_seq_lengths, "--variable-seq-lengths (a graph replays one shape)"),
+        (_transformer_engine_layers(args, machine), "Transformer Engine layers (the graphs "
+         "are checked with megatron.core's local layers)"),
+        (args.attention_backend == "local", "--attention-backend local (megatron-core's "
+         "DotProductAttention is not checked under the graphs)"),
+    )
+    return [reason for bad, reason in checks if bad]
+
+
+def _gelu_epilogue_conflicts(args, machine: Machine) -> list[str]:
+    """What keeps the MLP off the epilogue GEMMs (gelu_mlp.applies_to, per run)."""
+    tp = args.tensor_model_parallel_size
+    activation = "--swiglu" if args.swiglu else "--squared-relu" if args.squared_relu else None
+    checks = (
+        (not machine.gemm_epilogues and machine.cuda, "megatron.trainer.kernels._gemm_epilogues is "
+         "not built (installed without CUDA or cuBLASLt's headers: bash prerequisite.sh where "
+         "they are)"),
+        (_transformer_engine_layers(args, machine), "Transformer Engine layers (their MLP "
+         "runs its own GEMMs)"),
+        (tp > 1, f"--tensor-model-parallel-size {tp} (the epilogue GEMMs are for one "
+         "tensor-parallel rank)"),
+        (activation is not None, f"{activation} (the epilogues compute the tanh GeLU)"),
+        (args.no_bias_gelu_fusion, "--no-bias-gelu-fusion (the MLP's exact GeLU, not the tanh "
+         "one of the epilogues)"),
+        (args.disable_bias_linear, "--disable-bias-linear (no fc1 bias for the epilogue)"),
+        (args.overlap_param_gather, "--overlap-param-gather (fc1's and fc2's forward "
+         "pre-hooks, which wait for their parameters, would be skipped)"),
+    )
+    return [reason for bad, reason in checks if bad]
+
+
+def _transformer_engine_layers(args, machine: Machine) -> bool:
+    return args.transformer_impl == "transformer_engine" or (
+        args.transformer_impl == "auto" and machine.transformer_engine)
+
+
+def _cross_entropy_conflicts(args, impl: str, machine: Machine) -> list[str]:
+    if args.deterministic_mode:  # validation refuses the fused cross-entropy there
+        return ["--deterministic-mode (the fused cross-entropy is not among its paths)"]
+    if impl == "triton":
+        return [] if machine.triton or not machine.cuda else ["Triton is not importable"]
+    if impl == "native":  # megatron-core's rounds the logits' gradient to bf16
+        return [] if args.bf16 else ["--cross-entropy-fusion-impl native needs --bf16"]
+    return [] if machine.transformer_engine else [
+        "--cross-entropy-fusion-impl te needs Transformer Engine, which is not importable"]
+
+
+def _line(feature: str, reasons: list[str], switch_off: str) -> str:
+    return f"{feature} off: {'; '.join(reasons)} ({switch_off} turns it off without this line)"

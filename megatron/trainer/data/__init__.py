@@ -1,0 +1,2 @@
+"""Datasets, documents, tokenizers, FIM, microbatches and the batch-size schedule; imports no
+other trainer subpackage."""

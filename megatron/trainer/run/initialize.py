@@ -1,0 +1,110 @@
+"""Process start-up: torch.distributed from torchrun's environment, megatron.core's
+parallel groups, seeds, and the CPU compatibility layer when there is no GPU."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+
+from megatron.trainer.core_compat.cpu_compat import CpuCompat
+from megatron.trainer.run.determinism import deterministic_mode
+
+log = logging.getLogger(__name__)
+
+
+def setup_logging(rank: int, world_size: int) -> None:
+    """INFO from rank 0 (set-up) and from the last rank (it holds the losses, as in
+    Megatron); warnings from everyone. megatron.core's own chatter only at DEBUG."""
+    level = logging.getLevelName(os.environ.get("MEGATRON_LOG_LEVEL", "INFO").upper())
+    logging.basicConfig(
+        level=level if rank == 0 else max(logging.WARNING, level),
+        format=f"[%(asctime)s rank{rank}] %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        force=True,
+    )
+    if rank == world_size - 1:
+        logging.getLogger("megatron.trainer").setLevel(level)
+        logging.getLogger("megatron.dpp").setLevel(level)
+    if level > logging.DEBUG:
+        logging.getLogger("megatron.core").setLevel(logging.WARNING)
+
+
+def initialize_distributed(args, stack: contextlib.ExitStack) -> torch.device:
+    """Join the job (torchrun's env:// rendezvous), create megatron.core's groups and
+    return this rank's device. CPU runs enter `CpuCompat` on `stack`."""
+    use_gpu = args.distributed_backend == "nccl"
+    if use_gpu and not torch.cuda.is_available():
+        raise RuntimeError("--distributed-backend nccl needs a GPU; use gloo on CPU")
+    local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
+    if use_gpu:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        stack.enter_context(CpuCompat())
+    stack.enter_context(deterministic_mode(args.deterministic_mode))
+    if not dist.is_initialized():
+        # no device_id: bound to a device, torch creates every group's NCCL communicator at
+        # once, and megatron-core's groups then held 7.8 GB of an H100 in a one-GPU job
+        # (1.0 GB for two groups created at their first collective, torch's default). The
+        # device is the one set above either way
+        dist.init_process_group(
+            backend=args.distributed_backend,
+            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
+        )
+    args.rank = dist.get_rank()
+    if dist.get_world_size() != args.world_size:
+        raise RuntimeError(
+            f"world size changed between argument parsing ({args.world_size}) and "
+            f"rendezvous ({dist.get_world_size()})"
+        )
+    stack.push(_shutdown)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        distributed_timeout_minutes=int(max(1, args.distributed_timeout_minutes)),
+        order=rank_order(args),
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        create_gloo_process_groups=not args.disable_gloo_process_groups,
+    )
+    set_seeds(args.seed, use_gpu)
+    return device
+
+
+def rank_order(args) -> str:
+    """megatron-core's rank order, innermost first. --use-tp-pp-dp-mapping: pipeline
+    neighbours on adjacent ranks, data-parallel replicas strided (the default puts the
+    pipeline outermost)."""
+    return "tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp"
+
+
+def set_seeds(seed: int, use_gpu: bool) -> None:
+    """Data-order and dropout seeds differ per pipeline stage, as in Megatron; weights do
+    not depend on them (see models.initialize_layout_independent)."""
+    stage_seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(
+        stage_seed, inference_rng_tracker=not use_gpu
+    )
+
+
+def _shutdown(exc_type, exc, traceback) -> bool:
+    """Leave the job cleanly after success. After an error, skip it: tearing down NCCL
+    while a peer still waits in a collective hangs, and the launcher ends the peers."""
+    if exc_type is None and dist.is_initialized():
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    return False

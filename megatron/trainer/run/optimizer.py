@@ -1,0 +1,117 @@
+"""Model wrapping (mixed precision, DDP), megatron.core's optimizer and lr/wd scheduler."""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.module import Float16Module
+
+from megatron.trainer.core_compat.reruns import RerunConfig
+
+
+def wrap_model_chunks(chunks, args, config, device) -> list[torch.nn.Module]:
+    """Move to the device, cast for fp16/bf16, wrap in megatron.core's DDP (which owns the
+    contiguous gradient buffers, also at data-parallel size 1)."""
+    wrapped = []
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        average_in_collective=args.ddp_average_in_collective,
+        # through the rerun state machine of --rerun-mode (reruns.py)
+        check_for_nan_in_grad=RerunConfig.from_args(args).checks_gradients,
+        bucket_size=None,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+    )
+    for index, chunk in enumerate(chunks):
+        chunk.to(device)
+        if args.fp16 or args.bf16:
+            chunk = Float16Module(config, chunk)
+        chunk = DistributedDataParallel(
+            config=config,
+            ddp_config=ddp_config,
+            module=chunk,
+            # the first chunk's all-gather starts in the optimizer step, all of it at once
+            disable_bucketing=index > 0 or args.overlap_param_gather_with_optimizer_step,
+        )
+        chunk.broadcast_params()
+        wrapped.append(chunk)
+    return wrapped
+
+
+def build_optimizer(model_chunks, args, timers=None):
+    """`timers`: megatron-core's optimizer times its phases at level 1 (timers.py)."""
+    config = OptimizerConfig(
+        optimizer=args.optimizer,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        # the embedding's and the output layer's own lr (megatron-core's param groups)
+        decoupled_lr=args.decoupled_lr,
+        decoupled_min_lr=args.decoupled_min_lr,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        timers=timers,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum,
+        fp16=args.fp16,
+        bf16=args.bf16,
+        params_dtype=args.params_dtype,
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
+        clip_grad=args.clip_grad,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_param_gather=args.overlap_param_gather,
+        overlap_param_gather_with_optimizer_step=args.overlap_param_gather_with_optimizer_step,
+    )
+    optimizer = get_megatron_optimizer(
+        config, model_chunks, use_gloo_process_groups=not args.disable_gloo_process_groups)
+    if args.decoupled_lr is not None:
+        mark_decoupled_groups(optimizer)
+    return optimizer
+
+
+def mark_decoupled_groups(optimizer) -> None:
+    """megatron-core gives the embedding and output layer their own param group under
+    --decoupled-lr (its only lr override here: `default_config` False) but leaves the
+    group's is_decoupled_lr, one of the keys it tells groups apart by on load, False: 0.16
+    then paired it with the plain group of the same weight decay and could not load the
+    checkpoint; the flag set, saved and current groups pair one to one."""
+    for group in optimizer.param_groups:
+        if not group.get("default_config", True):
+            group["is_decoupled_lr"] = True
+
+
+def build_scheduler(optimizer, args) -> OptimizerParamScheduler:
+    """Steps are counted in samples, as in Megatron, so a batch-size ramp-up keeps the lr
+    schedule in place."""
+    gbs = args.global_batch_size
+    decay_iters = args.lr_decay_iters or args.train_iters
+    decay_samples = args.lr_decay_samples or decay_iters * gbs
+    if args.lr_warmup_fraction is not None:
+        warmup_samples = int(args.lr_warmup_fraction * decay_samples)
+    else:
+        warmup_samples = args.lr_warmup_samples or args.lr_warmup_iters * gbs
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=args.lr_warmup_init,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=warmup_samples,
+        lr_decay_steps=decay_samples,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.start_weight_decay,
+        end_wd=args.end_weight_decay,
+        wd_incr_steps=args.train_iters * gbs,
+        wd_incr_style=args.weight_decay_incr_style,
+        # Megatron-LM's defaults: neither, so a checkpoint's schedule must match the flags
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+    )

@@ -1,0 +1,552 @@
+"""The training loop, top to bottom: set up, then train / evaluate / checkpoint / log.
+
+`pretrain(task, argv)` is what pretrain_gpt.py and pretrain_bert.py call; a `ModelTask`
+says what differs between models (stage builder, datasets, forward step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import finalize_model_grads
+
+from megatron.dpp import tracing
+from megatron.dpp.config import DppOptions
+from megatron.dpp.weight_grad import SplitBackwardNoPipelining, WeightGradStore
+from megatron.trainer.checkpoint import checkpointing
+from megatron.trainer.checkpoint.checkpoint_config import CheckpointConfig
+from megatron.trainer.config import fast_path
+from megatron.trainer.config.arguments import ArgumentError, parse_args
+from megatron.trainer.config.configs import LoggingConfig, TokenizerConfig
+from megatron.trainer.core_compat import core_overrides, no_apex
+from megatron.trainer.core_compat.reruns import RerunConfig, ResultValidation, ResultValidationStop
+from megatron.trainer.data.batch_schedule import batch_size_schedule
+from megatron.trainer.data.data import MicroBatchIterator, check_data_paths, microbatch_lengths
+from megatron.trainer.data.microbatches import (
+    BatchLayout,
+    DocumentMicrobatches,
+    cost_ordered,
+    plan_global_batch,
+    reorder_data_iterators,
+)
+from megatron.trainer.kernels import triton_gelu
+from megatron.trainer.model.cuda_graphs import install_block_graphs
+from megatron.trainer.model.models import (
+    build_model_chunks,
+    transformer_config_from_args,
+    use_transformer_engine,
+)
+from megatron.trainer.run import metrics, replica_check
+from megatron.trainer.run.failures import exit_on_known_failures
+from megatron.trainer.run.initialize import initialize_distributed, setup_logging
+from megatron.trainer.run.manual_gc import ManualGC
+from megatron.trainer.run.optimizer import build_optimizer, build_scheduler, wrap_model_chunks
+from megatron.trainer.run.profiler import StepProfiler
+from megatron.trainer.run.rng import ForwardRng
+from megatron.trainer.run.timers import Timers
+
+log = logging.getLogger("megatron.trainer")
+
+
+@dataclass
+class ModelTask:
+    """What a model family brings to the shared loop."""
+
+    name: str
+    build_stage: Callable  # (args, config, pre_process, post_process, vp_stage) -> module
+    build_datasets: Callable  # (args, tokenizer) -> (train, valid, test)
+    make_forward_step: Callable  # (args, device) -> forward_step_func(data_iterator, model)
+    loss_names: tuple[str, ...]
+    data_on_every_stage: bool = False  # BERT: every stage needs the padding mask
+    masked_attention: bool = False  # BERT: its blocks take the padding mask (fast_path.py)
+    documents: bool = False  # its datasets read --variable-seq-lengths' documents (GPT)
+
+
+@dataclass
+class Trainer:
+    args: object
+    task: ModelTask
+    device: torch.device
+    model: list
+    optimizer: object
+    scheduler: object
+    config: object
+    batch_calculator: object
+    datasets: tuple
+    state: checkpointing.TrainingState
+    schedule: Callable
+    rng: ForwardRng
+    logging: LoggingConfig
+    timers: Timers
+    tracer: object = field(default_factory=tracing.NullTracer)  # --trace: see start_tracing
+    collector: ManualGC = field(default_factory=lambda: ManualGC(enabled=False))
+    checkpointer: checkpointing.Checkpointer | None = None  # None: no --save / --load
+    # --rerun-mode: megatron-core's rerun state machine (installed by setup)
+    reruns: ResultValidation = field(default_factory=lambda: ResultValidation(RerunConfig()))
+
+    @property
+    def reporting(self) -> bool:
+        """The last rank reports losses (it is on the last pipeline stage)."""
+        return dist.get_rank() == dist.get_world_size() - 1
+
+    def forward_step_func(self, iteration: int) -> Callable:
+        """The model's forward step for one schedule call of `iteration`, its random draws
+        keyed by (seed, iteration, microbatch, virtual stage)."""
+        return self.rng.keyed(self.task.make_forward_step(self.args, self.device), iteration)
+
+
+def pretrain(task: ModelTask, argv=None, extra_args_provider=None) -> checkpointing.TrainingState:
+    """The entry points' body. A known failure (flag, data, transport, checkpoint I/O,
+    Ctrl-C) ends the rank with one line naming the cause (megatron.trainer.run.failures)."""
+    setup_logging(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+    with exit_on_known_failures(sys.argv[0]):
+        args = parse_args(argv, extra_args_provider, model=task.name.lower())
+        with contextlib.ExitStack() as stack:
+            trainer = setup(task, args, stack)
+            train(trainer)
+            return trainer.state
+
+
+def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
+    core_overrides.verify()  # megatron-core has what the trainer patches and relies on
+    if args.variable_seq_lengths and not task.documents:
+        raise ArgumentError(f"--variable-seq-lengths is for GPT; {task.name}'s samples are "
+                            "not single documents")
+    check_data_paths(args)  # before the job starts: every rank reads its own files
+    metrics.require_wandb(LoggingConfig.from_args(args))
+    _require_optimizer_instance_support(args)
+    device = initialize_distributed(args, stack)
+    setup_logging(dist.get_rank(), dist.get_world_size())
+    try:
+        model_fallbacks = fast_path.resolve_for_model(args, task.masked_attention)
+    except fast_path.GraphsRefused as refusal:
+        raise ArgumentError(str(refusal)) from None
+    fast_path.log_fallbacks(args.fast_path_fallbacks + model_fallbacks)
+    logging_config = LoggingConfig.from_args(args)
+    tokenizer = TokenizerConfig.from_args(args).build()
+    args.padded_vocab_size = _padded_vocab_size(tokenizer.vocab_size, args)
+    config = transformer_config_from_args(args)
+    if config.gradient_accumulation_fusion:
+        stack.enter_context(no_apex.weight_grad_accumulation_fusion())
+    if args.triton_fusions and config.bias_activation_fusion:
+        stack.enter_context(triton_gelu.installed())
+    chunks = build_model_chunks(args, config, task.build_stage)
+    model = wrap_model_chunks(chunks, args, config, device)
+    # --dpp-split-backward: the schedule's B/W split, which the CUDA-graph blocks follow
+    weight_grads = WeightGradStore() if args.dpp_split_backward else None
+    if args.cuda_graph_impl == "block":
+        # a graph per part of W, so the schedule decides between the parts
+        install_block_graphs(model, args, device, weight_grads,
+                             DppOptions.from_args(args).weight_slices)
+    if not args.megatron_optimizer_fallbacks:
+        stack.enter_context(no_apex.foreach_multi_tensor_ops())
+    timers = Timers(logging_config.timing_level, synchronize=device.type == "cuda")
+    optimizer = build_optimizer(model, args, timers if timers.level >= 1 else None)
+    scheduler = build_scheduler(optimizer, args)
+    _install_schedule_hooks(config, model, optimizer, args)
+    state = checkpointing.TrainingState()
+    checkpointer = None
+    if args.save or args.load:
+        checkpointer = checkpointing.Checkpointer(CheckpointConfig.from_args(args),
+                                                  use_gpu=device.type == "cuda")
+        # after an error an asynchronous save in flight is stopped, never published
+        stack.push(lambda exc_type, exc, traceback: checkpointer.close(failed=exc_type is not None))
+    if args.load:
+        state = checkpointer.load(model, optimizer, scheduler)
+    if not args.megatron_optimizer_fallbacks:
+        no_apex.use_fused_adam(optimizer)
+    datasets = task.build_datasets(args, tokenizer)
+    log.info("%s: %d parameters on this rank, %d model chunk(s), schedule %s, layers %s",
+             task.name, sum(p.numel() for c in model for p in c.parameters()), len(model),
+             ("DPP" if args.use_dpp else "megatron-core") + (
+                 ", each backward split into B and W" if weight_grads is not None else ""),
+             "Transformer Engine" if use_transformer_engine(args) else "megatron.core + SDPA")
+    schedule = forward_backward_func(args, weight_grads)
+    if hasattr(schedule, "close"):
+        stack.callback(schedule.close)
+    reruns = ResultValidation(RerunConfig.from_args(args))
+    reruns.start(stack, state.iteration)
+    collector = stack.enter_context(
+        ManualGC(args.manual_gc, args.manual_gc_interval, args.manual_gc_eval))
+    return Trainer(args, task, device, model, optimizer, scheduler, config,
+                   _batch_calculator(args), datasets, state, schedule,
+                   ForwardRng(args.seed, device), logging_config, timers, collector=collector,
+                   checkpointer=checkpointer, reruns=reruns)
+
+
+def _require_optimizer_instance_support(args) -> None:
+    """megatron-core builds the groups of several optimizer instances with einops and
+    reduces between them on a CUDA stream."""
+    instances = args.num_distributed_optimizer_instances
+    if instances > 1 and importlib.util.find_spec("einops") is None:
+        raise ArgumentError(f"--num-distributed-optimizer-instances {instances}: the einops "
+                            "package is not importable here (pip install einops)")
+    if instances > 1 and not fast_path.on_gpu(args, fast_path.Machine.detect()):
+        raise ArgumentError(f"--num-distributed-optimizer-instances {instances} needs GPUs "
+                            "(megatron-core reduces between the instances on a CUDA stream)")
+
+
+def _padded_vocab_size(vocab_size: int, args) -> int:
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def _batch_calculator(args):
+    return batch_size_schedule(args.global_batch_size, args.micro_batch_size,
+                               args.data_parallel_size, args.rampup_batch_size,
+                               args.step_batch_size_schedule, args.seq_length)
+
+
+def _install_schedule_hooks(config, model, optimizer, args) -> None:
+    """The callbacks megatron.core's schedules (and DPP's) expect on the config."""
+    no_sync = [chunk.no_sync for chunk in model]
+    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    # Without a grad_sync_func DPP lets DDP's hooks start each chunk's reduction during its
+    # last backward. With the B/W split the hooks run during B, before W completes the
+    # gradients: the WeightGradStore starts each chunk's reduction with it after the
+    # chunk's last W
+    if args.overlap_grad_reduce and (not args.use_dpp or args.dpp_split_backward):
+        sync = [chunk.start_grad_sync for chunk in model]
+        config.grad_sync_func = sync[0] if len(sync) == 1 else sync
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    config.timers = None
+
+
+def forward_backward_func(args, weight_grads: WeightGradStore | None = None):
+    if args.use_dpp:
+        from megatron.dpp import get_forward_backward_func
+
+        return get_forward_backward_func(args, weight_grads)
+    if weight_grads is not None:
+        return SplitBackwardNoPipelining(weight_grads)
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()
+
+
+def data_iterators(trainer: Trainer, dataset, consumed_samples: int):
+    """One iterator per local model chunk; None where the chunk needs no data (neither the
+    first nor the last virtual stage reads the batch)."""
+    args = trainer.args
+    iterators = []
+    for vp_stage in range(len(trainer.model)):
+        vp = vp_stage if len(trainer.model) > 1 else None
+        needs_data = trainer.task.data_on_every_stage or parallel_state.is_pipeline_first_stage(
+            ignore_virtual=False, vp_stage=vp
+        ) or parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
+        if not needs_data:
+            iterators.append(None)
+        elif args.variable_seq_lengths:
+            iterators.append(DocumentMicrobatches(
+                dataset, batch_layout(args), parallel_state.get_data_parallel_rank(),
+                consumed_samples))
+        else:
+            iterators.append(MicroBatchIterator(dataset, args.micro_batch_size, consumed_samples,
+                                                seq_length_cv=args.seq_length_cv,
+                                                seed=args.seed, num_workers=args.num_workers))
+    return iterators if len(iterators) > 1 else iterators[0]
+
+
+def batch_layout(args) -> BatchLayout:
+    """How --variable-seq-lengths makes a global batch's microbatches (microbatches.py)."""
+    return BatchLayout(args.micro_batch_size, args.global_batch_size, args.data_parallel_size,
+                       args.group_by_length, args.pad_to_multiple)
+
+
+def iteration_lengths(trainer: Trainer, consumed_samples: int, global_batch: int):
+    """(costs, sequences) of the global batch at `consumed_samples`: costs, the token count
+    of each of this pipeline's microbatches (None when all are alike), which the cost order
+    and DPP's memory cap use; sequences, (length, rows) of every microbatch of every
+    data-parallel rank, for the throughput line."""
+    args = trainer.args
+    if args.variable_seq_lengths:
+        plan = plan_global_batch(trainer.datasets[0], consumed_samples, batch_layout(args))
+        sequences = [(length, len(samples)) for samples_of_rank, lengths_of_rank
+                     in zip(plan.samples, plan.lengths, strict=True)
+                     for samples, length in zip(samples_of_rank, lengths_of_rank, strict=True)]
+        return plan.token_counts(parallel_state.get_data_parallel_rank()), sequences
+    lengths = microbatch_lengths(args, consumed_samples, global_batch)
+    rows = args.micro_batch_size * args.data_parallel_size
+    costs = lengths if args.seq_length_cv > 0 else None
+    return costs, [(length, rows) for length in lengths]
+
+
+def start_tracing(trainer: Trainer) -> None:
+    """--trace: a Tracer for this rank, fed by the DPP schedule itself or, for megatron.core's
+    schedules, through config.timers (which also reports the grad sync under DPP)."""
+    trainer.tracer = tracing.open_tracer(trainer.args, trainer.device, len(trainer.model))
+    traced = trainer.tracer.megatron_timers(label_compute=not trainer.args.use_dpp)
+    # megatron-core's timers go to --timing-log-level's Timers, which pass them on to the
+    # tracer's
+    trainer.timers.inner = traced
+    if traced is not None or trainer.timers.level >= 1:
+        trainer.config.timers = trainer.timers
+    if hasattr(trainer.schedule, "tracer"):
+        trainer.schedule.tracer = trainer.tracer
+
+
+def train_step(trainer: Trainer, iterator) -> dict:
+    args = trainer.args
+    iteration = trainer.state.iteration + 1
+    num_microbatches = trainer.batch_calculator.get()
+    trainer.tracer.begin_iteration(iteration, num_microbatches)
+    batch = trainer.batch_calculator.get_current_global_batch_size()
+    costs, sequences = iteration_lengths(trainer, trainer.state.consumed_samples, batch)
+    forward_backward = trainer.timers("forward-backward", log_level=1)
+    forward_backward.start()
+    # once, or again where --rerun-mode's state machine re-runs the iteration (the
+    # iterator then replays the same microbatches)
+    for _ in trainer.reruns.runs(iterator, iteration):
+        for chunk in trainer.model:
+            chunk.zero_grad_buffer()
+        trainer.optimizer.zero_grad()
+        # the microbatches' token counts are known before the step: DPP orders by them (and
+        # caps the tokens a stage holds); megatron-core's schedule gets the same order by
+        # reading the microbatches in it
+        schedule_iterator = iterator
+        if costs is not None and args.use_dpp:
+            trainer.schedule.set_microbatch_costs(costs, reorder=args.microbatch_order == "cost")
+        elif costs is not None and args.microbatch_order == "cost":
+            order = cost_ordered(costs, args.pipeline_model_parallel_size)
+            schedule_iterator = reorder_data_iterators(iterator, order)
+        losses = _run_schedule(
+            trainer, trainer.reruns.checked(trainer.forward_step_func(iteration)),
+            schedule_iterator, num_microbatches, forward_only=False)
+    forward_backward.stop()
+    verdict = trainer.reruns.verdict(iteration)
+    if verdict is not None:
+        _stop_on_verdict(trainer, verdict)
+    optimizer = trainer.timers("optimizer", log_level=1)
+    optimizer.start()
+    with trainer.tracer.span("optimizer"):
+        updated, grad_norm, num_zeros = trainer.optimizer.step()
+    optimizer.stop()
+    trainer.tracer.end_iteration()
+    if updated:
+        trainer.scheduler.step(increment=batch)
+    else:
+        trainer.state.skipped_iterations += 1
+    return {
+        "losses": reduce_losses(losses, trainer.task.loss_names),
+        "grad_norm": grad_norm,
+        "num_zeros": num_zeros,
+        "updated": updated,
+        "batch": batch,
+        "sequences": sequences,
+    }
+
+
+def _stop_on_verdict(trainer: Trainer, verdict) -> None:
+    """End the run as the rerun state machine decided, with the checkpoint it asks for (of
+    the last completed iteration: this one's optimizer step has not run)."""
+    saved = ""
+    if verdict.checkpoint and trainer.checkpointer is not None and trainer.args.save:
+        path = trainer.checkpointer.save(trainer.model, trainer.optimizer, trainer.scheduler,
+                                         trainer.state)
+        trainer.checkpointer.wait()
+        saved = f"; saved {path}"
+    elif verdict.checkpoint:
+        saved = "; no checkpoint saved (no --save)"
+    raise ResultValidationStop(verdict.message + saved, verdict.status)
+
+
+def reduce_losses(losses: list[dict], names) -> dict[str, float]:
+    """Token-weighted mean of each loss over the micro-batches and data-parallel ranks.
+    Non-reporting stages hold no losses and return an empty dict."""
+    if not losses:
+        return {}
+    totals = {}
+    for name in names:
+        pair = torch.stack([entry[name].float() for entry in losses]).sum(dim=0)
+        dist.all_reduce(pair, group=parallel_state.get_data_parallel_group())
+        totals[name] = (pair[0] / pair[1].clamp(min=1)).item()
+    return totals
+
+
+def evaluate(trainer: Trainer, dataset, consumed: int) -> dict[str, float]:
+    args = trainer.args
+    for chunk in trainer.model:
+        chunk.eval()
+    iterator = data_iterators(trainer, dataset, consumed)
+    # --eval-global-batch-size: its own number of microbatches; else the training step's
+    num_microbatches = (
+        args.eval_global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+        if args.eval_global_batch_size else trainer.batch_calculator.get())
+    gathered: list[dict] = []
+    with torch.no_grad():
+        for _ in range(args.eval_iters):
+            gathered += _run_schedule(
+                trainer, trainer.forward_step_func(trainer.state.iteration), iterator,
+                num_microbatches, forward_only=True)
+    for chunk in trainer.model:
+        chunk.train()
+    return reduce_losses(gathered, trainer.task.loss_names)
+
+
+def train(trainer: Trainer) -> None:
+    args, state = trainer.args, trainer.state
+    train_set, valid_set, _ = trainer.datasets
+    iterator = trainer.reruns.data_iterators(
+        data_iterators(trainer, train_set, state.consumed_samples))
+    logging_config = trainer.logging
+    board = metrics.ScalarLog(logging_config, trainer.reporting, _run_config(args))
+    peak = metrics.peak_tflops(torch.cuda.get_device_name() if torch.cuda.is_available() else "")
+    for chunk in trainer.model:
+        chunk.train()
+    start_tracing(trainer)
+    profiler = StepProfiler(args, dist.get_rank())
+    nan_iterations = 0
+    interval_start, interval_tokens, interval_flops, interval_iters = time.perf_counter(), 0, 0.0, 0
+    while state.iteration < args.train_iters:
+        trainer.batch_calculator.update(state.consumed_samples, True)
+        profiler.step_begin(state.iteration + 1)
+        result = train_step(trainer, iterator)
+        profiler.step_end(state.iteration + 1)
+        for length, rows in result["sequences"]:
+            interval_tokens += length * rows
+            interval_flops += length * rows * metrics.flops_per_token(args, length)
+        state.iteration += 1
+        trainer.collector.after_step(state.iteration)
+        state.consumed_samples += result["batch"]
+        interval_iters += 1
+        losses = result["losses"]
+        if any(not math.isfinite(v) for v in losses.values()):
+            nan_iterations += 1
+        if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            elapsed = (time.perf_counter() - interval_start) / interval_iters
+            # per-rank memory: one tiny all-gather per log interval, only when asked for
+            peaks = tracing.gather_peak_memory(trainer.device) if args.log_throughput else None
+            # collectives of the model-parallel group: every rank takes part
+            norm = (metrics.params_norm(trainer.model, trainer.device)
+                    if logging_config.params_norm else None)
+            timed = {name: 1000.0 * seconds / interval_iters
+                     for name, seconds in trainer.timers.take().items()}
+            if trainer.reporting:
+                stats = metrics.IterationStats(
+                    iteration=state.iteration, train_iters=args.train_iters,
+                    consumed_samples=state.consumed_samples, elapsed_ms=elapsed * 1000.0,
+                    lr=trainer.scheduler.get_lr(trainer.optimizer.param_groups[0]),
+                    global_batch_size=result["batch"], losses=losses,
+                    loss_scale=float(trainer.optimizer.get_loss_scale().item()),
+                    grad_norm=result["grad_norm"], skipped=state.skipped_iterations,
+                    nan=nan_iterations, tokens=interval_tokens // interval_iters,
+                    world_size=dist.get_world_size(),
+                    flops=interval_flops / interval_iters, peak_tflops=peak,
+                    num_zeros=None if result["num_zeros"] is None else int(result["num_zeros"]),
+                    params_norm=norm,
+                )
+                log.info(stats.line(args.log_throughput))
+                if peaks is not None:
+                    log.info(tracing.memory_line(peaks, trainer.device))
+                if timed:
+                    log.info("timers (ms per iteration) | %s |", " | ".join(
+                        f"{name}: {ms:.2f}" for name, ms in timed.items()))
+                board.scalars(state.iteration, _interval_scalars(logging_config, stats, timed,
+                                                                 trainer.device))
+            interval_start, interval_tokens, interval_flops, interval_iters = (
+                time.perf_counter(), 0, 0.0, 0)
+        if args.eval_interval and args.eval_iters and valid_set is not None and (
+            state.iteration % args.eval_interval == 0
+        ):
+            consumed = (state.iteration // args.eval_interval - 1) * args.eval_iters * (
+                args.eval_global_batch_size or args.global_batch_size)
+            with trainer.collector.evaluation():
+                results = evaluate(trainer, valid_set, consumed)
+            if trainer.reporting and results:
+                log.info("validation at iteration %d | %s", state.iteration,
+                         " | ".join(f"{k} value: {v:.6E} | {k} PPL: {math.exp(min(v, 20)):.6E}"
+                                    for k, v in results.items()))
+                board.scalars(state.iteration, _validation_scalars(logging_config, results))
+        interval = args.check_weight_hash_across_dp_replicas_interval
+        if interval and state.iteration % interval == 0:
+            replica_check.check_replicas_agree(
+                trainer.model, state.iteration,
+                args.use_distributed_optimizer and args.overlap_param_gather)
+        _checkpoint(trainer)
+        if args.exit_interval and state.iteration % args.exit_interval == 0:
+            break
+    if args.save and (not args.save_interval or state.iteration % args.save_interval != 0):
+        trainer.checkpointer.save(trainer.model, trainer.optimizer, trainer.scheduler, state)
+    if trainer.checkpointer is not None:
+        trainer.checkpointer.wait()
+    trainer.tracer.close()
+    board.close()
+
+
+def _checkpoint(trainer: Trainer) -> None:
+    """After an iteration: publish a finished asynchronous save; save at --save-interval,
+    else at --non-persistent-save-interval (Megatron-LM's order)."""
+    checkpointer, iteration = trainer.checkpointer, trainer.state.iteration
+    if checkpointer is None:
+        return
+    checkpointer.poll()
+    config = checkpointer.config
+    persistent = config.save and config.save_interval and iteration % config.save_interval == 0
+    non_persistent = (config.non_persistent_interval
+                      and iteration % config.non_persistent_interval == 0)
+    if persistent or non_persistent:
+        checkpointer.save(trainer.model, trainer.optimizer, trainer.scheduler, trainer.state,
+                          non_persistent=not persistent)
+
+
+def _run_config(args) -> dict:
+    """The flags as W&B's run configuration (plain values only)."""
+    plain = (bool, int, float, str, type(None))
+    return {name: value if isinstance(value, plain) else str(value)
+            for name, value in vars(args).items()}
+
+
+def _interval_scalars(config: LoggingConfig, stats: metrics.IterationStats,
+                      timed: dict[str, float], device: torch.device) -> dict[str, float]:
+    """A log interval's scalars for TensorBoard / W&B, with Megatron-LM's names for the
+    ones its --log-* flags add."""
+    values = {**{f"train/{k}": v for k, v in stats.losses.items()}, "train/lr": stats.lr,
+              "train/ms_per_iter": stats.elapsed_ms}
+    if config.timers_to_tensorboard:
+        values["iteration-time"] = stats.elapsed_ms
+        values.update({f"{name}-time": ms for name, ms in timed.items()})
+    if config.memory_to_tensorboard:
+        values.update(metrics.memory_scalars(device))
+    if stats.num_zeros is not None:
+        values["num-zeros"] = stats.num_zeros
+    if stats.params_norm is not None:
+        values["params-norm"] = stats.params_norm
+    return values
+
+
+def _validation_scalars(config: LoggingConfig, results: dict[str, float]) -> dict[str, float]:
+    values = {f"valid/{k}": v for k, v in results.items()}
+    if config.validation_ppl:
+        # as the log line: exp of the loss, capped at exp(20)
+        values.update({f"valid/{k} ppl": math.exp(min(v, 20.0)) for k, v in results.items()})
+    return values
+
+
+def _run_schedule(trainer, forward_step_func, data_iterator, num_microbatches: int,
+                  forward_only: bool) -> list[dict]:
+    """One pass of the pipeline schedule (megatron-core's or DPP's) over the microbatches."""
+    args = trainer.args
+    return trainer.schedule(
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=trainer.model,
+        num_microbatches=num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        decoder_seq_length=args.seq_length,
+        forward_only=forward_only,
+    )
