@@ -19,11 +19,12 @@ constexpr std::chrono::milliseconds kSleepTick{50};
 
 }  // namespace
 
-void Mailbox::put(const MailboxKey& key, at::Tensor tensor, BeforeUse before_use) {
+void Mailbox::put(const MailboxKey& key, at::Tensor tensor, BeforeUse before_use,
+                  Landed landed) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto [where, fresh] =
-        messages_.insert_or_assign(key, Entry{std::move(tensor), std::move(before_use)});
+    auto [where, fresh] = messages_.insert_or_assign(
+        key, Entry{std::move(tensor), std::move(before_use), std::move(landed)});
     (void)where;
     if (!fresh && !error_) {
       error_ = "duplicate message " + key_text(key);
@@ -58,6 +59,13 @@ std::optional<at::Tensor> Mailbox::take(const MailboxKey& key) {
 bool Mailbox::has(const MailboxKey& key) const {
   std::lock_guard<std::mutex> lock(mutex_);
   return messages_.count(key) != 0;
+}
+
+bool Mailbox::landed(const MailboxKey& key) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto found = messages_.find(key);
+  if (found == messages_.end()) return false;
+  return !found->second.landed || found->second.landed();
 }
 
 std::vector<MailboxKey> Mailbox::keys() const {

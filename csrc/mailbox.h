@@ -25,6 +25,8 @@ using MailboxKey = std::tuple<int32_t, int32_t, int32_t>;
 // announced when its copy is queued, and this makes the taker's current stream wait for
 // the copy, so the consumer's kernels queue behind it instead of its host waiting.
 using BeforeUse = std::function<void()>;
+// Whether an announced GPU message's data has landed (its copy is done).
+using Landed = std::function<bool()>;
 
 class Mailbox {
  public:
@@ -33,12 +35,15 @@ class Mailbox {
   Mailbox& operator=(const Mailbox&) = delete;
 
   // A key that is already here is a protocol error: it is recorded as the failure.
-  void put(const MailboxKey& key, at::Tensor tensor, BeforeUse before_use = {});
+  void put(const MailboxKey& key, at::Tensor tensor, BeforeUse before_use = {},
+           Landed landed = {});
   // Records the first failure; every later wait or take reports it.
   void fail(const std::string& message);
 
   std::optional<at::Tensor> take(const MailboxKey& key);
   bool has(const MailboxKey& key) const;
+  // The message is here and its data written (a GPU message's copy has finished).
+  bool landed(const MailboxKey& key) const;
   std::vector<MailboxKey> keys() const;
   size_t size() const;
   std::optional<std::string> error() const;
@@ -57,6 +62,7 @@ class Mailbox {
   struct Entry {
     at::Tensor tensor;
     BeforeUse before_use;
+    Landed landed;
   };
 
   mutable std::mutex mutex_;

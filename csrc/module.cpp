@@ -131,6 +131,13 @@ PYBIND11_MODULE(_native, m) {
             return self.has(MailboxKey{kind, chunk, microbatch});
           },
           py::arg("kind"), py::arg("chunk"), py::arg("microbatch"))
+      .def(
+          "landed",
+          [](const Mailbox& self, int kind, int chunk, int microbatch) {
+            return self.landed(MailboxKey{kind, chunk, microbatch});
+          },
+          "The message is here and its data written (a GPU message's copy has finished)",
+          py::arg("kind"), py::arg("chunk"), py::arg("microbatch"))
       .def("keys", &Mailbox::keys)
       .def("__len__", &Mailbox::size)
       .def("error", &Mailbox::error, "The first recorded failure, or None")

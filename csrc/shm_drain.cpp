@@ -125,11 +125,14 @@ bool ShmDrain::deliver(const MessageMeta& meta) {
     auto copied = std::make_shared<CudaEvent>();
     cuda_check(cudaEventRecord(copied->get(), as_stream(copy_stream_)),
                "cudaEventRecord (message copied)");
-    mailbox_.put(key, tensor, [copied, index] {
-      cuda_check(cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(index).stream(),
-                                     copied->get(), 0),
-                 "cudaStreamWaitEvent (message copied)");
-    });
+    mailbox_.put(
+        key, tensor,
+        [copied, index] {
+          cuda_check(cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(index).stream(),
+                                         copied->get(), 0),
+                     "cudaStreamWaitEvent (message copied)");
+        },
+        [copied] { return cudaEventQuery(copied->get()) == cudaSuccess; });
   };
   return receiver_.read_into_cuda(tensor.data_ptr(), meta.nbytes, copy_stream_, announce);
 #else

@@ -126,13 +126,18 @@ def test_waits_spin_only_where_every_local_rank_has_cores_to_spare(monkeypatch, 
 
 
 class _ReadyMarker:
-    """Stands in for a CUDA event: records whether the taker waited on it."""
+    """Stands in for a CUDA event: records whether the taker waited on it; `done` says
+    whether the data it marks is written."""
 
     def __init__(self):
         self.waited = 0
+        self.done = False
 
     def wait(self):
         self.waited += 1
+
+    def query(self):
+        return self.done
 
 
 def test_an_announced_message_makes_its_taker_wait_for_the_data(inbox):
@@ -141,9 +146,13 @@ def test_an_announced_message_makes_its_taker_wait_for_the_data(inbox):
     ready = _ReadyMarker()
     inbox.put(key(3), torch.ones(2), ready)
     assert inbox.has(key(3)) and ready.waited == 0
+    assert not inbox.landed(key(3))  # announced, its data still on the way
+    ready.done = True
+    assert inbox.landed(key(3)) and not inbox.landed(key(5))
     assert torch.equal(inbox.take(key(3), timeout=1.0), torch.ones(2))
     assert ready.waited == 1
     inbox.put(key(4), torch.zeros(1))  # without a marker: nothing to wait on
+    assert inbox.landed(key(4))
     assert torch.equal(inbox.take(key(4), timeout=1.0), torch.zeros(1))
     assert ready.waited == 1
 

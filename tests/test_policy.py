@@ -556,6 +556,23 @@ def test_without_deviation_only_the_plan_runs_while_the_gpu_is_busy():
     assert policy.next_task(b[2].__eq__, deviate=False) == b[2]
 
 
+def test_an_arriving_planned_input_is_deviated_from_only_by_a_w_part():
+    """`arriving`: the planned input is announced, its data on the way. Deviating then
+    runs a pending W (one part), never a forward of the plan's future; with no W pending
+    the policy returns None (the runtime queues the planned task behind its data)."""
+    f, b, w = ([Task(kind, 0, i) for i in range(6)] for kind in (FORWARD, BACKWARD, WEIGHT))
+    stage = StageConfig(1, 3, num_microbatches=6, slack=2)
+    policy = GreedyPolicy(stage)
+    assert policy.plan[:4] == [f[0], f[1], f[2], b[0]]
+    run_plan_prefix(policy, [f[0], f[1], f[2]])
+    forward_here = f[3].__eq__
+    assert policy.next_task(forward_here, arriving=b[0].__eq__) is None
+    assert policy.next_task(forward_here) == f[3]  # B0 not announced: F3 runs ahead
+    split = GreedyPolicy(replace(stage, split_backward=True))
+    run_plan_prefix(split, [f[0], f[1], f[2], b[0], f[3]])
+    assert split.next_task(forward_here, arriving=b[1].__eq__) == w[0]
+
+
 @pytest.mark.parametrize("p,chunks,m", [(4, 1, 8), (4, 2, 8), (3, 1, 7)])
 @pytest.mark.parametrize("split", [False, True])
 def test_static_policy_runs_its_plan_in_order_under_any_arrivals(p, chunks, m, split):

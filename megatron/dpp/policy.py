@@ -413,12 +413,18 @@ class GreedyPolicy:
     def input_is_local(self, task: Task) -> bool:
         return self.stage.topology.input_is_local(self.stage.rank, task)
 
-    def next_task(self, arrived, deviate: bool = True) -> Task | None:
+    def next_task(self, arrived, deviate: bool = True, arriving=None) -> Task | None:
         """The task to run now, or None; `arrived(task)` says whether the task's input from
-        another rank is here (asked only where the input is not local). `deviate=False`:
-        only the plan's next task (or, at a planned W, the next planned F or B when that is
-        ready), never a task run ahead of the plan: the runtime passes it while its GPU is
-        still busy, for the planned input may yet arrive before the GPU is free."""
+        another rank is here (asked only where the input is not local).
+
+        The runtime decides at GPU time (megatron/dpp/gpu_queue.py) and passes two more
+        things. `deviate=False` while its GPU is still busy: only the plan's next task (a
+        planned W still yields to the next planned F or B that has arrived), never one run
+        ahead: the planned input may yet land before the GPU is free. `arriving(task)`,
+        with `arrived` meaning "landed": the task's input is on its way (announced, its
+        copy queued); a planned task whose input is arriving is deviated from only by a
+        part of a pending W, short enough not to hold it up, never by a forward or
+        backward of the plan's future."""
         if self._running is not None:
             raise RuntimeError(f"next_task called while {self._running} is still running")
         pos = self._next_pos
@@ -441,7 +447,25 @@ class GreedyPolicy:
             return task
         if self.static or not deviate:
             return None
+        if arriving is not None and arriving(task):
+            return self._pending_weight()
         return self._run_ahead(arrived)
+
+    def _pending_weight(self) -> Task | None:
+        """The pending W (its B ran) earliest in the plan, to fill a short wait; None when
+        there is none."""
+        if not self._split:
+            return None
+        best, best_pos = None, self._length
+        for chunk in range(self.stage.num_chunks):
+            w = self._next_weight[chunk]
+            if w < self._next_backward[chunk]:
+                pos = self._weight_position[chunk][w]
+                if pos < best_pos:
+                    best, best_pos = self._weights[chunk][w], pos
+        if best is not None:
+            self._running, self._running_pos = best, best_pos
+        return best
 
     def _past_weights(self, arrived) -> Task | None:
         """The first F or B of the plan not done after the planned W (and the W tasks that

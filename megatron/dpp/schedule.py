@@ -285,7 +285,21 @@ class _Iteration:
 
     def _ready_task(self, gpu: GpuQueue | None) -> Task | None:
         self._missing = []
-        return self.policy.next_task(self._arrived, deviate=gpu is None or gpu.busy() == 0)
+        if gpu is None:  # no device to pace: decide on what has arrived
+            return self.policy.next_task(self._arrived)
+        # what can start at once on data that has landed (deviating from the plan only once
+        # the GPU ran dry, and only by a W part while the planned input is on its way), else
+        # the plan's next task queued behind its announced data
+        task = self.policy.next_task(self._landed, deviate=gpu.busy() == 0,
+                                     arriving=self._announced)
+        return task if task is not None else self.policy.next_task(self._arrived,
+                                                                    deviate=False)
+
+    def _landed(self, task: Task) -> bool:
+        return self.transport.inbox.landed(_input_key(task))
+
+    def _announced(self, task: Task) -> bool:
+        return self.transport.inbox.has(_input_key(task))
 
     def _arrived(self, task: Task) -> bool:
         key = _input_key(task)

@@ -134,7 +134,12 @@ class Inbox(ABC):
         """The recorded failure's message; None while nothing failed."""
 
     @abstractmethod
-    def has(self, key: MessageKey) -> bool: ...
+    def has(self, key: MessageKey) -> bool:
+        """The message is here (announced: a GPU message's data may still be on its way)."""
+
+    @abstractmethod
+    def landed(self, key: MessageKey) -> bool:
+        """The message is here and its data written (`ready`, if any, has passed)."""
 
     @abstractmethod
     def keys(self) -> list[MessageKey]: ...
@@ -243,6 +248,11 @@ class PythonInbox(Inbox):
     def has(self, key: MessageKey) -> bool:
         with self._cond:
             return key in self._messages
+
+    def landed(self, key: MessageKey) -> bool:
+        with self._cond:
+            message = self._messages.get(key)
+        return message is not None and (message[1] is None or message[1].query())
 
     def keys(self) -> list[MessageKey]:
         with self._cond:

@@ -107,6 +107,12 @@ class NativeInbox(Inbox):
     def has(self, key: MessageKey) -> bool:
         return self.mailbox.has(int(key.kind), key.chunk, key.microbatch)
 
+    def landed(self, key: MessageKey) -> bool:
+        if not self.mailbox.landed(int(key.kind), key.chunk, key.microbatch):
+            return False
+        ready = self._ready.get(key)
+        return ready is None or ready.query()
+
     def keys(self) -> list[MessageKey]:
         return [MessageKey(MessageKind(kind), chunk, microbatch)
                 for kind, chunk, microbatch in self.mailbox.keys()]
