@@ -87,12 +87,25 @@ PP2_DPP = [*FLAGS, "--use-dpp", "--pipeline-model-parallel-size", "2"]
 
 def test_use_dpp_alone_splits_the_backward_under_graphs_at_1f1b_memory():
     args = _resolved(PP2_DPP, world_size=2)
-    assert (args.dpp_split_backward, args.dpp_max_inflight, args.cuda_graph_impl) == (
-        True, 0, "block")
-    (line,) = args.fast_path_fallbacks
-    assert line.startswith(fast_path.SPLIT_BACKWARD + " on by default") and "slack 0" in line
+    assert (args.dpp_split_backward, args.dpp_max_inflight, args.cuda_graph_impl,
+            args.dpp_static) == (True, 0, "block", True)
+    split, static, chunks = args.fast_path_fallbacks
+    assert split.startswith(fast_path.SPLIT_BACKWARD + " on by default") and "slack 0" in split
+    assert "--dpp-static" in static and "--virtual-pipeline-model-parallel-size 2" in chunks
     given = _resolved([*PP2_DPP, "--dpp-max-inflight", "2"], world_size=2)
     assert (given.dpp_split_backward, given.dpp_max_inflight) == (True, 2)
+
+
+@pytest.mark.parametrize("flags", [["--virtual-pipeline-model-parallel-size", "2"],
+                                   ["--seq-length-cv", "0.5"], ["--no-dpp-static"]],
+                         ids=["two-chunks", "variable-lengths", "switched-off"])
+def test_the_dynamic_rule_runs_with_chunks_variable_lengths_or_when_asked(flags):
+    """The plan-in-order default is for one chunk of uniform lengths only, where it was
+    measured faster; chunks and variable lengths keep the dynamic rule."""
+    world = dict(world_size=2)
+    layers = ["--num-layers", "4"] if "--virtual-pipeline-model-parallel-size" in flags else []
+    args = _resolved([*PP2_DPP, *layers, *flags], **world)
+    assert args.dpp_split_backward is True and not args.dpp_static
 
 
 @pytest.mark.parametrize(("flags", "machine", "reason"), [
@@ -111,7 +124,8 @@ def test_use_dpp_keeps_the_backward_whole_where_the_split_cannot_run(flags, mach
 
 def test_the_split_stays_the_users_choice():
     off = _resolved([*PP2_DPP, "--no-dpp-split-backward"], world_size=2)
-    assert off.dpp_split_backward is False and off.fast_path_fallbacks == []
+    assert off.dpp_split_backward is False and not off.dpp_static  # measured with the split
+    assert not [line for line in off.fast_path_fallbacks if fast_path.SPLIT_BACKWARD in line]
     assert _resolved(FLAGS).dpp_split_backward is False  # no --use-dpp: megatron-core's
     assert _resolved([*FLAGS, "--dpp-split-backward"]).cuda_graph_impl == "block"  # PP=1
 

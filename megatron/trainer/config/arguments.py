@@ -288,10 +288,11 @@ def _dpp_args(g):
                         "gradients (W): with --use-dpp the dynamic schedule places the W "
                         "tasks; at PP=1 each W runs right after its B (default: on with "
                         "--use-dpp on GPUs where the layers allow it, fast_path.py)")
-    g.add_argument("--dpp-static", action="store_true",
+    g.add_argument("--dpp-static", action=argparse.BooleanOptionalAction, default=None,
                    help="with --use-dpp: run the DPP plan (1F1B, interleaved, ZB-H1 with the "
                         "split) in order, never deviating: the static schedule on the same "
-                        "runtime, to compare the dynamic one with")
+                        "runtime (default: on for one model chunk of uniform lengths on GPUs, "
+                        "where it measured faster; fast_path.py)")
     g.add_argument("--multi-node", action="store_true",
                    help="the job spans nodes: checked against torchrun's WORLD_SIZE and "
                         "LOCAL_WORLD_SIZE at start-up")
