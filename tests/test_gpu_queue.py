@@ -56,3 +56,21 @@ def test_close_waits_for_the_launched_tasks():
     gpu.launched()
     gpu.close()
     assert ended.is_set()
+
+
+def test_parts_of_a_task_count_as_their_share():
+    """Four W parts of a quarter each are one task's worth: waiting for at most one task
+    leaves them all queued."""
+    inbox = PythonInbox()
+    gpu = GpuQueue(SimulatedDevice(TASK_S).marker, inbox.notify)
+    try:
+        start = time.monotonic()
+        for _ in range(4):
+            gpu.launched(0.25)
+        gpu.wait_until(1)
+        assert time.monotonic() - start < TASK_S / 2 and gpu.busy() == 4
+        gpu.launched()  # a whole task behind them: the host waits for the four parts
+        gpu.wait_until(1)
+        assert gpu.busy() == 1
+    finally:
+        gpu.close()

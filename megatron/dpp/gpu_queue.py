@@ -46,31 +46,39 @@ class GpuQueue:
     def __init__(self, make_marker: Callable[[], Marker], on_progress: Callable[[], None]):
         self._make_marker = make_marker
         self._on_progress = on_progress
-        self._pending: collections.deque[Marker] = collections.deque()
+        # (marker, size) of each launched task the device may not have finished
+        self._pending: collections.deque[tuple[Marker, float]] = collections.deque()
+        self._queued = 0.0  # their sizes, summed
         self._watched: queue.SimpleQueue[Marker | None] = queue.SimpleQueue()
         self._watcher = threading.Thread(target=self._watch, name="dpp-gpu-progress",
                                          daemon=True)
         self._watcher.start()
 
-    def launched(self) -> None:
-        """The kernels of one task were queued: mark their end."""
+    def launched(self, size: float = 1.0) -> None:
+        """The kernels of one task were queued: mark their end. `size`: the task's share of a
+        whole task (a W run in n parts queues n parts of 1/n), so that the host keeps about
+        a task's worth of work queued, not one short part."""
         marker = self._make_marker()
-        self._pending.append(marker)
+        self._pending.append((marker, size))
+        self._queued += size
         self._watched.put(marker)
 
     def busy(self) -> int:
         """Launched tasks the device has not finished."""
         pending = self._pending
-        while pending and pending[0].query():
-            pending.popleft()
+        while pending and pending[0][0].query():
+            self._queued -= pending.popleft()[1]
         return len(pending)
 
-    def wait_until(self, most: int) -> None:
-        """Block until at most `most` launched tasks are unfinished."""
+    def wait_until(self, most: float) -> None:
+        """Block until the unfinished launched tasks add up to at most `most` tasks."""
         pending = self._pending
-        while len(pending) > most:
-            pending[0].synchronize()
-            pending.popleft()
+        while pending and self._queued > most + 1e-9:
+            marker, size = pending.popleft()
+            marker.synchronize()
+            self._queued -= size
+        if not pending:
+            self._queued = 0.0  # no rounding left behind
 
     def close(self) -> None:
         """Stop the watcher once it has seen every launched task end."""

@@ -236,7 +236,8 @@ class _Iteration:
                 elif self._weight(task):  # a W in parts is recorded once, at its last
                     self.executed.append(task)
                 if self.gpu_queue is not None:
-                    self.gpu_queue.launched()
+                    self.gpu_queue.launched(1.0 / self.stage.weight_slices
+                                            if task.kind == WEIGHT else 1.0)
                 if self.coordinator.deciding:
                     self.policy.complete(task)
         self.tracer.record_actions(self.rank, self.executed)

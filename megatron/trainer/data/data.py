@@ -322,3 +322,17 @@ def microbatch_lengths(args, consumed_samples: int, global_batch: int) -> list[i
         variable_length(args.seq_length, args.seq_length_cv, args.seed, consumed_samples + k)
         for k in range(0, global_batch, stride)
     ]
+
+
+def batch_to_device(batch: dict, device) -> dict:
+    """The batch's tensors on `device`. On a GPU they go through pinned memory: a copy from
+    pageable memory makes the host wait for all the work queued on the stream first (CUDA's
+    rule for pageable host-to-device copies), so the host could never run ahead of the GPU
+    on the stages that read the batch, and each of their forwards would start on an idle
+    GPU. The pinned buffers come from torch's caching host allocator, which keeps each one
+    until its copy is done."""
+    tensors = {key: value for key, value in batch.items() if torch.is_tensor(value)}
+    if torch.device(device).type != "cuda":
+        return {key: value.to(device) for key, value in tensors.items()}
+    return {key: value.pin_memory().to(device, non_blocking=True)
+            for key, value in tensors.items()}

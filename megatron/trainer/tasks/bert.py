@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.utils import get_attr_wrapped_model
 
-from megatron.trainer.data.data import build_bert_datasets
+from megatron.trainer.data.data import batch_to_device, build_bert_datasets
 from megatron.trainer.model.models import build_bert_stage
 from megatron.trainer.run.training import ModelTask
 
@@ -34,8 +34,7 @@ def make_forward_step(args, device):
         vp_stage = get_attr_wrapped_model(model, "vp_stage")
         last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         # every stage needs the padding mask for attention, so every stage reads the batch
-        batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()
-                 if torch.is_tensor(v)}
+        batch = batch_to_device(next(data_iterator), device)
         output = model(
             batch["text"], batch["padding_mask"],
             tokentype_ids=batch["types"] if not args.bert_no_binary_head else None,

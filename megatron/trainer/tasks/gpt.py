@@ -8,7 +8,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.utils import get_attr_wrapped_model
 
-from megatron.trainer.data.data import build_gpt_datasets
+from megatron.trainer.data.data import batch_to_device, build_gpt_datasets
 from megatron.trainer.model.models import build_gpt_stage
 from megatron.trainer.run.training import ModelTask
 
@@ -29,8 +29,7 @@ def make_forward_step(args, device):
         last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         tokens = labels = loss_mask = position_ids = attention_mask = None
         if first or last:
-            batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()
-                     if torch.is_tensor(v)}
+            batch = batch_to_device(next(data_iterator), device)
             tokens, position_ids = batch["tokens"], batch["position_ids"]
             labels, loss_mask = batch["labels"], batch["loss_mask"]
             # only --reset-attention-mask makes one (document boundaries); else causal
