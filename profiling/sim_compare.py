@@ -20,7 +20,9 @@ median over messages of consumer start minus producer end, counting only consume
 rank was idle when the producer ended (it was waiting for that very input); messages
 between each stage's lowest ranks, which are pipeline peers. Each iteration is simulated
 with its own estimate unless --latency is given. A positive difference: the run idled
-more than the simulator predicts (host overheads, send costs, clock error).
+more than the simulator predicts (host overheads, send costs, clock error). The makespan's gap
+to a replay with zero latency is attributed to the message hops (the replay at the measured
+latency minus that at zero) and to the runtime beyond the replay (the rest).
 """
 
 from __future__ import annotations
@@ -174,16 +176,20 @@ def compare(path: str, schedule: str | None = None, slack: int | None = None,
         durations = measured_durations(compute, pp, chunks)
         estimated, samples = estimate_latency(compute, pp, chunks)
         used = estimated if latency is None else latency
-        try:
+
+        def run(hop_ms: float, compute=compute, durations=durations, pp=pp, chunks=chunks,
+                report=report):
             if executed:
-                result = replay(_stage_plans(executed, report["iteration"], pp, actions),
-                                durations, num_chunks=chunks, latency=used)
-            else:
-                result = simulate(
-                    schedule, pp, len(durations.microbatch_factor), durations,
-                    num_chunks=chunks, slack=slack, latency=used,
-                    microbatch_order=run_order(compute) if schedule == "dpp" else None,
-                    split_backward=durations.weight is not None)
+                return replay(_stage_plans(executed, report["iteration"], pp, actions),
+                              durations, num_chunks=chunks, latency=hop_ms)
+            return simulate(
+                schedule, pp, len(durations.microbatch_factor), durations,
+                num_chunks=chunks, slack=slack, latency=hop_ms,
+                microbatch_order=run_order(compute) if schedule == "dpp" else None,
+                split_backward=durations.weight is not None)
+
+        try:
+            result, ideal = run(used), run(0.0)
         except ValueError as error:
             raise TraceError(f"{path}: iteration {report['iteration']}: {error}") from None
         stages = [{"stage": row["stage"], "measured_bubble": row["bubble"],
@@ -192,7 +198,8 @@ def compare(path: str, schedule: str | None = None, slack: int | None = None,
                   for row in report["stages"]]
         rows.append({"iteration": report["iteration"], "latency_ms": used,
                      "latency_samples": samples, "measured_makespan_ms": report["makespan_ms"],
-                     "simulated_makespan_ms": result.makespan, "stages": stages})
+                     "simulated_makespan_ms": result.makespan,
+                     "zero_latency_makespan_ms": ideal.makespan, "stages": stages})
     if not rows:
         raise TraceError(f"{path}: no forward/backward spans")
     return {"schedule": schedule, "slack": slack, "replayed": bool(executed),
@@ -229,6 +236,11 @@ def format_comparison(result: dict) -> str:
                      f"{row['measured_makespan_ms']:.2f} ms, simulated "
                      f"{row['simulated_makespan_ms']:.2f} ms; latency {row['latency_ms']:.3f}"
                      f" ms ({row['latency_samples']} samples)")
+        hops = row["simulated_makespan_ms"] - row["zero_latency_makespan_ms"]
+        rest = row["measured_makespan_ms"] - row["simulated_makespan_ms"]
+        lines.append(f"  the gap to the zero-latency replay ({row['zero_latency_makespan_ms']:.2f}"
+                     f" ms): message hops {hops:+.2f} ms, the runtime beyond the replay "
+                     f"(host decisions, launches) {rest:+.2f} ms")
         lines.append(header)
         lines += [_stage_line(stage) for stage in row["stages"]]
     if len(result["iterations"]) > 1:

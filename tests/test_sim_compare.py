@@ -186,3 +186,15 @@ def test_a_w_run_in_parts_counts_as_the_sum_of_its_parts():
     durations = sim_compare.measured_durations(compute, 2, 1)
     assert durations.weight == [[2.0], [4.0]]
     assert durations.backward == [[2.0], [2.0]]
+
+
+def test_the_gap_splits_into_hops_and_the_runtime(tmp_path, capsys):
+    """A simulator trace written with a latency: replayed at that latency it has no runtime
+    gap, and the hops account for the whole difference to the zero-latency replay."""
+    path = simulated_trace(tmp_path, "1f1b", latency=0.3)
+    result = sim_compare.compare(path, schedule="1f1b", latency=0.3)
+    (row,) = result["iterations"]
+    assert row["zero_latency_makespan_ms"] < row["simulated_makespan_ms"]
+    assert abs(row["measured_makespan_ms"] - row["simulated_makespan_ms"]) < 1e-6
+    assert sim_compare.main([path, "--schedule", "1f1b", "--latency", "0.3"]) == 0
+    assert "message hops +" in capsys.readouterr().out
