@@ -435,8 +435,6 @@ VARIABLE_LENGTH_REFUSALS = {
                "--variable-seq-lengths with --rampup-batch-size"),
     "reset_position_ids": (with_flags(DOCUMENTS, reset_position_ids=True), 1,
                            "--variable-seq-lengths with --reset-position-ids"),
-    "cuda_graphs": (with_flags(DOCUMENTS, cuda_graph_impl="block"), 1,
-                    "--variable-seq-lengths with CUDA graphs"),
     "core_interleaved_pp2": (
         with_flags(DOCUMENTS, pipeline_model_parallel_size=2,
                    virtual_pipeline_model_parallel_size=2, global_batch_size=8), 2,

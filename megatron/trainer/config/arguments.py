@@ -167,6 +167,10 @@ def _batch_and_schedule_args(g):
                         "microbatch in flight, replayed in any order (also with --use-dpp); "
                         "megatron-core's local / transformer_engine graphs are not supported. "
                         "auto (default): block where the run allows it, else none")
+    g.add_argument("--cuda-graph-memory-limit", type=float, default=None, metavar="GIB",
+                   help="--cuda-graph-impl block with variable lengths: the GiB one rank's "
+                        "graph recordings (one set of slots per length bucket) may hold; a "
+                        "bucket past it runs eagerly, with one log line (default: no bound)")
 
 
 def _precision_args(g):
@@ -839,7 +843,6 @@ def _validate_variable_lengths(args, need):
              "of a global batch are planned from a fixed global batch size"),
             (args.reset_position_ids or args.reset_attention_mask, "with --reset-position-ids"
              " / --reset-attention-mask: each sample is one document already"),
-            (args.cuda_graph_impl != "none", "with CUDA graphs (a graph replays one shape)"),
             (not args.use_dpp and args.pipeline_model_parallel_size == 2
              and args.virtual_pipeline_model_parallel_size is not None,
              "with megatron-core's interleaved schedule at --pipeline-model-parallel-size 2: "
@@ -908,6 +911,9 @@ def _validate_cuda_graphs(args, need):
             "megatron-core's graphs are captured by Megatron-LM's training loop (its CUDA graph "
             "manager / Transformer Engine helper), which this trainer does not run") +
             "; use --cuda-graph-impl block")
+    limit = args.cuda_graph_memory_limit
+    need(limit is None or (impl == "block" and limit >= 0),
+         f"--cuda-graph-memory-limit {limit} needs --cuda-graph-impl block and a bound >= 0")
     if impl != "block":
         return
     # by default only where fast_path.Machine found CUDA
@@ -922,7 +928,6 @@ def _validate_cuda_graphs(args, need):
          "per-parameter hooks the backward graph replaces)"),
         (args.overlap_param_gather, "--overlap-param-gather (its forward pre-hooks do not "
          "run inside a replay)"),
-        (args.seq_length_cv > 0, "--seq-length-cv (a graph replays one shape)"),
     ):
         need(not bad, f"--cuda-graph-impl block does not support {what}")
 
