@@ -156,14 +156,17 @@ CONFIGS |= {
 # variable lengths (issue 35), each without and with CUDA graphs per length bucket
 # (`-graphs`): packed fixed-length training (megatron's default on the corpus, and fixed
 # 1,024-token microbatches), megatron-core's 1F1B in natural and cost order, DPP, DPP with
-# the split backward, and DPP / 1F1B on microbatches of a token budget (2 x 2048)
+# the split backward, and DPP / 1F1B on microbatches of a token budget of 2048 tokens, the
+# documents grouped by length (on the corpus of tools/build_length_corpus.py: 15 to 22,
+# on average 19, microbatches per iteration, 7.8 % padding, against 29.7 % for
+# microbatches of 2 in Megatron's order)
 VARIABLE_SCHEDULES = {
     "1f1b": [],
     "1f1b-cost": ["--microbatch-order", "cost"],
     "dpp": ["--use-dpp", "--dpp-transport", "shm"],
     "dpp-split": ["--use-dpp", "--dpp-transport", "shm", "--dpp-split-backward"],
 }
-TOKEN_BUDGET = ["--microbatch-tokens", "4096"]
+TOKEN_BUDGET = ["--microbatch-tokens", "2048", "--group-by-length"]
 GRAPH_CHOICES = {"": ["--cuda-graph-impl", "none"],
                  "-graphs": ["--cuda-graph-impl", "block", "--cuda-graph-memory-limit", "24"]}
 for suffix, graph_flags in GRAPH_CHOICES.items():
