@@ -8,7 +8,7 @@ time per iteration, tokens/s (tokens actually trained), TFLOP/s/GPU and MFU.
     python profiling/bench_gpt.py --out runs/one --gpus 1 --pp 1 \
         --configs one-gpu-default,one-gpu-fastest,one-gpu-local      # issue 23, one GPU
     python profiling/bench_gpt.py --out runs/var --gpus 4 --pp 4 --corpus PREFIX \
-        --configs docs-packed,docs-1f1b,docs-1f1b-cost,docs-dpp,docs-dpp-split  # issue 35
+        --configs docs-packed,docs-1f1b,docs-1f1b-cost,docs-dpp,docs-dpp-static  # issue 35
 
 Variable lengths (issue 35): `docs-*` train the documents of `--corpus` (a prefix of
 tools/build_length_corpus.py's corpus, tokenized), `cv-*` mock data cut to lengths drawn
@@ -155,8 +155,10 @@ CONFIGS |= {
 }
 # variable lengths (issue 35), each without and with CUDA graphs per length bucket
 # (`-graphs`): packed fixed-length training (megatron's default on the corpus, and fixed
-# 1,024-token microbatches), megatron-core's 1F1B in natural and cost order, DPP, DPP with
-# the split backward, and DPP / 1F1B on microbatches of a token budget of 2048 tokens, the
+# 1,024-token microbatches), megatron-core's 1F1B in natural and cost order, DPP as
+# --use-dpp runs it (on GPUs the split backward at slack 0), DPP without the split, DPP's
+# plan replayed statically (--dpp-static: ZB-H1 fed the same order), and DPP / 1F1B on
+# microbatches of a token budget of 2048 tokens, the
 # documents grouped by length (on the corpus of tools/build_length_corpus.py: 15 to 22,
 # on average 19, microbatches per iteration, 7.8 % padding, against 29.7 % for
 # microbatches of 2 in Megatron's order)
@@ -164,7 +166,8 @@ VARIABLE_SCHEDULES = {
     "1f1b": [],
     "1f1b-cost": ["--microbatch-order", "cost"],
     "dpp": ["--use-dpp", "--dpp-transport", "shm"],
-    "dpp-split": ["--use-dpp", "--dpp-transport", "shm", "--dpp-split-backward"],
+    "dpp-nosplit": ["--use-dpp", "--dpp-transport", "shm", "--no-dpp-split-backward"],
+    "dpp-static": ["--use-dpp", "--dpp-transport", "shm", "--dpp-static"],
 }
 TOKEN_BUDGET = ["--microbatch-tokens", "2048", "--group-by-length"]
 GRAPH_CHOICES = {"": ["--cuda-graph-impl", "none"],
@@ -219,15 +222,15 @@ RATIOS = (
     ("one-gpu-default", "one-gpu-no-gelu-epilogue"),
     *((f"{source}-{a}{graphs}", f"{source}-{b}{graphs}") for source in ("docs", "cv")
       for graphs in GRAPH_CHOICES for a, b in (
-          ("dpp", "1f1b"), ("dpp", "1f1b-cost"), ("dpp-split", "1f1b"),
-          ("dpp-split", "1f1b-cost"), ("1f1b-cost", "1f1b"))),
+          ("dpp", "1f1b"), ("dpp", "1f1b-cost"), ("dpp", "dpp-static"),
+          ("dpp-nosplit", "1f1b-cost"), ("dpp", "dpp-nosplit"), ("1f1b-cost", "1f1b"))),
     *((f"docs-{a}{graphs}", f"docs-{b}{graphs}") for graphs in GRAPH_CHOICES
       for a, b in (("dpp-tokens", "dpp"), ("1f1b-tokens", "1f1b"), ("dpp", "packed"))),
 )
 # variable lengths: ratios of real (non-pad) tokens/s, where padding is what differs
 REAL_RATIOS = tuple((a, b) for a, b in RATIOS if a.startswith(("docs-", "cv-")))
 REAL_RATIOS += tuple((f"{v}{graphs}", f"fixed-1024{graphs}") for graphs in GRAPH_CHOICES
-                     for v in ("docs-dpp", "docs-dpp-split", "cv-dpp", "cv-dpp-split"))
+                     for v in ("docs-dpp", "docs-1f1b", "cv-dpp", "cv-1f1b"))
 
 LINE = re.compile(
     r"iteration\s+(\d+)/.*elapsed time per iteration \(ms\): ([\d.]+).*"
