@@ -7,6 +7,14 @@ time per iteration, tokens/s (tokens actually trained), TFLOP/s/GPU and MFU.
     python profiling/bench_gpt.py --out runs/bench --configs local,sdpa,dpp-torch
     python profiling/bench_gpt.py --out runs/one --gpus 1 --pp 1 \
         --configs one-gpu-default,one-gpu-fastest,one-gpu-local      # issue 23, one GPU
+    python profiling/bench_gpt.py --out runs/var --gpus 4 --pp 4 --corpus PREFIX \
+        --configs docs-packed,docs-1f1b,docs-1f1b-cost,docs-dpp,docs-dpp-static  # issue 35
+
+Variable lengths (issue 35): `docs-*` train the documents of `--corpus` (a prefix of
+tools/build_length_corpus.py's corpus, tokenized), `cv-*` mock data cut to lengths drawn
+with --seq-length-cv 0.5; each padded to buckets of --pad-to-multiple (128 on GPU). Their
+rows add real (non-pad) tokens/s, the padding share, the median time per real token and
+the largest deviation of an iteration's from it, and every rank's peak memory.
 
 Writes results.json, results.csv (one row per configuration) and table.txt under --out.
 """
@@ -145,6 +153,42 @@ CONFIGS |= {
     # the defaults with fc1's GEMM then the Triton bias-GeLU, not the cuBLASLt epilogues
     "one-gpu-no-gelu-epilogue": ["--no-gelu-gemm-epilogue"],
 }
+# variable lengths (issue 35), each without and with CUDA graphs per length bucket
+# (`-graphs`): packed fixed-length training (megatron's default on the corpus, and fixed
+# 1,024-token microbatches), megatron-core's 1F1B in natural and cost order, DPP as
+# --use-dpp runs it (on GPUs the split backward at slack 0), DPP without the split, DPP's
+# plan replayed statically (--dpp-static: ZB-H1 fed the same order), and DPP / 1F1B on
+# microbatches of a token budget of 2048 tokens, the
+# documents grouped by length (on the corpus of tools/build_length_corpus.py: 15 to 22,
+# on average 19, microbatches per iteration, 7.8 % padding, against 29.7 % for
+# microbatches of 2 in Megatron's order)
+VARIABLE_SCHEDULES = {
+    "1f1b": [],
+    "1f1b-cost": ["--microbatch-order", "cost"],
+    "dpp": ["--use-dpp", "--dpp-transport", "shm"],
+    "dpp-nosplit": ["--use-dpp", "--dpp-transport", "shm", "--no-dpp-split-backward"],
+    "dpp-static": ["--use-dpp", "--dpp-transport", "shm", "--dpp-static"],
+}
+TOKEN_BUDGET = ["--microbatch-tokens", "2048", "--group-by-length"]
+GRAPH_CHOICES = {"": ["--cuda-graph-impl", "none"],
+                 "-graphs": ["--cuda-graph-impl", "block", "--cuda-graph-memory-limit", "24"]}
+for suffix, graph_flags in GRAPH_CHOICES.items():
+    CONFIGS |= {
+        f"docs-packed{suffix}": ["--corpus", *graph_flags],
+        f"fixed-1024{suffix}": ["--seq-length", "1024", *graph_flags],
+        f"docs-1f1b-tokens{suffix}": ["--corpus", "--variable-seq-lengths", *TOKEN_BUDGET,
+                                      *graph_flags],
+        f"docs-dpp-tokens{suffix}": ["--corpus", "--variable-seq-lengths", *TOKEN_BUDGET,
+                                     *VARIABLE_SCHEDULES["dpp"], *graph_flags],
+    }
+    for schedule, schedule_flags in VARIABLE_SCHEDULES.items():
+        CONFIGS[f"docs-{schedule}{suffix}"] = ["--corpus", "--variable-seq-lengths",
+                                               *schedule_flags, *graph_flags]
+        CONFIGS[f"cv-{schedule}{suffix}"] = [*VARIABLE, *schedule_flags, *graph_flags]
+# "--corpus" in a configuration: its data are --corpus's documents (data_flags)
+CORPUS_MARK = "--corpus"
+MOCK_DATA = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "50304"]
+
 # issue 23's acceptance: the defaults' share of the fastest flags' tokens/s, and their MFU
 ACCEPTANCE = {"one-gpu-default": ("one-gpu-fastest", 0.98, 55.0)}
 
@@ -176,13 +220,68 @@ RATIOS = (
     ("one-gpu-default", "one-default"), ("one-gpu-cudnn", "one-gpu-flash"),
     ("one-gpu-default", "one-gpu-flash"), ("one-gpu-default", "one-gpu-torch-kernels"),
     ("one-gpu-default", "one-gpu-no-gelu-epilogue"),
+    *((f"{source}-{a}{graphs}", f"{source}-{b}{graphs}") for source in ("docs", "cv")
+      for graphs in GRAPH_CHOICES for a, b in (
+          ("dpp", "1f1b"), ("dpp", "1f1b-cost"), ("dpp", "dpp-static"),
+          ("dpp-nosplit", "1f1b-cost"), ("dpp", "dpp-nosplit"), ("1f1b-cost", "1f1b"))),
+    *((f"docs-{a}{graphs}", f"docs-{b}{graphs}") for graphs in GRAPH_CHOICES
+      for a, b in (("dpp-tokens", "dpp"), ("1f1b-tokens", "1f1b"), ("dpp", "packed"))),
 )
+# variable lengths: ratios of real (non-pad) tokens/s, where padding is what differs
+REAL_RATIOS = tuple((a, b) for a, b in RATIOS if a.startswith(("docs-", "cv-")))
+REAL_RATIOS += tuple((f"{v}{graphs}", f"fixed-1024{graphs}") for graphs in GRAPH_CHOICES
+                     for v in ("docs-dpp", "docs-1f1b", "cv-dpp", "cv-1f1b"))
 
 LINE = re.compile(
     r"iteration\s+(\d+)/.*elapsed time per iteration \(ms\): ([\d.]+).*"
     r"throughput per GPU \(TFLOP/s/GPU\): ([\d.]+)(?:.*MFU: ([\d.]+)%)?.*tokens/s: (\d+)"
 )
 MEMORY = re.compile(r"memory per rank \(max allocated, MB\): (.*)")
+REAL = re.compile(r"iteration\s+(\d+)/.*real tokens per second: (\d+) \| padding: ([\d.]+)%")
+
+
+def data_flags(flags: list[str], corpus: str | None) -> list[str]:
+    """A configuration's data: mock data, or the documents of --corpus (GPT-2 BPE) where it
+    is marked CORPUS_MARK."""
+    if CORPUS_MARK not in flags:
+        return flags
+    if corpus is None:
+        raise SystemExit(f"the configuration {' '.join(flags)} trains documents: give --corpus "
+                         "PREFIX (tools/build_length_corpus.py, then tools/preprocess_data.py)")
+    root = Path(__file__).resolve().parents[1]
+    return ["--data-path", corpus, "--split", "98,1,1", "--tokenizer-type", "GPT2BPETokenizer",
+            "--vocab-file", str(root / "datasets_gpt/vocab.json"),
+            "--merge-file", str(root / "datasets_gpt/merges.txt"),
+            *(flag for flag in flags if flag != CORPUS_MARK)]
+
+
+def model_flags(flags: list[str]) -> list[str]:
+    """GPU.md's GPT, without its mock data where the configuration reads a corpus."""
+    if "--data-path" not in flags:
+        return GPT_OF_GPU_MD
+    at = GPT_OF_GPU_MD.index(MOCK_DATA[0])
+    if GPT_OF_GPU_MD[at:at + len(MOCK_DATA)] != MOCK_DATA:
+        raise AssertionError("GPT_LAYER_FLAGS no longer hold MOCK_DATA in one piece")
+    return GPT_OF_GPU_MD[:at] + GPT_OF_GPU_MD[at + len(MOCK_DATA):]
+
+
+def variable_length_figures(text: str, rows: list[tuple], warmup: int) -> dict:
+    """Real-token figures of a run whose log lines report padding (else the tokens/s are
+    all real): median real tokens/s, padding share, median microseconds per real token
+    and the largest deviation of a measured iteration's from that median."""
+    real = {int(m[0]): (float(m[1]), float(m[2])) for m in REAL.findall(text)}
+    measured = [(int(r[0]), float(r[4])) for r in rows if int(r[0]) > warmup]
+    per_iteration = [real.get(i, (tokens, 0.0)) for i, tokens in measured]
+    us_per_token = [1e6 / tokens for tokens, _ in per_iteration if tokens > 0]
+    if not us_per_token:
+        return {}
+    median = statistics.median(us_per_token)
+    return {
+        "real_tokens_per_s": statistics.median(tokens for tokens, _ in per_iteration),
+        "padding_percent": statistics.median(share for _, share in per_iteration),
+        "us_per_real_token": median,
+        "max_deviation_percent": 100 * max(abs(t - median) / median for t in us_per_token),
+    }
 
 
 def observer_flags(name: str, args, out: Path) -> list[str]:
@@ -217,7 +316,7 @@ def run(name: str, flags: list[str], args, out: Path) -> dict:
     program = ["-m", "pretrain_gpt"] if args.installed else [*wrapper, "pretrain_gpt.py"]
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.gpus}",
-        f"--master_port={args.port}", *program, *GPT_OF_GPU_MD,
+        f"--master_port={args.port}", *program, *model_flags(flags),
         "--global-batch-size", str(2 * args.microbatches),
         "--train-iters", str(args.warmup + args.iters), *pipeline_flags(flags, args.pp),
         *observer_flags(name, args, out),
@@ -240,19 +339,43 @@ def run(name: str, flags: list[str], args, out: Path) -> dict:
     ms = statistics.median(float(r[1]) for r in measured)
     # the last report covers the whole run: the largest rank's peak
     memory = MEMORY.findall(text)
-    peak_mb = max(float(entry.split(":")[1]) for entry in memory[-1].split("|")) if memory else None
+    per_rank = ([float(entry.split(":")[1]) for entry in memory[-1].split("|")]
+                if memory else None)
     tokens = statistics.median(float(r[4]) for r in measured)
     return {
         "name": name, "flags": " ".join(flags), "ms_per_iter": ms,
         "tokens_per_s": tokens,
         "tflops_per_gpu": statistics.median(float(r[2]) for r in measured),
         "mfu_percent": statistics.median(float(r[3]) for r in measured) if measured[0][3] else None,
-        "peak_mb": peak_mb, "iterations": len(measured), "wall_s": round(time.time() - started, 1),
+        "peak_mb": max(per_rank) if per_rank else None, "peak_mb_per_rank": per_rank,
+        "iterations": len(measured), "wall_s": round(time.time() - started, 1),
+        **variable_length_figures(text, rows, args.warmup),
     }
 
 
 CSV_COLUMNS = ("name", "ms_per_iter", "tokens_per_s", "tflops_per_gpu", "mfu_percent", "peak_mb",
-               "iterations", "wall_s", "error", "flags")
+               "real_tokens_per_s", "padding_percent", "us_per_real_token",
+               "max_deviation_percent", "peak_mb_per_rank", "iterations", "wall_s", "error",
+               "flags")
+
+
+def variable_length_lines(results: list[dict], base: dict) -> list[str]:
+    """The variable-length rows' real-token figures, each rank's peak memory, and the ratios
+    of real tokens/s."""
+    rows = [r for r in results if "us_per_real_token" in r]
+    if not rows:
+        return []
+    lines = [f"{'config':24s} {'real tok/s':>10s} {'padding%':>9s} {'us/real tok':>11s} "
+             f"{'max dev%':>9s}  peak MB per rank"]
+    for r in rows:
+        ranks = " ".join(f"{mb:.0f}" for mb in r.get("peak_mb_per_rank") or [])
+        lines.append(f"{r['name']:24s} {r['real_tokens_per_s']:10.0f} {r['padding_percent']:9.1f} "
+                     f"{r['us_per_real_token']:11.3f} {r['max_deviation_percent']:9.1f}  {ranks}")
+    for a, b in REAL_RATIOS:
+        if "real_tokens_per_s" in base.get(a, {}) and "real_tokens_per_s" in base.get(b, {}):
+            ratio = base[a]["real_tokens_per_s"] / base[b]["real_tokens_per_s"]
+            lines.append(f"{a} / {b}, real tokens/s: {ratio:.3f}x")
+    return lines
 
 
 def write_csv(path: Path, results: list[dict]) -> None:
@@ -282,6 +405,9 @@ def main() -> None:
     parser.add_argument("--installed", action="store_true",
                         help="run the pip-installed pretrain_gpt module, not the checkout's "
                              "(not with --find-syncs)")
+    parser.add_argument("--corpus", default=None,
+                        help="prefix of the tokenized documents the docs-* configurations "
+                             "train (tools/build_length_corpus.py)")
     parser.add_argument("--extra", default="",
                         help="flags added to every configuration (write --extra='--flag value')")
     args = parser.parse_args()
@@ -292,7 +418,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for name in args.configs.split(","):
-        results.append(run(name, CONFIGS[name] + args.extra.split(), args, out))
+        flags = data_flags(CONFIGS[name] + args.extra.split(), args.corpus)
+        results.append(run(name, flags, args, out))
         log.info(json.dumps(results[-1]))
         (out / "results.json").write_text(json.dumps(results, indent=1))
     base = {r["name"]: r for r in results if "error" not in r}
@@ -309,6 +436,7 @@ def main() -> None:
     for a, b in RATIOS:
         if a in base and b in base:
             lines.append(f"{a} / {b}: {base[a]['tokens_per_s'] / base[b]['tokens_per_s']:.3f}x")
+    lines += variable_length_lines(results, base)
     for name, (fastest, share, mfu) in ACCEPTANCE.items():
         if name in base and fastest in base:
             ratio = base[name]["tokens_per_s"] / base[fastest]["tokens_per_s"]

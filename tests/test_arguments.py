@@ -435,8 +435,6 @@ VARIABLE_LENGTH_REFUSALS = {
                "--variable-seq-lengths with --rampup-batch-size"),
     "reset_position_ids": (with_flags(DOCUMENTS, reset_position_ids=True), 1,
                            "--variable-seq-lengths with --reset-position-ids"),
-    "cuda_graphs": (with_flags(DOCUMENTS, cuda_graph_impl="block"), 1,
-                    "--variable-seq-lengths with CUDA graphs"),
     "core_interleaved_pp2": (
         with_flags(DOCUMENTS, pipeline_model_parallel_size=2,
                    virtual_pipeline_model_parallel_size=2, global_batch_size=8), 2,
@@ -446,6 +444,18 @@ VARIABLE_LENGTH_REFUSALS = {
                                    "--group-by-length needs --variable-seq-lengths"),
     "cost_order_with_fixed_lengths": (with_flags(BASE, microbatch_order="cost"), 1,
                                       "--microbatch-order cost needs --variable-seq-lengths"),
+    "padding_with_fixed_lengths": (with_flags(BASE, pad_to_multiple=64), 1,
+                                   "--pad-to-multiple needs --variable-seq-lengths or "
+                                   "--seq-length-cv"),
+    "token_budget_without_documents": (with_flags(BASE, seq_length_cv=0.5,
+                                                  microbatch_tokens=4096), 1,
+                                       "--microbatch-tokens needs --variable-seq-lengths"),
+    "token_budget_below_a_sample": (with_flags(DOCUMENTS, microbatch_tokens=8), 1,
+                                    "--microbatch-tokens 8 is less than --seq-length"),
+    "token_budget_interleaved": (
+        with_flags(DOCUMENTS, microbatch_tokens=4096, pipeline_model_parallel_size=2,
+                   virtual_pipeline_model_parallel_size=2, global_batch_size=8, use_dpp=True),
+        2, "--microbatch-tokens with virtual pipeline stages"),
 }
 
 
@@ -457,11 +467,16 @@ def test_variable_lengths_refuse_what_they_cannot_do(case):
 
 def test_variable_length_defaults():
     """The order: cost with --use-dpp, natural otherwise (a plain run stays Megatron's);
-    padding: 1 on CPU, 8 on a GPU (tensor-core tiles), and a multiple of TP under sequence
+    padding: 1 on CPU, 128 on a GPU (few shapes: each new one compiles, plans and records
+    graphs there), also under --seq-length-cv, and a multiple of TP under sequence
     parallelism."""
     plain = parse_args(DOCUMENTS, world_size=1)
-    padding = 8 if torch.cuda.is_available() else 1
+    padding = 128 if torch.cuda.is_available() else 1
     assert (plain.microbatch_order, plain.pad_to_multiple) == ("natural", padding)
+    synthetic = parse_args(with_flags(BASE, seq_length_cv=0.5), world_size=1)
+    assert synthetic.pad_to_multiple == padding
+    assert parse_args(with_flags(BASE, seq_length_cv=0.5, pad_to_multiple=32),
+                      world_size=1).pad_to_multiple == 32
     dpp = parse_args(with_flags(DOCUMENTS, use_dpp=True, pipeline_model_parallel_size=2),
                      world_size=2)
     assert dpp.microbatch_order == "cost"

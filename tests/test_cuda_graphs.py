@@ -27,7 +27,8 @@ TINY_GPT = [
     (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size > 1"),
     (["--recompute-activations"], "activation recomputation"),
     (["--overlap-grad-reduce"], "--overlap-grad-reduce"),
-    (["--seq-length-cv", "0.5"], "--seq-length-cv (a graph replays one shape)"),
+    (["--cuda-graph-impl", "none", "--cuda-graph-memory-limit", "4"],
+     "--cuda-graph-memory-limit 4.0 needs --cuda-graph-impl block"),
 ])
 def test_refused_flags_are_named(flags, message):
     impl = [] if "--cuda-graph-impl" in flags else ["--cuda-graph-impl", "block"]
@@ -109,6 +110,72 @@ def test_graph_replays_equal_eager_in_any_backward_order(dtype_flags):
         for eager_grad, graph_grad in zip(eager_grads, graph_grads, strict=True):
             torch.testing.assert_close(graph_grad, eager_grad, rtol=0, atol=0)
     torch.testing.assert_close(graphs["evaluation"], eager["evaluation"], rtol=0, atol=0)
+
+
+def _eager_vs_bucket_graphs(rank, lengths, limits):
+    """Two steps of microbatches of the given lengths (several per bucket, all in flight,
+    backwards in reverse), eager and with graphs per shape under each memory limit (GiB)."""
+    from megatron.trainer.core_compat import no_apex
+    from megatron.trainer.model.models import (
+        build_gpt_stage,
+        build_model_chunks,
+        transformer_config_from_args,
+    )
+    from megatron.trainer.run.initialize import initialize_distributed
+    from megatron.trainer.run.optimizer import wrap_model_chunks
+
+    flags = [*TINY_GPT, "--bf16", "--distributed-backend", "nccl", "--seq-length-cv", "0.5",
+             "--pad-to-multiple", "8", "--cuda-graph-impl", "block"]
+    results = {}
+    with contextlib.ExitStack() as stack:
+        device = initialize_distributed(parse_args(flags, world_size=1), stack)
+        stack.enter_context(no_apex.weight_grad_accumulation_fusion())
+        generator = torch.Generator().manual_seed(3)
+        batches = [torch.randint(0, 128, (2, n), generator=generator).to(device)
+                   for n in lengths]
+        for limit in (None, *limits):
+            extra = [] if limit in (None, "eager") else ["--cuda-graph-memory-limit", str(limit)]
+            args = parse_args([*flags, *extra], world_size=1)
+            args.padded_vocab_size = args.vocab_size
+            config = transformer_config_from_args(args)
+            (model,) = wrap_model_chunks(build_model_chunks(args, config, build_gpt_stage),
+                                         args, config, device)
+            installed = install_block_graphs([model], args, device) if limit != "eager" else []
+            steps = []
+            for _ in range(2):
+                losses = [model(t, torch.arange(t.shape[1], device=device).expand(2, -1), None,
+                                labels=t).float().mean() for t in batches]
+                for loss in reversed(losses):
+                    loss.backward()
+                main_grads = [p.main_grad.clone() for p in model.parameters()]
+                steps.append(([loss.item() for loss in losses], [g.cpu() for g in main_grads]))
+                with torch.no_grad():
+                    for param, grad in zip(model.parameters(), main_grads, strict=True):
+                        param.add_(grad.to(param.dtype), alpha=-0.5)
+                model.zero_grad_buffer()
+            results[limit] = {"steps": steps, "slots": [
+                sorted((shape[0], len(slots)) for shape, slots in g.slots.recorded.items())
+                for g in installed]}
+    return results
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_graphs_per_length_bucket_equal_eager_within_the_memory_limit():
+    """Lengths 8, 16 and 32 (buckets of --pad-to-multiple 8): one slot per microbatch of
+    each shape in flight, recorded in the first step and replayed in the second, giving
+    eager's losses and gradients; under a limit of 0 GiB only the first slot is recorded
+    and the rest runs eagerly, with the same results."""
+    lengths = [8, 16, 8, 32, 16, 8]
+    (results,) = run_ranks(1, _eager_vs_bucket_graphs, lengths, ["eager", 0], gpu=True)
+    eager = results["eager"]
+    assert results[None]["slots"] == [[(8, 3), (16, 2), (32, 1)]]
+    assert results[0]["slots"] == [[(8, 1)]]
+    for limit in (None, 0):
+        for (eager_losses, eager_grads), (losses, grads) in zip(
+                eager["steps"], results[limit]["steps"], strict=True):
+            assert losses == eager_losses, limit
+            for eager_grad, grad in zip(eager_grads, grads, strict=True):
+                torch.testing.assert_close(grad, eager_grad, rtol=0, atol=0)
 
 
 def _graphs_with_dropout(rank, runs):

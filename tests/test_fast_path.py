@@ -80,6 +80,7 @@ def test_variable_lengths_fall_back_from_graphs():
     (line,) = _resolved([*flags, "--variable-seq-lengths", "--data-path", "documents"]
                         ).fast_path_fallbacks
     assert line.startswith(fast_path.CUDA_GRAPHS + " off: ") and "--variable-seq-lengths" in line
+    assert fast_path.BUCKET_GRAPHS_UNMEASURED in line
 
 
 PP2_DPP = [*FLAGS, "--use-dpp", "--pipeline-model-parallel-size", "2"]

@@ -20,6 +20,9 @@ from megatron.trainer.data.batch_schedule import (
 )
 from megatron.trainer.data.tokenizer import TOKENIZER_TYPES
 
+# --pad-to-multiple's default on GPU: at --seq-length 2048, 16 shapes (buckets)
+GPU_PAD_TO_MULTIPLE = 128
+
 
 class ArgumentError(ValueError):
     """Inconsistent or unsupported flags; the message names each flag and value."""
@@ -164,6 +167,10 @@ def _batch_and_schedule_args(g):
                         "microbatch in flight, replayed in any order (also with --use-dpp); "
                         "megatron-core's local / transformer_engine graphs are not supported. "
                         "auto (default): block where the run allows it, else none")
+    g.add_argument("--cuda-graph-memory-limit", type=float, default=None, metavar="GIB",
+                   help="--cuda-graph-impl block with variable lengths: the GiB one rank's "
+                        "graph recordings (one set of slots per length bucket) may hold; a "
+                        "bucket past it runs eagerly, with one log line (default: no bound)")
 
 
 def _precision_args(g):
@@ -810,9 +817,14 @@ def _add_variable_length_args(parser):
                         "length within each global batch (the same samples, less padding; "
                         "docs/variable_lengths.md)")
     g.add_argument("--pad-to-multiple", type=int, default=None,
-                   help="with --variable-seq-lengths: round each microbatch's length up to "
-                        "this multiple (default 8 on GPU, 1 on CPU; with --sequence-parallel "
-                        "also a multiple of the tensor-parallel size)")
+                   help="with --variable-seq-lengths or --seq-length-cv: round each "
+                        "microbatch's length up to this multiple, so that few shapes (buckets) "
+                        f"occur (default {GPU_PAD_TO_MULTIPLE} on GPU, 1 on CPU; with "
+                        "--sequence-parallel also a multiple of the tensor-parallel size)")
+    g.add_argument("--microbatch-tokens", type=int, default=None,
+                   help="with --variable-seq-lengths: form microbatches by this budget of "
+                        "padded tokens (rows x length) instead of --micro-batch-size rows; "
+                        "the number of microbatches then varies between iterations")
     g.add_argument("--microbatch-order", choices=("natural", "cost"), default=None,
                    help="the order an iteration's microbatches run in: cost = by their token "
                         "counts, cheap first and last (megatron-core's schedules too); "
@@ -831,7 +843,6 @@ def _validate_variable_lengths(args, need):
              "of a global batch are planned from a fixed global batch size"),
             (args.reset_position_ids or args.reset_attention_mask, "with --reset-position-ids"
              " / --reset-attention-mask: each sample is one document already"),
-            (args.cuda_graph_impl != "none", "with CUDA graphs (a graph replays one shape)"),
             (not args.use_dpp and args.pipeline_model_parallel_size == 2
              and args.virtual_pipeline_model_parallel_size is not None,
              "with megatron-core's interleaved schedule at --pipeline-model-parallel-size 2: "
@@ -841,10 +852,13 @@ def _validate_variable_lengths(args, need):
             need(not bad, f"--variable-seq-lengths {why}")
     else:
         for flag, given in (("--group-by-length", args.group_by_length),
-                            ("--pad-to-multiple", args.pad_to_multiple is not None)):
+                            ("--microbatch-tokens", args.microbatch_tokens is not None)):
             need(not given, f"{flag} needs --variable-seq-lengths")
+        need(args.pad_to_multiple is None or args.seq_length_cv > 0,
+             "--pad-to-multiple needs --variable-seq-lengths or --seq-length-cv")
     if args.pad_to_multiple is None:
-        args.pad_to_multiple = 8 if _cuda_available() else 1
+        # few shapes on GPU: each new one costs compilation, plans and graphs there
+        args.pad_to_multiple = GPU_PAD_TO_MULTIPLE if _cuda_available() else 1
     need(args.pad_to_multiple >= 1, f"--pad-to-multiple {args.pad_to_multiple} must be >= 1")
     tp = args.tensor_model_parallel_size
     if variable and args.sequence_parallel and tp > 1 and args.pad_to_multiple >= 1:
@@ -853,12 +867,27 @@ def _validate_variable_lengths(args, need):
         need(args.seq_length % tp == 0, f"--variable-seq-lengths --sequence-parallel: "
              f"--seq-length {args.seq_length} must be a multiple of "
              f"--tensor-model-parallel-size {tp} (the longest microbatches are cut there)")
+    if args.microbatch_tokens is not None:
+        _validate_microbatch_tokens(args, need)
     lengths_vary = variable or args.seq_length_cv > 0
     if args.microbatch_order is None:
         args.microbatch_order = "cost" if args.use_dpp else "natural"
     elif args.microbatch_order == "cost":
         need(lengths_vary, "--microbatch-order cost needs --variable-seq-lengths or "
              "--seq-length-cv (with one length every order is the same)")
+
+
+def _validate_microbatch_tokens(args, need):
+    budget, longest = args.microbatch_tokens, args.seq_length
+    need(budget >= longest, f"--microbatch-tokens {budget} is less than --seq-length "
+         f"{longest}: a microbatch must hold the longest sample")
+    need(args.global_batch_size % args.data_parallel_size == 0,
+         f"--microbatch-tokens: --global-batch-size {args.global_batch_size} must be a "
+         f"multiple of the data-parallel size {args.data_parallel_size}")
+    need(args.virtual_pipeline_model_parallel_size is None,
+         "--microbatch-tokens with virtual pipeline stages: the interleaved schedules need "
+         "a multiple of --pipeline-model-parallel-size microbatches, which a token budget "
+         "does not give")
 
 
 def _validate_trace(args, need):
@@ -882,6 +911,9 @@ def _validate_cuda_graphs(args, need):
             "megatron-core's graphs are captured by Megatron-LM's training loop (its CUDA graph "
             "manager / Transformer Engine helper), which this trainer does not run") +
             "; use --cuda-graph-impl block")
+    limit = args.cuda_graph_memory_limit
+    need(limit is None or (impl == "block" and limit >= 0),
+         f"--cuda-graph-memory-limit {limit} needs --cuda-graph-impl block and a bound >= 0")
     if impl != "block":
         return
     # by default only where fast_path.Machine found CUDA
@@ -896,7 +928,6 @@ def _validate_cuda_graphs(args, need):
          "per-parameter hooks the backward graph replaces)"),
         (args.overlap_param_gather, "--overlap-param-gather (its forward pre-hooks do not "
          "run inside a replay)"),
-        (args.seq_length_cv > 0, "--seq-length-cv (a graph replays one shape)"),
     ):
         need(not bad, f"--cuda-graph-impl block does not support {what}")
 

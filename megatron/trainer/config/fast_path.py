@@ -42,6 +42,11 @@ MEASURED_CHUNKS = ("two model chunks per stage (--virtual-pipeline-model-paralle
                    "1F1B at PP=4, one chunk 1.04x; chunks change the model's layout and its "
                    "checkpoints, so they stay your choice")
 
+# Graphs per length bucket (graph_slots.py) are checked on the CPU with a fake recorder only:
+# off by default until measured on a GPU, on when asked for
+BUCKET_GRAPHS_UNMEASURED = ("graphs per length bucket are not yet measured on a GPU; "
+                            "--cuda-graph-impl block turns them on")
+
 
 @dataclasses.dataclass(frozen=True)
 class Machine:
@@ -203,9 +208,9 @@ def _graph_conflicts(args, machine: Machine) -> list[str]:
          "per-parameter hooks)"),
         (args.overlap_param_gather, "--overlap-param-gather (its forward pre-hooks do not run "
          "inside a replay)"),
-        (args.seq_length_cv > 0, f"--seq-length-cv {args.seq_length_cv} (a graph replays one "
-         "shape)"),
-        (args.variable_seq_lengths, "--variable-seq-lengths (a graph replays one shape)"),
+        (args.seq_length_cv > 0,
+         f"--seq-length-cv {args.seq_length_cv} ({BUCKET_GRAPHS_UNMEASURED})"),
+        (args.variable_seq_lengths, f"--variable-seq-lengths ({BUCKET_GRAPHS_UNMEASURED})"),
         (_transformer_engine_layers(args, machine), "Transformer Engine layers (the graphs "
          "are checked with megatron.core's local layers)"),
         (args.attention_backend == "local", "--attention-backend local (megatron-core's "

@@ -18,6 +18,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.indexed_dataset import DType
 
 from megatron.trainer.data.fim import FimConfig, FimGPTDatasetConfig, fim_dataset_class
+from megatron.trainer.data.microbatches import padded_length
 
 log = logging.getLogger(__name__)
 
@@ -242,9 +243,11 @@ class MicroBatchIterator:
 
     def __init__(self, dataset, micro_batch_size: int, consumed_samples: int = 0,
                  dp_rank: int | None = None, dp_size: int | None = None,
-                 seq_length_cv: float = 0.0, seed: int = 0, num_workers: int = 0):
+                 seq_length_cv: float = 0.0, seed: int = 0, num_workers: int = 0,
+                 pad_to_multiple: int = 1):
         self.dataset = dataset
         self.seq_length_cv, self.seed = seq_length_cv, seed
+        self.pad_to_multiple = pad_to_multiple
         self.micro_batch_size = micro_batch_size
         self.dp_rank = parallel_state.get_data_parallel_rank() if dp_rank is None else dp_rank
         self.dp_size = parallel_state.get_data_parallel_world_size() if dp_size is None else dp_size
@@ -274,7 +277,8 @@ class MicroBatchIterator:
         batch = torch.utils.data.default_collate(
             [self.dataset[i] for i in self.indices(global_index)])
         if self.seq_length_cv > 0:
-            batch = _truncate(batch, self.seq_length_cv, self.seed, global_index)
+            batch = _truncate(batch, self.seq_length_cv, self.seed, global_index,
+                              self.pad_to_multiple)
         return batch
 
 
@@ -291,15 +295,25 @@ class _IndexLists:
             start += self.stride
 
 
-def _truncate(batch: dict, cv: float, seed: int, global_index: int) -> dict:
-    """Cut every per-token field to this micro-batch's drawn length."""
+def _truncate(batch: dict, cv: float, seed: int, global_index: int,
+              pad_to_multiple: int = 1) -> dict:
+    """Cut every per-token field to this micro-batch's drawn length rounded up to
+    `pad_to_multiple` (its shape bucket); the positions past the drawn length are padding,
+    out of the loss (loss_mask) and, for BERT, out of attention (padding_mask). GPT's causal
+    attention keeps them from the real tokens, which come first."""
     full = max(v.shape[1] for v in batch.values() if torch.is_tensor(v) and v.dim() >= 2)
     length = variable_length(full, cv, seed, global_index)
-    return {
-        key: value[:, :length].contiguous()
+    padded = padded_length(length, pad_to_multiple, full)
+    cut = {
+        key: value[:, :padded].contiguous()
         if torch.is_tensor(value) and value.dim() >= 2 and value.shape[1] == full else value
         for key, value in batch.items()
     }
+    for key in ("loss_mask", "padding_mask"):
+        if padded > length and key in cut:
+            cut[key] = cut[key].clone()
+            cut[key][:, length:] = 0
+    return cut
 
 
 def variable_length(seq_length: int, cv: float, seed: int, sample_index: int) -> int:
@@ -315,8 +329,9 @@ def variable_length(seq_length: int, cv: float, seed: int, sample_index: int) ->
 
 
 def microbatch_lengths(args, consumed_samples: int, global_batch: int) -> list[int]:
-    """Sequence length of each global micro-batch of the batch starting at
-    `consumed_samples` (all equal to --seq-length unless --seq-length-cv is set)."""
+    """Real (drawn) sequence length of each global micro-batch of the batch starting at
+    `consumed_samples` (all equal to --seq-length unless --seq-length-cv is set); the
+    micro-batch is padded to padded_length(length, --pad-to-multiple, --seq-length)."""
     stride = args.micro_batch_size * args.data_parallel_size
     return [
         variable_length(args.seq_length, args.seq_length_cv, args.seed, consumed_samples + k)

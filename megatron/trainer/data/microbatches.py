@@ -21,6 +21,14 @@ totals within the largest spread inside one slot, so the DP replicas' work stays
 Slots then run in the order of their smallest sample index. The DP ranks together still see
 exactly the samples [c, c + G); the partition is a pure function of the sample lengths, so
 every rank computes it without communication.
+
+Token budget (`--microbatch-tokens N`, DynaPipe's dynamic micro-batching). DP rank r takes
+the r-th of d equal contiguous slices of the global batch (with grouping: every d-th sample
+of the batch sorted by (length, index), so the ranks get alike lengths). Its samples, in
+that order, are cut greedily into microbatches: a sample joins the current microbatch while
+rows x padded length stays within N, else it starts the next one. So a microbatch holds as
+many short documents as the budget allows, and the number of microbatches differs between
+iterations (and DP ranks); every pipeline stage of a replica computes the same cut.
 """
 
 from __future__ import annotations
@@ -76,6 +84,7 @@ class BatchLayout:
     data_parallel_size: int = 1
     group_by_length: bool = False
     pad_to_multiple: int = 1
+    microbatch_tokens: int | None = None  # a token budget per microbatch instead of rows
 
     def __post_init__(self):
         per_slot = self.micro_batch_size * self.data_parallel_size
@@ -85,20 +94,30 @@ class BatchLayout:
                 f"BatchLayout: global batch {self.global_batch_size} must be a positive "
                 f"multiple of micro batch {self.micro_batch_size} x data-parallel "
                 f"{self.data_parallel_size}; pad_to_multiple {self.pad_to_multiple} >= 1")
+        if self.microbatch_tokens is not None and self.microbatch_tokens < 1:
+            raise ValueError(f"BatchLayout: microbatch_tokens {self.microbatch_tokens} must "
+                             "be >= 1")
 
     @property
     def microbatches_per_rank(self) -> int:
+        """Microbatches of each DP rank with a fixed row count (a token budget varies it:
+        see GlobalBatchPlan.samples)."""
+        if self.microbatch_tokens is not None:
+            raise ValueError("BatchLayout: with a token budget the number of microbatches "
+                             "is the plan's (plan_global_batch)")
         return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
 
 
 @dataclass(frozen=True)
 class GlobalBatchPlan:
     """Which samples form each microbatch of one global batch: samples[r][k] are the sample
-    indices of DP rank r's k-th microbatch, lengths[r][k] its padded length."""
+    indices of DP rank r's k-th microbatch, lengths[r][k] its padded length and
+    real_tokens[r][k] the tokens of its samples (padding left out)."""
 
     consumed_samples: int
     samples: tuple[tuple[tuple[int, ...], ...], ...]
     lengths: tuple[tuple[int, ...], ...]
+    real_tokens: tuple[tuple[int, ...], ...]
 
     def token_counts(self, dp_rank: int) -> list[int]:
         """Tokens each of this rank's microbatches holds, padding included (rows x padded
@@ -113,9 +132,11 @@ def plan_global_batch(dataset, consumed_samples: int, layout: BatchLayout) -> Gl
     m, d = layout.micro_batch_size, layout.data_parallel_size
     indices = np.arange(consumed_samples, consumed_samples + layout.global_batch_size)
     lengths = np.asarray(dataset.sample_lengths(indices), dtype=np.int64)
-    slots = layout.microbatches_per_rank
     cap = getattr(dataset, "seq_length", None)
-    if layout.group_by_length:
+    if layout.microbatch_tokens is not None:
+        positions = _token_budget_positions(lengths, indices, layout, cap)
+    elif layout.group_by_length:
+        slots = layout.microbatches_per_rank
         ranked = np.lexsort((indices, lengths))  # by length, ties by sample index
         groups = ranked.reshape(slots * d, m)
         group_tokens = [m * padded_length(int(lengths[g].max()), layout.pad_to_multiple, cap)
@@ -132,6 +153,7 @@ def plan_global_batch(dataset, consumed_samples: int, layout: BatchLayout) -> Gl
         owner = owner[slot_order]
         positions = [[groups[owner[k, r]] for k in range(slots)] for r in range(d)]
     else:
+        slots = layout.microbatches_per_rank
         natural = np.arange(layout.global_batch_size).reshape(slots, d, m)
         positions = [[natural[k, r] for k in range(slots)] for r in range(d)]
     return GlobalBatchPlan(
@@ -140,7 +162,38 @@ def plan_global_batch(dataset, consumed_samples: int, layout: BatchLayout) -> Gl
                       for rank in positions),
         lengths=tuple(tuple(padded_length(int(lengths[mb].max()), layout.pad_to_multiple, cap)
                             for mb in rank) for rank in positions),
+        real_tokens=tuple(tuple(int(lengths[mb].sum()) for mb in rank) for rank in positions),
     )
+
+
+def _token_budget_positions(lengths: np.ndarray, indices: np.ndarray, layout: BatchLayout,
+                            cap: int | None) -> list[list[np.ndarray]]:
+    """Each DP rank's microbatches (positions in the global batch) under the token budget
+    (the module's docstring)."""
+    d, budget = layout.data_parallel_size, layout.microbatch_tokens
+    widest = padded_length(int(lengths.max()), layout.pad_to_multiple, cap)
+    if widest > budget:
+        raise ValueError(f"microbatch_tokens {budget}: a sample padded to {widest} tokens "
+                         "does not fit; the budget must hold the longest sample")
+    if layout.group_by_length:
+        ranked = np.lexsort((indices, lengths))
+        shares = [ranked[r::d] for r in range(d)]
+    else:
+        shares = np.arange(layout.global_batch_size).reshape(d, -1)
+    positions = []
+    for share in shares:
+        microbatches, current, longest = [], [], 0
+        for position in share:
+            widest = padded_length(max(longest, int(lengths[position])),
+                                   layout.pad_to_multiple, cap)
+            if current and (len(current) + 1) * widest > budget:
+                microbatches.append(np.array(current))
+                current, longest = [], 0
+            current.append(int(position))
+            longest = max(longest, int(lengths[position]))
+        microbatches.append(np.array(current))
+        positions.append(microbatches)
+    return positions
 
 
 def microbatch_token_counts(dataset, consumed_samples: int, layout: BatchLayout,

@@ -12,6 +12,10 @@ slot (recording a new one when all are taken), the microbatch's backward replays
 slot's backward graph and frees it. Any schedule that runs each microbatch's backward after
 its forward works, and the number of slots is the most microbatches it ever has in flight.
 
+With variable lengths the slots are kept per shape (graph_slots.py): one set per length
+bucket, recorded on the bucket's first use, within a memory budget past which a shape runs
+eagerly.
+
 Each slot records into its own memory pool, so its saved activations are never shared with
 another slot's. Its backward graph adds the weight gradients into megatron-core DDP's
 `main_grad` buffers itself (what DDP's per-parameter hooks do eagerly; with the
@@ -41,10 +45,9 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_block import TransformerBlock
 
 from megatron.dpp.weight_grad import WeightGradStore, weight_grads_deferred
+from megatron.trainer.model.graph_slots import GraphMemoryBudget, ShapeSlots, SlotLeak
 
 log = logging.getLogger(__name__)
-
-MAX_SLOTS = 64  # more microbatches in flight than any schedule here keeps: a leak
 
 
 class CudaGraphError(RuntimeError):
@@ -96,13 +99,18 @@ class BlockGraphs:
     """Replaces one TransformerBlock's forward by slot replays where the call allows it."""
 
     def __init__(self, block: TransformerBlock, shape: tuple[int, ...], dtype: torch.dtype,
-                 weight_grads: WeightGradStore | None = None, weight_parts: int = 1):
+                 weight_grads: WeightGradStore | None = None, weight_parts: int = 1,
+                 lengths_vary: bool = False, budget: GraphMemoryBudget | None = None):
+        """`shape`: the block input [s, b, h] replayed; with `lengths_vary`, any sequence
+        length up to s (and any micro-batch rows: a token budget varies them) is, one set of
+        slots per shape, all within `budget`."""
         if weight_parts < 1:
             raise CudaGraphError(f"weight_parts must be >= 1, got {weight_parts}")
         self.block = block
         self.weight_grads = weight_grads
         self.weight_parts = weight_parts
         self.shape, self.dtype = torch.Size(shape), dtype
+        self.lengths_vary = lengths_vary
         self.eager_forward = block.forward
         # replays read the parameters' storage: updates must stay in place (megatron-core's
         # optimizers and checkpoint loading copy into it)
@@ -111,19 +119,23 @@ class BlockGraphs:
         if missing:
             raise CudaGraphError("--cuda-graph-impl block needs megatron-core DDP's main_grad "
                                  f"buffers; the block's {missing[0]} has none")
-        self.free: list[_Slot] = []
-        self.slots: list[_Slot] = []
+        self.slots = ShapeSlots(self._record, budget)
 
     def forward(self, hidden_states, attention_mask, *args, **kwargs):
         block = self.block
         x = hidden_states if block.pre_process else block.input_tensor
-        if not self._replayable(x, attention_mask, args, kwargs):
+        slot = None
+        if self._replayable(x, attention_mask, args, kwargs):
+            try:
+                slot = self.slots.acquire(x)
+            except SlotLeak as leak:
+                raise CudaGraphError(str(leak)) from None
+        if slot is None:  # not a graphed pass, or a shape beyond the memory limit
             return self.eager_forward(hidden_states, attention_mask, *args, **kwargs)
-        slot = self.free.pop() if self.free else self._record(x)
         return _ReplayBlock.apply(self, slot, x)
 
     def release(self, slot: _Slot) -> None:
-        self.free.append(slot)
+        self.slots.release(slot.input.shape, slot)
 
     def weight_part(self, slot: _Slot, part: int) -> None:
         """Part `part` of the slot's W (its share of the weight-gradient GEMMs); after the
@@ -138,13 +150,19 @@ class BlockGraphs:
             torch.is_grad_enabled()
             and self.block.training
             and isinstance(x, torch.Tensor)  # not an inference WrappedTensor
-            and x.shape == self.shape
+            and self._shape_replayable(x.shape)
             and x.dtype == self.dtype
             and x.requires_grad
             and attention_mask is None
             and not args
             and all(value is None for value in kwargs.values())
         )
+
+    def _shape_replayable(self, shape: torch.Size) -> bool:
+        if not self.lengths_vary:
+            return shape == self.shape
+        return (len(shape) == 3 and shape[2] == self.shape[2]
+                and 0 < shape[0] <= self.shape[0] and shape[1] > 0)
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         block = self.block
@@ -157,13 +175,13 @@ class BlockGraphs:
         finally:
             block.set_input_tensor(saved)
 
-    def _record(self, sample: torch.Tensor) -> _Slot:
-        if len(self.slots) >= MAX_SLOTS:
-            raise CudaGraphError(
-                f"{MAX_SLOTS} microbatches in flight through one block's CUDA graphs: a "
-                "forward whose backward never ran (each training forward needs its backward)")
+    def _record(self, sample: torch.Tensor) -> tuple[_Slot, int]:
+        """A new slot for inputs like `sample`, and the bytes its recording took (the
+        memory the caching allocator reserved meanwhile, its private pool included)."""
+        before = torch.cuda.memory_reserved(sample.device)
         with _generators_restored():
-            return self._record_slot(sample)
+            slot = self._record_slot(sample)
+        return slot, max(0, torch.cuda.memory_reserved(sample.device) - before)
 
     def _record_slot(self, sample: torch.Tensor) -> _Slot:
         pool = torch.cuda.graph_pool_handle()
@@ -215,9 +233,9 @@ class BlockGraphs:
         slot = _Slot(static_input, output.detach(), grad_output, grads[0],
                      forward_graph, backward_graph, weight_graphs)
         del grads, output
-        self.slots.append(slot)
         log.info("CUDA graphs: recorded slot %d of a %d-layer block for shape %s",
-                 len(self.slots), len(self.block.layers), tuple(self.shape))
+                 len(self.slots.recorded.get(tuple(sample.shape), ())) + 1,
+                 len(self.block.layers), tuple(sample.shape))
         return slot
 
 
@@ -309,17 +327,23 @@ def install_block_graphs(model_chunks, args, device: torch.device,
                          weight_grads: WeightGradStore | None = None,
                          weight_parts: int = 1) -> list[BlockGraphs]:
     """Give every chunk's transformer block slot-recorded CUDA graphs (B and W apart when
-    `weight_grads`, the schedule's store, is given, W in `weight_parts` graphs)."""
+    `weight_grads`, the schedule's store, is given, W in `weight_parts` graphs); with
+    variable lengths one set of slots per shape, all the rank's within
+    --cuda-graph-memory-limit."""
     if device.type != "cuda":
         raise CudaGraphError("--cuda-graph-impl block needs a CUDA device; this run is on "
                              f"{device.type}")
     shape = (args.seq_length, args.micro_batch_size, args.hidden_size)
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    lengths_vary = args.variable_seq_lengths or args.seq_length_cv > 0
+    limit = args.cuda_graph_memory_limit
+    budget = GraphMemoryBudget(None if limit is None else int(limit * (1 << 30)))
     installed = []
     for chunk in model_chunks:
         for module in chunk.modules():
             if isinstance(module, TransformerBlock) and len(module.layers) > 0:
-                graphs = BlockGraphs(module, shape, dtype, weight_grads, weight_parts)
+                graphs = BlockGraphs(module, shape, dtype, weight_grads, weight_parts,
+                                     lengths_vary, budget)
                 module.forward = graphs.forward
                 installed.append(graphs)
     return installed

@@ -66,6 +66,7 @@ class IterationStats:
     peak_tflops: float | None
     num_zeros: int | None = None  # --log-num-zeros-in-grad
     params_norm: float | None = None  # --log-params-norm
+    real_tokens: int | None = None  # tokens without padding (variable lengths)
 
     def line(self, with_throughput: bool) -> str:
         parts = [
@@ -80,6 +81,11 @@ class IterationStats:
             if self.peak_tflops:
                 parts.append(f"MFU: {100.0 * tflops / self.peak_tflops:.1f}%")
             parts.append(f"tokens/s: {self.tokens / seconds if seconds > 0 else 0.0:.0f}")
+            if self.real_tokens is not None and self.real_tokens < self.tokens:
+                # padded microbatches: what was learnt from, and the share of padding
+                parts.append(f"real tokens per second: {self.real_tokens / seconds:.0f}"
+                             if seconds > 0 else "real tokens per second: 0")
+                parts.append(f"padding: {100.0 * (1 - self.real_tokens / self.tokens):.1f}%")
         parts.append(f"learning rate: {self.lr:.6E}")
         parts.append(f"global batch size: {self.global_batch_size:5d}")
         parts.extend(f"{name}: {value:.6E}" for name, value in self.losses.items())

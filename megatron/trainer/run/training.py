@@ -37,6 +37,7 @@ from megatron.trainer.data.microbatches import (
     BatchLayout,
     DocumentMicrobatches,
     cost_ordered,
+    padded_length,
     plan_global_batch,
     reorder_data_iterators,
 )
@@ -255,32 +256,46 @@ def data_iterators(trainer: Trainer, dataset, consumed_samples: int):
         else:
             iterators.append(MicroBatchIterator(dataset, args.micro_batch_size, consumed_samples,
                                                 seq_length_cv=args.seq_length_cv,
-                                                seed=args.seed, num_workers=args.num_workers))
+                                                seed=args.seed, num_workers=args.num_workers,
+                                                pad_to_multiple=args.pad_to_multiple))
     return iterators if len(iterators) > 1 else iterators[0]
 
 
 def batch_layout(args) -> BatchLayout:
     """How --variable-seq-lengths makes a global batch's microbatches (microbatches.py)."""
     return BatchLayout(args.micro_batch_size, args.global_batch_size, args.data_parallel_size,
-                       args.group_by_length, args.pad_to_multiple)
+                       args.group_by_length, args.pad_to_multiple, args.microbatch_tokens)
 
 
 def iteration_lengths(trainer: Trainer, consumed_samples: int, global_batch: int):
     """(costs, sequences) of the global batch at `consumed_samples`: costs, the token count
-    of each of this pipeline's microbatches (None when all are alike), which the cost order
-    and DPP's memory cap use; sequences, (length, rows) of every microbatch of every
-    data-parallel rank, for the throughput line."""
+    (padding included) of each of this pipeline's microbatches (None when all are alike),
+    which the cost order and DPP's memory cap use, and whose number is the iteration's
+    microbatch count under --microbatch-tokens; sequences, (padded length, rows, real
+    tokens) of every microbatch of every data-parallel rank, for the throughput line."""
     args = trainer.args
     if args.variable_seq_lengths:
         plan = plan_global_batch(trainer.datasets[0], consumed_samples, batch_layout(args))
-        sequences = [(length, len(samples)) for samples_of_rank, lengths_of_rank
-                     in zip(plan.samples, plan.lengths, strict=True)
-                     for samples, length in zip(samples_of_rank, lengths_of_rank, strict=True)]
+        sequences = [(length, len(samples), real) for samples_of_rank, lengths_of_rank,
+                     real_of_rank in zip(plan.samples, plan.lengths, plan.real_tokens,
+                                         strict=True)
+                     for samples, length, real in zip(samples_of_rank, lengths_of_rank,
+                                                      real_of_rank, strict=True)]
         return plan.token_counts(parallel_state.get_data_parallel_rank()), sequences
     lengths = microbatch_lengths(args, consumed_samples, global_batch)
+    padded = [padded_length(length, args.pad_to_multiple, args.seq_length) for length in lengths]
     rows = args.micro_batch_size * args.data_parallel_size
-    costs = lengths if args.seq_length_cv > 0 else None
-    return costs, [(length, rows) for length in lengths]
+    costs = padded if args.seq_length_cv > 0 else None
+    return costs, [(width, rows, length * rows) for width, length
+                   in zip(padded, lengths, strict=True)]
+
+
+def microbatch_count(trainer: Trainer, costs) -> int:
+    """This iteration's number of microbatches: the token budget's cut (one cost per
+    microbatch) under --microbatch-tokens, else the batch-size schedule's."""
+    if trainer.args.microbatch_tokens is not None:
+        return len(costs)
+    return trainer.batch_calculator.get()
 
 
 def start_tracing(trainer: Trainer) -> None:
@@ -300,10 +315,10 @@ def start_tracing(trainer: Trainer) -> None:
 def train_step(trainer: Trainer, iterator) -> dict:
     args = trainer.args
     iteration = trainer.state.iteration + 1
-    num_microbatches = trainer.batch_calculator.get()
-    trainer.tracer.begin_iteration(iteration, num_microbatches)
     batch = trainer.batch_calculator.get_current_global_batch_size()
     costs, sequences = iteration_lengths(trainer, trainer.state.consumed_samples, batch)
+    num_microbatches = microbatch_count(trainer, costs)
+    trainer.tracer.begin_iteration(iteration, num_microbatches)
     forward_backward = trainer.timers("forward-backward", log_level=1)
     forward_backward.start()
     # once, or again where --rerun-mode's state machine re-runs the iteration (the
@@ -386,7 +401,11 @@ def evaluate(trainer: Trainer, dataset, consumed: int) -> dict[str, float]:
         if args.eval_global_batch_size else trainer.batch_calculator.get())
     gathered: list[dict] = []
     with torch.no_grad():
-        for _ in range(args.eval_iters):
+        for step in range(args.eval_iters):
+            if args.microbatch_tokens is not None:  # the token budget's cut of this batch
+                plan = plan_global_batch(dataset, consumed + step * args.global_batch_size,
+                                         batch_layout(args))
+                num_microbatches = len(plan.samples[parallel_state.get_data_parallel_rank()])
             gathered += _run_schedule(
                 trainer, trainer.forward_step_func(trainer.state.iteration), iterator,
                 num_microbatches, forward_only=True)
@@ -409,13 +428,15 @@ def train(trainer: Trainer) -> None:
     profiler = StepProfiler(args, dist.get_rank())
     nan_iterations = 0
     interval_start, interval_tokens, interval_flops, interval_iters = time.perf_counter(), 0, 0.0, 0
+    interval_real_tokens = 0
     while state.iteration < args.train_iters:
         trainer.batch_calculator.update(state.consumed_samples, True)
         profiler.step_begin(state.iteration + 1)
         result = train_step(trainer, iterator)
         profiler.step_end(state.iteration + 1)
-        for length, rows in result["sequences"]:
+        for length, rows, real in result["sequences"]:
             interval_tokens += length * rows
+            interval_real_tokens += real
             interval_flops += length * rows * metrics.flops_per_token(args, length)
         state.iteration += 1
         trainer.collector.after_step(state.iteration)
@@ -445,6 +466,7 @@ def train(trainer: Trainer) -> None:
                     grad_norm=result["grad_norm"], skipped=state.skipped_iterations,
                     nan=nan_iterations, tokens=interval_tokens // interval_iters,
                     world_size=dist.get_world_size(),
+                    real_tokens=interval_real_tokens // interval_iters,
                     flops=interval_flops / interval_iters, peak_tflops=peak,
                     num_zeros=None if result["num_zeros"] is None else int(result["num_zeros"]),
                     params_norm=norm,
@@ -459,6 +481,7 @@ def train(trainer: Trainer) -> None:
                                                                  trainer.device))
             interval_start, interval_tokens, interval_flops, interval_iters = (
                 time.perf_counter(), 0, 0.0, 0)
+            interval_real_tokens = 0
         if args.eval_interval and args.eval_iters and valid_set is not None and (
             state.iteration % args.eval_interval == 0
         ):
