@@ -5,7 +5,7 @@ bubble fraction, receive-wait time, peak in-flight microbatches and peak memory.
     python profiling/report.py traces/trace.json      # profiling/aggregate.py's output
     python profiling/report.py /tmp/dpp.json --json   # python -m megatron.dpp.simulate --trace
 
-Definitions are the simulator's (megatron/dpp/simulate.py), so simulated and measured
+Definitions are the simulator's (megatron/dpp/simulator.py), so simulated and measured
 runs compare directly: the iteration's makespan runs from its first forward/backward start
 to its last end on any stage; busy = the stage's forward + backward time; bubble =
 1 - busy / makespan; in-flight = forwards started minus backwards finished. A stage with

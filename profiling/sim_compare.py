@@ -1,5 +1,5 @@
 """Measured vs simulated bubble: replay a traced pipeline run's own forward and backward
-durations in the simulator (megatron/dpp/simulate.py) and compare, per iteration and
+durations in the simulator (megatron/dpp/simulator.py) and compare, per iteration and
 stage, the bubble the run had with the bubble the simulator predicts. A W run in parts counts
 as the sum of its parts.
 
@@ -42,7 +42,7 @@ if __package__ in (None, ""):  # run as a script: make the `profiling` package i
 
 from megatron.dpp.actions import BACKWARD, FORWARD, WEIGHT, Task, read_actions  # noqa: E402
 from megatron.dpp.config import DEFAULTS  # noqa: E402
-from megatron.dpp.simulate import SCHEDULES, Durations, replay, simulate  # noqa: E402
+from megatron.dpp.simulator import SCHEDULES, Durations, replay, simulate  # noqa: E402
 from megatron.dpp.topology import PipelineTopology  # noqa: E402
 from profiling.aggregate import Span, TraceError, load_spans, load_trace  # noqa: E402
 from profiling.plot_timeline import select  # noqa: E402

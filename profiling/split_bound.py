@@ -29,7 +29,8 @@ if __package__ in (None, ""):  # run as a script: import the repository's packag
 from megatron.dpp.actions import BACKWARD, FORWARD, WEIGHT  # noqa: E402
 from megatron.dpp.plan import StageConfig  # noqa: E402
 from megatron.dpp.policy import microbatch_order_for  # noqa: E402
-from megatron.dpp.simulate import grid_cost_models, sample_durations, simulate  # noqa: E402
+from megatron.dpp.simulate_grid import grid_cost_models  # noqa: E402
+from megatron.dpp.simulator import sample_durations, simulate  # noqa: E402
 
 VARIANCE_MODELS = ("cv 0.5", "jitter 0.3", "slow stage 1.3x")
 

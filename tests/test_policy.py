@@ -25,7 +25,7 @@ from megatron.dpp.policy import (
     plan_extra_warmup,
     simulated_makespan,
 )
-from megatron.dpp.simulate import CostModel, sample_durations, simulate
+from megatron.dpp.simulator import CostModel, sample_durations, simulate
 from megatron.dpp.topology import PipelineTopology
 
 # (pp_size, num_chunks, num_microbatches): m not a multiple of p only where megatron allows

@@ -15,7 +15,7 @@ from megatron.dpp.actions import Task, read_actions, write_actions
 from megatron.dpp.config import DEFAULTS
 from megatron.dpp.plan import check_plans
 from megatron.dpp.simulate import main as simulate_main
-from megatron.dpp.simulate import replay
+from megatron.dpp.simulator import replay
 from megatron.dpp.topology import PipelineTopology
 from profiling import sim_compare
 from profiling.aggregate import TraceError, load_spans, load_trace

@@ -25,7 +25,7 @@ import sys
 from megatron.dpp.actions import BACKWARD, FORWARD, WEIGHT
 from megatron.dpp.plan import StageConfig
 from megatron.dpp.policy import microbatch_order_for
-from megatron.dpp.simulate import CostModel, SimResult, sample_durations, simulate
+from megatron.dpp.simulator import CostModel, SimResult, sample_durations, simulate
 
 SCHEDULES = ("1f1b plain", "1f1b ordered", "zb-h1 ordered", "dpp")
 

@@ -1,0 +1,55 @@
+"""docs/design.md's picture of the layers matches the tree: it names every module of
+megatron/trainer and megatron/dpp, names no module that is gone, and gives each trainer
+subpackage the imports tests/test_imports.py allows it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tests.test_imports import TRAINER_LAYERS
+
+ROOT = Path(__file__).resolve().parents[1]
+SUBPACKAGE = re.compile(r"^    (\w+)/\s+-> (.+)$")
+MODULE = re.compile(r"(?<![\w*])(\w+\.py)\b")
+
+
+def layers_picture(text: str) -> str:
+    """The fenced block under the `## Layers` heading."""
+    section = text.split("\n## Layers\n", 1)[1]
+    return section.split("```", 2)[1]
+
+
+def declared_layers(picture: str) -> dict[str, set[str]]:
+    """Trainer subpackage -> the subpackages its line says it may import."""
+    layers = {}
+    for line in picture.splitlines():
+        match = SUBPACKAGE.match(line)
+        if match:
+            name, uses = match.groups()
+            layers[name] = (set() if uses.startswith("no other")
+                            else {use.strip() for use in uses.split(",")})
+    return layers
+
+
+def test_the_picture_names_every_module_and_no_missing_one():
+    picture = layers_picture((ROOT / "docs" / "design.md").read_text())
+    files = [p for tree in ("megatron/trainer", "megatron/dpp") for p in (ROOT / tree).rglob("*.py")
+             if p.name != "__init__.py"]
+    assert len(files) > 60  # the walk sees the trees
+    named = set(MODULE.findall(picture))
+    assert sorted({p.name for p in files} - named) == []
+    existing = {p.name for p in (ROOT / "megatron").rglob("*.py")} | {p.name for p in ROOT.glob("*.py")}
+    assert sorted(named - existing) == []
+
+
+def test_the_picture_gives_each_subpackage_its_import_rule():
+    picture = layers_picture((ROOT / "docs" / "design.md").read_text())
+    assert declared_layers(picture) == TRAINER_LAYERS
+
+
+def test_a_missing_module_or_rule_is_seen():
+    picture = "    run/    -> config, data\n    data/   -> no other trainer subpackage\n" \
+              "      data.py  datasets\n"
+    assert declared_layers(picture) == {"run": {"config", "data"}, "data": set()}
+    assert set(MODULE.findall(picture)) == {"data.py"}
