@@ -7,7 +7,8 @@ megatron-core, e.g. core_r0.19.0 for 0.19.2) with the plugin's two-line change a
 * fp32, dropout off, local layers: megatron-core's 1F1B, --use-dpp and --use-dpp
   --dpp-split-backward; the first iterations' losses of each DPP run against 1F1B's
   (acceptance: within 1e-5 relative);
-* bf16: 1F1B and --use-dpp in Megatron-LM's trainer and in ours (this checkout's
+* bf16: 1F1B and DPP (`DPP_BF16`: the split, the static plan, no slack, as our trainer's
+  fast path picks them on GPUs) in Megatron-LM's trainer and in ours (this checkout's
   pretrain_gpt.py) on the same model; tokens/s of each and the DPP / 1F1B ratio of each
   trainer (acceptance: Megatron-LM's ratio within 2 % of ours).
 
@@ -62,15 +63,19 @@ MEGATRON_LM_SPLIT = ["--no-masked-softmax-fusion", "--use-dpp", "--dpp-split-bac
 OURS_PLAIN = ["--attention-backend", "local", "--batch-p2p-sync",
               "--megatron-optimizer-fallbacks", "--no-bias-gelu-fusion"]
 
+# the DPP settings our trainer's fast path picks on GPUs for one chunk of uniform lengths,
+# given to both trainers so that each ratio is of the same schedule
+DPP_BF16 = ["--use-dpp", "--dpp-split-backward", "--dpp-static", "--dpp-max-inflight", "0"]
+
 RUNS = {
     # name: (trainer, precision, flags)
     "mlm-fp32-1f1b": ("megatron-lm", "fp32", MEGATRON_LM_PLAIN),
     "mlm-fp32-dpp": ("megatron-lm", "fp32", [*MEGATRON_LM_PLAIN, "--use-dpp"]),
     "mlm-fp32-dpp-split": ("megatron-lm", "fp32", MEGATRON_LM_SPLIT),
     "mlm-bf16-1f1b": ("megatron-lm", "bf16", MEGATRON_LM_PLAIN),
-    "mlm-bf16-dpp": ("megatron-lm", "bf16", [*MEGATRON_LM_PLAIN, "--use-dpp"]),
+    "mlm-bf16-dpp": ("megatron-lm", "bf16", ["--no-masked-softmax-fusion", *DPP_BF16]),
     "ours-bf16-1f1b": ("ours", "bf16", OURS_PLAIN),
-    "ours-bf16-dpp": ("ours", "bf16", [*OURS_PLAIN, "--use-dpp"]),
+    "ours-bf16-dpp": ("ours", "bf16", [*OURS_PLAIN, *DPP_BF16]),
 }
 EQUIVALENT = {"mlm-fp32-dpp": "mlm-fp32-1f1b", "mlm-fp32-dpp-split": "mlm-fp32-1f1b"}
 RATIOS = {"megatron-lm": ("mlm-bf16-dpp", "mlm-bf16-1f1b"),

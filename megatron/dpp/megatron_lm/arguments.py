@@ -24,14 +24,15 @@ def add_dpp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="how activations and gradients move between pipeline stages")
     group.add_argument("--dpp-timeout", type=float, default=DEFAULTS.timeout,
                        help="seconds a stage waits for a pipeline peer before raising")
-    # off unless asked for: Megatron-LM's default layers are Transformer Engine's, which the
-    # split does not support (our trainer turns it on where the layers allow)
+    # the split and the static plan: off unless asked for (our trainer turns them on where
+    # its fast path measured them faster; Megatron-LM's default layers are Transformer
+    # Engine's, which the split does not support)
     group.add_argument("--dpp-split-backward", action=argparse.BooleanOptionalAction,
                        default=False,
                        help="split each backward into input gradients (B) and deferred weight "
                             "gradients (W) that the dynamic schedule places (needs --use-dpp, "
                             "--transformer-impl local and the gradient-accumulation fusion)")
-    group.add_argument("--dpp-static", action="store_true",
+    group.add_argument("--dpp-static", action=argparse.BooleanOptionalAction, default=False,
                        help="with --use-dpp: run the DPP plan (1F1B, interleaved, ZB-H1 with "
                             "the split) in order, never deviating: the static schedule on the "
                             "same runtime, to compare the dynamic one with")
