@@ -6,7 +6,8 @@ and the split backward defers the weight gradients of megatron-core's local laye
 Against the real megatron.training where it is importable (megatron-core >= 0.17, Python
 3.12); otherwise against tests/megatron_lm_stand_in, a minimal stand-in of its hooks
 (parse_args with extra_args_provider; train() and evaluate() calling the
-get_forward_backward_func they imported from megatron.core.pipeline_parallel).
+get_forward_backward_func that megatron.training.training imported from
+megatron.core.pipeline_parallel, which the tests call as they do).
 """
 
 from __future__ import annotations
@@ -88,14 +89,16 @@ def test_use_dpp_swaps_the_trainers_schedule_and_close_restores_it(trainer, pars
     core_function = _core_function()
     args, provider = parse(*PP2, "--use-dpp", "--dpp-max-inflight", "3",
                            "--dpp-transport", "torch", "--dpp-timeout", "5", "--dpp-static")
-    schedule = trainer.training.train()
+    # what train() and evaluate() call (the real ones need a whole run's arguments)
+    schedule = trainer.training.get_forward_backward_func()
     assert isinstance(schedule, DppSchedule)
     options = schedule.options
     assert (options.slack, options.transport, options.timeout, options.static) == (
         3, "torch", 5.0, True)
     assert schedule.weight_grads is None
-    # one schedule for the run: evaluate() and later callers of megatron-core's function
-    assert trainer.training.evaluate() is schedule
+    # one schedule for the run: every call (0.19's train() passes schedule_pg_collection) and
+    # later callers of megatron-core's function
+    assert trainer.training.get_forward_backward_func(schedule_pg_collection=None) is schedule
     assert _core_function()(pp_size=2, vp_size=None) is schedule
     provider.close()
     assert trainer.training.get_forward_backward_func is core_function
@@ -165,7 +168,7 @@ def test_split_backward_installs_the_store_and_the_weight_gradient_kernel(traine
     available = layers._grad_accum_fusion_available
     args, provider = parse(*PP2, "--use-dpp", "--dpp-split-backward", "--transformer-impl",
                            "local")
-    schedule = trainer.training.train()
+    schedule = trainer.training.get_forward_backward_func()
     assert schedule.weight_grads is not None
     assert layers._grad_accum_fusion_available
     assert hasattr(layers.fused_weight_gradient_mlp_cuda, "wgrad_gemm_accum_fp32")
