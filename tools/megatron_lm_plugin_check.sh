@@ -3,7 +3,7 @@
 # acceptance 2): installs the carried wheels and this checkout, then runs
 # profiling/megatron_lm_plugin_check.py (Megatron-LM's pretrain_gpt.py with the plugin's
 # two-line change at PP=2: fp32 losses of 1F1B, --use-dpp and --use-dpp --dpp-split-backward;
-# bf16 tokens/s of 1F1B and --use-dpp in Megatron-LM's trainer and in ours).
+# bf16 tokens/s of 1F1B and DPP in Megatron-LM's trainer and in ours).
 #
 #   tools/megatron_lm_plugin_check.sh OUT [PP] [GPUS]   (from the checkout's root; the device
 #                                                       tool: carry .whl019 and .megatron-lm)
@@ -14,11 +14,12 @@
 #   mkdir -p .megatron-lm && git --git-dir /work/.mirror/NVIDIA+Megatron-LM/repo archive \
 #     core_r0.19.0 pretrain_gpt.py gpt_builders.py model_provider.py | tar -x -C .megatron-lm
 # SITE (default /tmp/site-mcore019): the pip --target folder; PYTHON (default python3).
-# RUNS: a comma-separated subset of the check's runs (default: all seven, about 6 minutes).
+# RUNS: a comma-separated subset of the check's runs (default: all seven); EXTRA: flags added
+# to every run (e.g. what a Megatron-LM release's validate_args asks for).
 set -uo pipefail
 
 if [ $# -lt 1 ]; then
-  sed -n '2,19p' "$0" >&2
+  sed -n '2,18p' "$0" >&2
   exit 2
 fi
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -41,4 +42,4 @@ fi
 export PYTHONPATH=$SITE
 cd /tmp || exit 1  # outside the checkout: what runs is what was installed
 "$PY" "$ROOT/profiling/megatron_lm_plugin_check.py" --megatron-lm "$ROOT/.megatron-lm" \
-  --out "$OUT" --pp "$PP" --gpus "$GPUS" ${RUNS:+--runs "$RUNS"}
+  --out "$OUT" --pp "$PP" --gpus "$GPUS" ${RUNS:+--runs "$RUNS"} ${EXTRA:+--extra "$EXTRA"}
