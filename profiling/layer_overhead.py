@@ -31,8 +31,8 @@ import torch
 if __package__ in (None, ""):  # run as a script: the repository root holds `megatron/`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron.dpp.weight_grad_accumulation import weight_grad_accumulation_fusion  # noqa: E402
 from megatron.trainer.config.arguments import parse_args  # noqa: E402
-from megatron.trainer.core_compat import no_apex  # noqa: E402
 from megatron.trainer.model.models import (  # noqa: E402
     build_gpt_stage,
     build_model_chunks,
@@ -115,7 +115,7 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         setup = parse_args([*GPT_FLAGS, "--num-layers", "2"], world_size=1)
         initialize_distributed(setup, stack)
-        stack.enter_context(no_apex.weight_grad_accumulation_fusion())
+        stack.enter_context(weight_grad_accumulation_fusion())
         low = measure(options.layers[0], options.extra.split(), options.repeats)
         high = measure(options.layers[1], options.extra.split(), options.repeats,
                        Path(options.host_profile) if options.host_profile else None)

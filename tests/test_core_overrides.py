@@ -11,7 +11,10 @@ import torch
 
 from megatron.dpp import core_internals
 from megatron.dpp.core_internals import CoreInternalsError, Internal
-from megatron.dpp.weight_grad_accumulation import WeightGradAccumulation
+from megatron.dpp.weight_grad_accumulation import (
+    WeightGradAccumulation,
+    weight_grad_accumulation_fusion,
+)
 from megatron.trainer.core_compat import core_overrides, no_apex
 from megatron.trainer.core_compat.core_overrides import INTERNALS, verify
 from megatron.trainer.run.training import setup
@@ -173,13 +176,13 @@ def test_apex_weight_gradient_kernels_are_kept(monkeypatch, caplog):
     apex_module = object()
     monkeypatch.setattr(layers, "_grad_accum_fusion_available", True)
     monkeypatch.setattr(layers, "fused_weight_gradient_mlp_cuda", apex_module, raising=False)
-    with caplog.at_level("INFO", logger="megatron.trainer"), \
-            no_apex.weight_grad_accumulation_fusion():
+    with caplog.at_level("INFO", logger="megatron.dpp"), \
+            weight_grad_accumulation_fusion():
         assert layers.fused_weight_gradient_mlp_cuda is apex_module
     assert "apex's fused_weight_gradient_mlp_cuda" in caplog.text
     monkeypatch.delattr(layers, "fused_weight_gradient_mlp_cuda")
     with pytest.raises(CoreInternalsError, match="_grad_accum_fusion_available is True but"):
-        with no_apex.weight_grad_accumulation_fusion():
+        with weight_grad_accumulation_fusion():
             pass
 
 

@@ -50,7 +50,7 @@ def test_cpu_device_is_refused_with_the_device_named():
 
 
 def _eager_vs_graphs(rank, dtype_flags, order):
-    from megatron.trainer.core_compat import no_apex
+    from megatron.dpp.weight_grad_accumulation import weight_grad_accumulation_fusion
     from megatron.trainer.model.models import (
         build_gpt_stage,
         build_model_chunks,
@@ -63,7 +63,7 @@ def _eager_vs_graphs(rank, dtype_flags, order):
     results = {}
     with contextlib.ExitStack() as stack:
         device = initialize_distributed(parse_args(flags, world_size=1), stack)
-        stack.enter_context(no_apex.weight_grad_accumulation_fusion())
+        stack.enter_context(weight_grad_accumulation_fusion())
         generator = torch.Generator().manual_seed(3)
         batches = [torch.randint(0, 128, (2, 32), generator=generator).to(device)
                    for _ in order]
@@ -181,7 +181,7 @@ def test_graphs_per_length_bucket_equal_eager_within_the_memory_limit():
 def _graphs_with_dropout(rank, runs):
     """Per run (graphs?, forward order): two steps of three microbatches with dropout 0.1,
     each forward after ForwardRng.reseed(step, microbatch, 0) as the schedules do it."""
-    from megatron.trainer.core_compat import no_apex
+    from megatron.dpp.weight_grad_accumulation import weight_grad_accumulation_fusion
     from megatron.trainer.model.models import (
         build_gpt_stage,
         build_model_chunks,
@@ -196,7 +196,7 @@ def _graphs_with_dropout(rank, runs):
     results = []
     with contextlib.ExitStack() as stack:
         device = initialize_distributed(parse_args(flags, world_size=1), stack)
-        stack.enter_context(no_apex.weight_grad_accumulation_fusion())
+        stack.enter_context(weight_grad_accumulation_fusion())
         generator = torch.Generator().manual_seed(3)
         batches = [torch.randint(0, 128, (2, 32), generator=generator).to(device)
                    for _ in range(3)]

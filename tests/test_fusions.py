@@ -11,8 +11,10 @@ import torch
 import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
 
-from megatron.dpp.weight_grad_accumulation import WeightGradAccumulation
-from megatron.trainer.core_compat import no_apex
+from megatron.dpp.weight_grad_accumulation import (
+    WeightGradAccumulation,
+    weight_grad_accumulation_fusion,
+)
 from tests.distributed import run_ranks
 
 # megatron-core's fused functions without torch.compile: on the CPU it would build C++
@@ -85,8 +87,8 @@ def test_fused_cross_entropy_matches_unfused_in_bf16_only():
 def _main_grads(rank, fused: bool, extra_flags=()):
     import contextlib
 
+    from megatron.dpp.weight_grad_accumulation import weight_grad_accumulation_fusion
     from megatron.trainer.config.arguments import parse_args
-    from megatron.trainer.core_compat import no_apex
     from megatron.trainer.model.models import (
         build_gpt_stage,
         build_model_chunks,
@@ -108,7 +110,7 @@ def _main_grads(rank, fused: bool, extra_flags=()):
         config = transformer_config_from_args(args)
         config.gradient_accumulation_fusion = fused
         if fused:
-            stack.enter_context(no_apex.weight_grad_accumulation_fusion())
+            stack.enter_context(weight_grad_accumulation_fusion())
         (model,) = wrap_model_chunks(build_model_chunks(args, config, build_gpt_stage),
                                      args, config, device)
         tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(5))
@@ -152,7 +154,7 @@ def test_weight_grad_accumulation_stands_in_for_apex_until_exit():
     main_grad = torch.randn(20, 12, generator=generator)
     expected = main_grad + grad_output.t() @ total_input
     assert not layers._grad_accum_fusion_available  # no apex here
-    with no_apex.weight_grad_accumulation_fusion():
+    with weight_grad_accumulation_fusion():
         assert layers._grad_accum_fusion_available
         layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(
             total_input, grad_output, main_grad)

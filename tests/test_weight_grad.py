@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron.dpp.weight_grad import WeightGradError, WeightGradStore
-from megatron.trainer.core_compat import no_apex
+from megatron.dpp.weight_grad_accumulation import weight_grad_accumulation_fusion
 from megatron.trainer.kernels.fused_layers import biased_linear
 from tests.distributed import run_ranks
 from tests.pipeline_runs import TINY_GPT
@@ -33,7 +33,7 @@ def _linear(generator):
 
 @pytest.fixture
 def store():
-    with no_apex.weight_grad_accumulation_fusion():
+    with weight_grad_accumulation_fusion():
         store = WeightGradStore()
         store.begin_iteration(PLAIN_CONFIG, num_chunks=1, num_microbatches=2)
         yield store
@@ -337,7 +337,7 @@ def _sequence_parallel_blocks(rank, w_order):
 
     from megatron.trainer.core_compat.cpu_compat import CpuCompat
 
-    with CpuCompat(), no_apex.weight_grad_accumulation_fusion():
+    with CpuCompat(), weight_grad_accumulation_fusion():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
         config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=4,
                                    tensor_model_parallel_size=2, sequence_parallel=True,
@@ -431,7 +431,7 @@ def _graphs_deferred_vs_eager(rank, backward_order, w_order):
     results = {}
     with contextlib.ExitStack() as stack:
         device = initialize_distributed(parse_args(flags, world_size=1), stack)
-        stack.enter_context(no_apex.weight_grad_accumulation_fusion())
+        stack.enter_context(weight_grad_accumulation_fusion())
         generator = torch.Generator().manual_seed(3)
         batches = [torch.randint(0, 128, (2, 32), generator=generator).to(device)
                    for _ in backward_order]

@@ -226,15 +226,21 @@ NO_PIPELINING_CALLS_BACKWARD_STEP = Internal(
 GLOBAL_MEMORY_BUFFER = Internal(
     "megatron.core.utils:GlobalMemoryBuffer.__init__", "private",
     "dpp/weight_grad.py _owned (the shared gather buffers)", read_by=("self.buffer = {}",))
-# no_apex.weight_grad_accumulation_fusion: apex's module stood in for
+# weight_grad_accumulation.weight_grad_accumulation_fusion: apex's module stood in for
 GRAD_ACCUM_FUSION_AVAILABLE = Internal(
     f"{_LAYERS}:_grad_accum_fusion_available", "private",
-    "trainer/core_compat/no_apex.py weight_grad_accumulation_fusion, dpp/weight_grad.py",
+    "dpp/weight_grad_accumulation.py weight_grad_accumulation_fusion, dpp/weight_grad.py",
     read_by=_WGRAD_KERNELS)
 WGRAD_KERNELS = Internal(
     f"{_LAYERS}:fused_weight_gradient_mlp_cuda", "injected",
-    "trainer/core_compat/no_apex.py weight_grad_accumulation_fusion, dpp/weight_grad.py "
+    "dpp/weight_grad_accumulation.py weight_grad_accumulation_fusion, dpp/weight_grad.py "
     "weight_grads_deferred", read_by=_WGRAD_KERNELS)
+DRAIN_EMBEDDING_WGRAD = Internal(
+    "megatron.core.utils:drain_embedding_wgrad_compute", "private",
+    "dpp/weight_grad_accumulation.py _importable_by_name (the module megatron-core's "
+    "schedules' drain imports)",
+    read_by=("import fused_weight_gradient_mlp_cuda",),
+    read_in="megatron.core.utils:drain_embedding_wgrad_compute")
 # --defer-embedding-wgrad-compute: dpp/output_weight_grad.py takes the output layer's
 # buffered inputs and output gradients out by microbatch and runs their GEMMs itself;
 # models.py gives the other column-parallel linears a config without the deferral

@@ -106,13 +106,14 @@ def _owned(total_input: torch.Tensor) -> torch.Tensor:
 def weight_grads_deferred(collect: Callable[[Callable[[], None]], None]) -> Iterator[None]:
     """While open, the linear layers' weight-gradient accumulations are not run but handed
     to `collect` as callables that run them. Needs the gradient-accumulation fusion path:
-    `megatron.trainer.core_compat.no_apex.weight_grad_accumulation_fusion()` (or apex) installed."""
+    `megatron.dpp.weight_grad_accumulation.weight_grad_accumulation_fusion()` (or apex)
+    installed."""
     owner, name = core_internals.WGRAD_KERNELS.owner_and_name()
     kernels = getattr(owner, name, None)
     if kernels is None:
         raise WeightGradError(
             "deferring weight gradients needs the gradient-accumulation fusion path "
-            "(megatron.trainer.core_compat.no_apex.weight_grad_accumulation_fusion() or apex's "
+            "(megatron.dpp.weight_grad_accumulation.weight_grad_accumulation_fusion() or apex's "
             f"{name}); neither is installed")
     if isinstance(kernels, _RecordingKernels):
         raise WeightGradError("weight gradients are already being deferred (nested deferral)")

@@ -108,12 +108,6 @@ CORE_ATTENTION_FORWARD = Internal(
     "megatron.core.transformer.dot_product_attention:DotProductAttention.forward",
     "stand-in", "trainer/model/attention.py SDPAttention.forward",
     stand_in="megatron.trainer.model.attention:SDPAttention.forward")
-DRAIN_EMBEDDING_WGRAD = Internal(
-    "megatron.core.utils:drain_embedding_wgrad_compute", "private",
-    "trainer/core_compat/no_apex.py _importable_by_name (the module megatron-core's schedules' "
-    "drain imports)",
-    read_by=("import fused_weight_gradient_mlp_cuda",),
-    read_in="megatron.core.utils:drain_embedding_wgrad_compute")
 # models.py: multi-latent attention with the local layers
 MLA_CORE_ATTENTION = Internal(
     "megatron.core.transformer.multi_latent_attention:MultiLatentAttention.__init__", "private",

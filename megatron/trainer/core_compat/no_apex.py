@@ -8,24 +8,19 @@ multi-kernel foreach Adam. Here the norm and scale use torch's foreach kernels a
 Adam runs as torch's single fused kernel. Results agree with the fallbacks up to
 floating-point summation order (the grad norm) and Adam's fused arithmetic (last bits).
 
-Megatron's gradient-accumulation fusion (the weight-gradient GEMM adds into the fp32
-main_grad itself) needs apex's fused_weight_gradient_mlp_cuda;
-`weight_grad_accumulation_fusion` installs megatron/dpp's `WeightGradAccumulation` in its
-place (torch's GEMMs, on CPU too, where the B/W split of --dpp-split-backward needs the path).
+Megatron's gradient-accumulation fusion without apex is megatron/dpp's
+(megatron/dpp/weight_grad_accumulation.py), which the DPP plugin for Megatron-LM's trainer
+uses as well.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.machinery
 import logging
-import sys
-import types
 
 import torch
 
 from megatron.dpp import core_internals
-from megatron.dpp.weight_grad_accumulation import WeightGradAccumulation
 from megatron.trainer.core_compat import core_overrides
 
 log = logging.getLogger(__name__)
@@ -65,49 +60,6 @@ def foreach_multi_tensor_ops():
         ]
         log.info("grad norm: %s; grad clipping scale: %s; main-to-model copy: %s", *in_effect)
         yield
-
-
-@contextlib.contextmanager
-def weight_grad_accumulation_fusion():
-    """Let megatron-core's linear layers take their gradient_accumulation_fusion path with
-    `WeightGradAccumulation` where apex is absent (apex's module, when found, stays)."""
-    available, kernels = core_internals.GRAD_ACCUM_FUSION_AVAILABLE, core_internals.WGRAD_KERNELS
-    if available.resolve():
-        owner, name = kernels.owner_and_name()
-        current = getattr(owner, name, None)
-        if current is None:
-            raise core_internals.CoreInternalsError(
-                f"{available.target} is True but {kernels.target} is absent -- needed by "
-                f"megatron/{kernels.user}")
-        if current is not WeightGradAccumulation:  # else entered again inside itself
-            log.info("weight-gradient accumulation: apex's %s", name)
-        yield
-        return
-    with available.swapped(True), kernels.swapped(WeightGradAccumulation), \
-            _importable_by_name(kernels.owner_and_name()[1]):
-        log.info("weight-gradient accumulation: %s (ours, apex is absent)",
-                 WeightGradAccumulation.__qualname__)
-        yield
-
-
-@contextlib.contextmanager
-def _importable_by_name(name: str):
-    """`WeightGradAccumulation` as apex's module `name` in sys.modules while open: megatron-
-    core's drain of the deferred output-layer weight gradients (--defer-embedding-wgrad-
-    compute) imports it by name instead of reading the layers module's global."""
-    if name in sys.modules:
-        yield
-        return
-    module = types.ModuleType(name, WeightGradAccumulation.__doc__)
-    module.__spec__ = importlib.machinery.ModuleSpec(name, loader=None)
-    module.wgrad_gemm_accum_fp32 = WeightGradAccumulation.wgrad_gemm_accum_fp32
-    module.wgrad_gemm_accum_fp16 = WeightGradAccumulation.wgrad_gemm_accum_fp16
-    sys.modules[name] = module
-    try:
-        yield
-    finally:
-        if sys.modules.get(name) is module:
-            del sys.modules[name]
 
 
 def torch_optimizers(megatron_optimizer) -> list[torch.optim.Optimizer]:

@@ -24,6 +24,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.dpp import tracing
 from megatron.dpp.config import DppOptions
 from megatron.dpp.weight_grad import SplitBackwardNoPipelining, WeightGradStore
+from megatron.dpp.weight_grad_accumulation import weight_grad_accumulation_fusion
 from megatron.trainer.checkpoint import checkpointing
 from megatron.trainer.checkpoint.checkpoint_config import CheckpointConfig
 from megatron.trainer.config import fast_path
@@ -139,7 +140,7 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     args.padded_vocab_size = _padded_vocab_size(tokenizer.vocab_size, args)
     config = transformer_config_from_args(args)
     if config.gradient_accumulation_fusion:
-        stack.enter_context(no_apex.weight_grad_accumulation_fusion())
+        stack.enter_context(weight_grad_accumulation_fusion())
     if args.triton_fusions and config.bias_activation_fusion:
         stack.enter_context(triton_gelu.installed())
     chunks = build_model_chunks(args, config, task.build_stage)

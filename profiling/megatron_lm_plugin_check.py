@@ -1,0 +1,187 @@
+"""Megatron-LM's own trainer with the DPP plugin on GPUs (issue 36, acceptance 2).
+
+Runs Megatron-LM's pretrain_gpt.py (from a checkout of the tag matching the installed
+megatron-core, e.g. core_r0.19.0 for 0.19.2) with the plugin's two-line change applied
+(`two_line_change`, the change docs/megatron_lm.md shows), by torchrun:
+
+* fp32, dropout off, local layers: megatron-core's 1F1B, --use-dpp and --use-dpp
+  --dpp-split-backward; the first iterations' losses of each DPP run against 1F1B's
+  (acceptance: within 1e-5 relative);
+* bf16: 1F1B and DPP (`DPP_BF16`: the split, the static plan, no slack, as our trainer's
+  fast path picks them on GPUs) in Megatron-LM's trainer and in ours (this checkout's
+  pretrain_gpt.py) on the same model; tokens/s of each and the DPP / 1F1B ratio of each
+  trainer (acceptance: Megatron-LM's ratio within 2 % of ours).
+
+    python profiling/megatron_lm_plugin_check.py --megatron-lm .megatron-lm --out OUT --pp 2
+
+Writes OUT/megatron_lm/pretrain_gpt_dpp.py (the changed script), one log per run, results.json and
+summary.txt. tools/megatron_lm_plugin_check.sh installs the wheels first and calls this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from megatron.trainer.launch import read_iterations
+
+log = logging.getLogger("megatron_lm_plugin_check")
+ROOT = Path(__file__).resolve().parents[1]
+
+IMPORT_ANCHOR = "from model_provider import model_provider\n"
+PROVIDER_ANCHOR = "extra_args_provider=add_modelopt_args if has_nvidia_modelopt else None,"
+PROVIDER_CHANGED = ("extra_args_provider=megatron_lm.extra_args_provider("
+                    "add_modelopt_args if has_nvidia_modelopt else None),")
+
+FP32_MODEL = [
+    "--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16",
+    "--seq-length", "1024", "--max-position-embeddings", "1024", "--micro-batch-size", "2",
+    "--global-batch-size", "32", "--hidden-dropout", "0", "--attention-dropout", "0",
+]
+BF16_SEQUENCE, BF16_GLOBAL_BATCH = 2048, 32
+BF16_MODEL = [
+    "--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
+    "--seq-length", str(BF16_SEQUENCE), "--max-position-embeddings", str(BF16_SEQUENCE),
+    "--micro-batch-size", "2", "--global-batch-size", str(BF16_GLOBAL_BATCH), "--bf16",
+]
+COMMON = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "50304",
+          "--lr", "1e-4", "--log-interval", "1", "--eval-iters", "0", "--seed", "1234",
+          "--transformer-impl", "local"]
+# Megatron-LM's local layers without apex: no fused weight-gradient accumulation (the split
+# needs it, and the plugin supplies its kernel), no apex softmax
+MEGATRON_LM_PLAIN = ["--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion"]
+MEGATRON_LM_SPLIT = ["--no-masked-softmax-fusion", "--use-dpp", "--dpp-split-backward"]
+# ours as megatron-core runs without apex / TE (profiling/bench_gpt.py's "local")
+OURS_PLAIN = ["--attention-backend", "local", "--batch-p2p-sync",
+              "--megatron-optimizer-fallbacks", "--no-bias-gelu-fusion"]
+
+# the DPP settings our trainer's fast path picks on GPUs for one chunk of uniform lengths,
+# given to both trainers so that each ratio is of the same schedule
+DPP_BF16 = ["--use-dpp", "--dpp-split-backward", "--dpp-static", "--dpp-max-inflight", "0"]
+
+RUNS = {
+    # name: (trainer, precision, flags)
+    "mlm-fp32-1f1b": ("megatron-lm", "fp32", MEGATRON_LM_PLAIN),
+    "mlm-fp32-dpp": ("megatron-lm", "fp32", [*MEGATRON_LM_PLAIN, "--use-dpp"]),
+    "mlm-fp32-dpp-split": ("megatron-lm", "fp32", MEGATRON_LM_SPLIT),
+    "mlm-bf16-1f1b": ("megatron-lm", "bf16", MEGATRON_LM_PLAIN),
+    "mlm-bf16-dpp": ("megatron-lm", "bf16", ["--no-masked-softmax-fusion", *DPP_BF16]),
+    "ours-bf16-1f1b": ("ours", "bf16", OURS_PLAIN),
+    "ours-bf16-dpp": ("ours", "bf16", [*OURS_PLAIN, *DPP_BF16]),
+}
+EQUIVALENT = {"mlm-fp32-dpp": "mlm-fp32-1f1b", "mlm-fp32-dpp-split": "mlm-fp32-1f1b"}
+RATIOS = {"megatron-lm": ("mlm-bf16-dpp", "mlm-bf16-1f1b"),
+          "ours": ("ours-bf16-dpp", "ours-bf16-1f1b")}
+
+
+def two_line_change(script: str) -> str:
+    """Megatron-LM's pretrain_gpt.py with the plugin: one import, one extra_args_provider."""
+    for anchor in (IMPORT_ANCHOR, PROVIDER_ANCHOR):
+        if script.count(anchor) != 1:
+            raise SystemExit(f"pretrain_gpt.py: expected the line {anchor.strip()!r} once, "
+                             f"found it {script.count(anchor)} times (another Megatron-LM "
+                             "release? apply the change of docs/megatron_lm.md by hand)")
+    script = script.replace(IMPORT_ANCHOR, IMPORT_ANCHOR + "from megatron.dpp import megatron_lm\n")
+    return script.replace(PROVIDER_ANCHOR, PROVIDER_CHANGED)
+
+
+def run(name: str, program: list[str], cwd: Path, flags: list[str], args, out: Path) -> dict:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+               str(args.gpus), "--master_port", str(args.port), *program,
+               "--pipeline-model-parallel-size", str(args.pp), *flags, *args.extra.split()]
+    log_path = out / f"{name}.log"
+    log.info("%s: %s", name, " ".join(command))
+    with open(log_path, "w") as log_file:
+        try:
+            status = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT,
+                                    timeout=args.timeout, cwd=cwd).returncode
+        except subprocess.TimeoutExpired:
+            status = "timeout"
+    rows = read_iterations(log_path.read_text(errors="replace").splitlines())
+    return {"status": status, "log": log_path.name,
+            "losses": [row["lm loss"] for row in rows if "lm loss" in row],
+            "ms": [row["elapsed time per iteration (ms)"] for row in rows
+                   if "elapsed time per iteration (ms)" in row]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--megatron-lm", required=True, type=Path,
+                        help="folder with Megatron-LM's pretrain_gpt.py, gpt_builders.py and "
+                             "model_provider.py at the tag of the installed megatron-core")
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--runs", default=",".join(RUNS))
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--fp32-iters", type=int, default=5)
+    parser.add_argument("--bf16-iters", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=5, help="bf16 iterations left out")
+    parser.add_argument("--port", type=int, default=29541)
+    parser.add_argument("--timeout", type=float, default=240, help="seconds per run")
+    parser.add_argument("--extra", default="", help="flags added to every run")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    # Megatron-LM's script beside the modules it imports from its checkout's root; ours is
+    # the installed pretrain_gpt module, started outside the checkout
+    script = out / "megatron_lm" / "pretrain_gpt_dpp.py"
+    shutil.copytree(args.megatron_lm, script.parent, dirs_exist_ok=True)
+    script.write_text(two_line_change((args.megatron_lm / "pretrain_gpt.py").read_text()))
+    programs = {"megatron-lm": ([str(script)], script.parent),
+                "ours": (["-m", "pretrain_gpt"], Path(tempfile.gettempdir()))}
+
+    results = {}
+    for name in args.runs.split(","):
+        trainer, precision, flags = RUNS[name]
+        model = FP32_MODEL if precision == "fp32" else BF16_MODEL
+        iters = args.fp32_iters if precision == "fp32" else args.bf16_iters
+        results[name] = run(name, *programs[trainer],
+                            [*model, *COMMON, "--train-iters", str(iters), *flags], args, out)
+    lines = [f"{name}: exit {r['status']}, losses {r['losses']}" for name, r in results.items()]
+    for name, baseline in EQUIVALENT.items():
+        if name in results and baseline in results:
+            dpp, static = results[name]["losses"], results[baseline]["losses"]
+            if dpp and len(dpp) == len(static):
+                worst = max(abs(a - b) / abs(b) for a, b in zip(dpp, static, strict=True))
+                lines.append(f"{name} vs {baseline}: largest relative loss difference "
+                             f"{worst:.2e} ({'within' if worst <= 1e-5 else 'ABOVE'} 1e-5)")
+            else:
+                lines.append(f"{name} vs {baseline}: no comparable losses")
+    ratios = {}
+    for trainer, (dpp, baseline) in RATIOS.items():
+        if dpp in results and baseline in results:
+            speeds = [_tokens_per_s(results[n], args) for n in (dpp, baseline)]
+            if None not in speeds:
+                ratios[trainer] = speeds[0] / speeds[1]
+                lines.append(f"{trainer}: DPP {speeds[0]:.0f} tokens/s, 1F1B {speeds[1]:.0f} "
+                             f"tokens/s, ratio {ratios[trainer]:.4f}")
+    if len(ratios) == 2:
+        gap = abs(ratios["megatron-lm"] / ratios["ours"] - 1)
+        lines.append(f"DPP/1F1B ratio, Megatron-LM's trainer against ours: {gap:.2%} apart "
+                     f"({'within' if gap <= 0.02 else 'ABOVE'} 2 %)")
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "summary.txt").write_text("\n".join(lines) + "\n")
+    log.info("%s", "\n".join(lines))
+
+
+def _tokens_per_s(result: dict, args) -> float | None:
+    """Global batch x sequence length over the median time of the iterations after warm-up."""
+    steady = result["ms"][args.warmup:]
+    if not steady:
+        return None
+    return BF16_GLOBAL_BATCH * BF16_SEQUENCE / (statistics.median(steady) / 1000)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    main()
