@@ -13,6 +13,7 @@ sys.path.insert(0, REPO_ROOT)
 from megatron.trainer.data.tokenizer import (  # noqa: E402
     TOKENIZER_TYPES,
     GPT2BPETokenizer,
+    TokenizerError,
     TokenizerFileError,
     _HFBackedTokenizer,
     build_tokenizer,
@@ -147,7 +148,7 @@ def test_sentencepiece_model(tmp_path):
 
 def test_sentencepiece_missing_package_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "sentencepiece", None)  # as if not installed
-    with pytest.raises(ImportError, match="pip install sentencepiece"):
+    with pytest.raises(TokenizerError, match="pip install sentencepiece"):
         build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(tmp_path / "m.model"))
 
 

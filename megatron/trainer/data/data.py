@@ -114,6 +114,16 @@ def _index_problem(idx_path: str, bin_path: str) -> str | None:
     return None
 
 
+def index_arrays(prefix: str) -> tuple[np.ndarray, np.ndarray]:
+    """(token count of each sequence, document index) of a prefix that passed
+    prefix_problem, read from its .idx without opening the .bin."""
+    index = np.memmap(prefix + ".idx", mode="r", dtype=np.uint8)
+    _, _, _, sequences, doc_indices = _INDEX_HEADER.unpack(bytes(index[:_INDEX_HEADER.size]))
+    lengths = np.frombuffer(index, np.int32, sequences, _INDEX_HEADER.size)
+    documents = np.frombuffer(index, np.int64, doc_indices, _INDEX_HEADER.size + 12 * sequences)
+    return lengths, documents
+
+
 @dataclass
 class SplitSizes:
     train: int

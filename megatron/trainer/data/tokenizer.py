@@ -34,7 +34,15 @@ BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 HF_EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[SEP]")
 
 
-class TokenizerFileError(ValueError):
+class TokenizerError(ValueError):
+    """The tokenizer cannot be built from the flags and files given; the message says why."""
+
+
+class TokenizerFlagError(TokenizerError):
+    """A tokenizer flag is missing or names no tokenizer (a usage error, as a bad flag)."""
+
+
+class TokenizerFileError(TokenizerError):
     """A vocabulary, merges or model file is missing, unreadable or inconsistent."""
 
 
@@ -333,7 +341,7 @@ class SentencePieceTokenizer(Tokenizer):
         try:
             import sentencepiece
         except ImportError as error:
-            raise ImportError(
+            raise TokenizerError(
                 "SentencePieceTokenizer needs the sentencepiece package: pip install sentencepiece"
             ) from error
         _require_file(tokenizer_model, "tokenizer model")
@@ -382,7 +390,7 @@ class NullTokenizer(Tokenizer):
 
     def __init__(self, vocab_size: int) -> None:
         if vocab_size is None or int(vocab_size) < 2:
-            raise ValueError(f"NullTokenizer needs --vocab-size >= 2, got {vocab_size}")
+            raise TokenizerFlagError(f"NullTokenizer needs --vocab-size >= 2, got {vocab_size}")
         self._size = int(vocab_size)
         super().__init__("NullTokenizer", {})
 
@@ -444,14 +452,14 @@ def build_tokenizer(
     if tokenizer_type == "NullTokenizer":
         _require_arg(vocab_size, "--vocab-size", tokenizer_type)
         return NullTokenizer(vocab_size)
-    raise ValueError(
+    raise TokenizerFlagError(
         f"unknown tokenizer type {tokenizer_type!r}; expected one of {', '.join(TOKENIZER_TYPES)}"
     )
 
 
 def _require_arg(value, flag: str, tokenizer_type: str) -> None:
     if value is None:
-        raise ValueError(f"{tokenizer_type} needs {flag}")
+        raise TokenizerFlagError(f"{tokenizer_type} needs {flag}")
 
 
 def _require_file(path: str, what: str) -> None:

@@ -1,4 +1,4 @@
-"""How a rank ends on an error. A known failure (a bad flag, bad data, a pipeline peer that
+"""How a rank ends on an error. A known failure (a bad flag, bad data, tokenizer flags or files, a pipeline peer that
 failed or hung, a checkpoint that cannot be written, a megatron-core whose internals moved,
 Ctrl-C) is reported in one line that names its cause, and the rank exits non-zero; its
 traceback goes to the log at DEBUG (MEGATRON_LOG_LEVEL=DEBUG shows it). Anything else is a
@@ -25,6 +25,7 @@ from megatron.trainer.config.arguments import ArgumentError
 from megatron.trainer.core_compat.reruns import ResultValidationStop
 from megatron.trainer.data.batch_schedule import BatchScheduleError
 from megatron.trainer.data.data import DataError
+from megatron.trainer.data.tokenizer import TokenizerError, TokenizerFlagError
 from megatron.trainer.run.replica_check import ReplicaMismatch
 
 log = logging.getLogger("megatron.trainer.run.failures")
@@ -40,6 +41,8 @@ def known_failure(error: BaseException) -> tuple[str, int] | None:
         return "interrupted (SIGINT)", EXIT_INTERRUPTED
     if isinstance(error, DataError):
         return f"bad training data: {error}", EXIT_FAILED
+    if isinstance(error, TokenizerError):
+        return f"tokenizer: {error}", EXIT_FAILED
     if isinstance(error, TransportError):
         return f"pipeline transport: {error}", EXIT_FAILED
     if isinstance(error, CheckpointError):
@@ -60,7 +63,7 @@ def exit_on_known_failures(program: str):
     argparse); another known failure logs one ERROR line and exits 1 (130 on Ctrl-C)."""
     try:
         yield
-    except ArgumentError as error:
+    except (ArgumentError, TokenizerFlagError) as error:
         sys.stderr.write(f"{program}: {error}\n")
         raise SystemExit(EXIT_USAGE) from None
     except BaseException as error:

@@ -34,6 +34,7 @@ from megatron.trainer.core_compat import core_overrides, no_apex
 from megatron.trainer.core_compat.reruns import RerunConfig, ResultValidation, ResultValidationStop
 from megatron.trainer.data.batch_schedule import batch_size_schedule
 from megatron.trainer.data.data import MicroBatchIterator, check_data_paths, microbatch_lengths
+from megatron.trainer.data.data_splits import check_splits
 from megatron.trainer.data.microbatches import (
     BatchLayout,
     DocumentMicrobatches,
@@ -56,6 +57,7 @@ from megatron.trainer.run.manual_gc import ManualGC
 from megatron.trainer.run.optimizer import build_optimizer, build_scheduler, wrap_model_chunks
 from megatron.trainer.run.profiler import StepProfiler
 from megatron.trainer.run.rng import ForwardRng
+from megatron.trainer.run.stalls import StallWatch
 from megatron.trainer.run.timers import Timers
 
 log = logging.getLogger("megatron.trainer")
@@ -73,6 +75,7 @@ class ModelTask:
     data_on_every_stage: bool = False  # BERT: every stage needs the padding mask
     masked_attention: bool = False  # BERT: its blocks take the padding mask (fast_path.py)
     documents: bool = False  # its datasets read --variable-seq-lengths' documents (GPT)
+    splits_by_document: bool = False  # --split cuts documents (BERT), not sequences (GPT)
 
 
 @dataclass
@@ -126,9 +129,15 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
         raise ArgumentError(f"--variable-seq-lengths is for GPT; {task.name}'s samples are "
                             "not single documents")
     check_data_paths(args)  # before the job starts: every rank reads its own files
+    check_splits(args, by_document=task.splits_by_document)
     metrics.require_wandb(LoggingConfig.from_args(args))
     _require_optimizer_instance_support(args)
-    device = initialize_distributed(args, stack)
+    # before the job starts too: a missing or wrong tokenizer file is one line per rank
+    tokenizer = TokenizerConfig.from_args(args).build()
+    with StallWatch("joining the job", f"waiting for all {args.world_size} ranks at "
+                    f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+                    " (a rank that has not started or has failed?)"):
+        device = initialize_distributed(args, stack)
     setup_logging(dist.get_rank(), dist.get_world_size())
     try:
         model_fallbacks = fast_path.resolve_for_model(args, task.masked_attention)
@@ -136,7 +145,6 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
         raise ArgumentError(str(refusal)) from None
     fast_path.log_fallbacks(args.fast_path_fallbacks + model_fallbacks)
     logging_config = LoggingConfig.from_args(args)
-    tokenizer = TokenizerConfig.from_args(args).build()
     args.padded_vocab_size = _padded_vocab_size(tokenizer.vocab_size, args)
     config = transformer_config_from_args(args)
     if config.gradient_accumulation_fusion:
@@ -165,10 +173,13 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
         # after an error an asynchronous save in flight is stopped, never published
         stack.push(lambda exc_type, exc, traceback: checkpointer.close(failed=exc_type is not None))
     if args.load:
-        state = checkpointer.load(model, optimizer, scheduler)
+        with StallWatch("loading the checkpoint", f"reading --load {args.load} (every rank "
+                        "reads its shards, then they agree on the iteration)"):
+            state = checkpointer.load(model, optimizer, scheduler)
     if not args.megatron_optimizer_fallbacks:
         no_apex.use_fused_adam(optimizer)
-    datasets = task.build_datasets(args, tokenizer)
+    with _dataset_watch(args):
+        datasets = task.build_datasets(args, tokenizer)
     log.info("%s: %d parameters on this rank, %d model chunk(s), schedule %s, layers %s",
              task.name, sum(p.numel() for c in model for p in c.parameters()), len(model),
              ("DPP" if args.use_dpp else "megatron-core") + (
@@ -185,6 +196,18 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
                    _batch_calculator(args), datasets, state, schedule,
                    ForwardRng(args.seed, device), logging_config, timers, collector=collector,
                    checkpointer=checkpointer, reruns=reruns)
+
+
+def _dataset_watch(args) -> StallWatch:
+    """megatron.core writes the dataset index files on rank 0 while the others wait in a
+    barrier; each says which side it is on when that takes long."""
+    cache = args.data_cache_path or "next to the --data-path files"
+    if dist.get_rank() == 0:
+        return StallWatch("building the datasets", f"writing the dataset index files ({cache}) "
+                          "for the samples --train-iters and --eval-iters ask for; the other "
+                          "ranks wait for this rank")
+    return StallWatch("building the datasets", "waiting in a barrier for rank 0 to write the "
+                      f"dataset index files ({cache}); rank 0's log says what it does")
 
 
 def _require_optimizer_instance_support(args) -> None:

@@ -53,4 +53,5 @@ BERT_TASK = ModelTask(
     loss_names=("lm loss", "sop loss"),
     data_on_every_stage=True,
     masked_attention=True,
+    splits_by_document=True,
 )
