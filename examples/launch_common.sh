@@ -24,12 +24,16 @@
 #   EVAL_INTERVAL   TRAIN_ITERS (one evaluation at the end)
 #   PRECISION       fp32 / bf16 (also fp16)
 #   DATA_PATH       the sample data (prepared on first use), a --data-path prefix, or "mock"
-#   TOKENIZER_TYPE, VOCAB_FILE, MERGE_FILE   the sample's; VOCAB_SIZE (mock data) 1024
+#   TOKENIZER_TYPE, VOCAB_FILE, MERGE_FILE, TOKENIZER_MODEL   the sample's; for a prefix, the
+#                   tokenizer recorded beside it (<prefix>.tokenizer.json, written by
+#                   tools/preprocess_data.py); VOCAB_SIZE (mock data) 1024
 #   USE_DPP         1: dynamic pipeline schedule (--use-dpp); 0: megatron-core's schedule
 #                   (the default with one pipeline stage, where DPP has nothing to schedule)
 #   DPP_TRANSPORT   auto (torch, shm); DPP_MAX_INFLIGHT unset (the schedule's default)
 #   CHECKPOINT_DIR  unset: no checkpoints; else --save/--load there, every SAVE_INTERVAL
-#   RUN_NAME        <model>-<role>;  RUN_DIR <checkout>/runs/RUN_NAME (log: RUN_DIR/train.log)
+#   RUN_NAME        <model>-<role>;  RUN_DIR <checkout>/runs/RUN_NAME/<N>, N numbering the runs
+#                   (runs/RUN_NAME/latest: the last); log: RUN_DIR/train.log, kept as
+#                   train.log.<k> when a later run is given the same RUN_DIR
 #   PYTHON          python3;  SKIP_PREREQ  auto: run prerequisite.sh when imports fail, 1 never,
 #                   0 always
 
@@ -39,7 +43,7 @@ DPP_REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 DPP_SHARED_SETTINGS="GPUS_PER_NODE TP PP VPP RDZV_TIMEOUT MODEL_SIZE NUM_LAYERS HIDDEN_SIZE
 NUM_HEADS SEQ_LENGTH MICRO_BATCH NUM_MICROBATCHES GLOBAL_BATCH TRAIN_ITERS LR LOG_INTERVAL
 EVAL_ITERS EVAL_INTERVAL PRECISION DATA_PATH TOKENIZER_TYPE VOCAB_FILE MERGE_FILE VOCAB_SIZE
-USE_DPP DPP_TRANSPORT DPP_MAX_INFLIGHT CHECKPOINT_DIR SAVE_INTERVAL SKIP_PREREQ PYTHON"
+TOKENIZER_MODEL USE_DPP DPP_TRANSPORT DPP_MAX_INFLIGHT CHECKPOINT_DIR SAVE_INTERVAL SKIP_PREREQ PYTHON"
 
 dpp_say() { echo "[$DPP_SCRIPT] $*" >&2; }
 dpp_die() { dpp_say "error: $*"; exit 2; }
@@ -78,12 +82,89 @@ dpp_data_flags() {
         if [[ -n $SAMPLE_MERGES ]]; then : "${MERGE_FILE:=$DPP_REPO/$SAMPLE_MERGES}"; fi
     elif [[ ! -f $path.idx ]]; then
         dpp_die "DATA_PATH=$path: $path.idx not found (give the prefix that tools/preprocess_data.py wrote, 'sample' or 'mock')"
+    elif [[ -z ${TOKENIZER_TYPE:-} ]] && ! dpp_extra_has --tokenizer-type; then
+        dpp_data_tokenizer "$path"
     fi
-    # the dataset index cache goes to the run dir, not next to the data in the checkout
-    DATA_FLAGS=(--data-path "$path" --data-cache-path "$RUN_DIR/data_cache")
+    # the dataset index cache goes to the runs' directory, not next to the data
+    DATA_FLAGS=(--data-path "$path" --data-cache-path "$DATA_CACHE")
     if [[ -n ${TOKENIZER_TYPE:-} ]]; then DATA_FLAGS+=(--tokenizer-type "$TOKENIZER_TYPE"); fi
     if [[ -n ${VOCAB_FILE:-} ]]; then DATA_FLAGS+=(--vocab-file "$VOCAB_FILE"); fi
     if [[ -n ${MERGE_FILE:-} ]]; then DATA_FLAGS+=(--merge-file "$MERGE_FILE"); fi
+    if [[ -n ${TOKENIZER_MODEL:-} ]]; then DATA_FLAGS+=(--tokenizer-model "$TOKENIZER_MODEL"); fi
+    if [[ ${TOKENIZER_TYPE:-} == NullTokenizer ]]; then
+        DATA_FLAGS+=(--vocab-size "${VOCAB_SIZE:-1024}")
+    fi
+}
+
+# the tokenizer settings of a user's data from the record tools/preprocess_data.py wrote
+# beside it: the sample's files where the data was made with them
+dpp_data_tokenizer() {
+    local exports
+    exports=$(PYTHONPATH="$DPP_REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m \
+        megatron.trainer.launch tokenizer --prefix "$1" \
+        --sample-vocab-file "$DPP_REPO/$SAMPLE_VOCAB" \
+        ${SAMPLE_MERGES:+--sample-merge-file "$DPP_REPO/$SAMPLE_MERGES"} 2>&1) ||
+        dpp_die "${exports#*error: }"
+    eval "$exports"
+    dpp_say "tokenizer: $TOKENIZER_TYPE${VOCAB_FILE:+ $VOCAB_FILE}${MERGE_FILE:+ $MERGE_FILE}${TOKENIZER_MODEL:+ $TOKENIZER_MODEL} (recorded in $1.tokenizer.json)"
+}
+
+# whether the extra trainer arguments hold flag $1; dpp_extra_value prints its value
+dpp_extra_has() {
+    local word
+    for word in "${DPP_EXTRA[@]}"; do
+        if [[ $word == "$1" || $word == "$1="* ]]; then return 0; fi
+    done
+    return 1
+}
+
+dpp_extra_value() {
+    local i
+    for (( i = 0; i < ${#DPP_EXTRA[@]}; i++ )); do
+        case ${DPP_EXTRA[i]} in
+            "$1") echo "${DPP_EXTRA[i + 1]:-}"; return ;;
+            "$1="*) echo "${DPP_EXTRA[i]#*=}"; return ;;
+        esac
+    done
+}
+
+# this run's directory: RUN_DIR as given, else the next free runs/RUN_NAME/<N>; the dataset
+# index cache is shared by the runs of a name
+dpp_run_dir() {
+    if [[ -n ${RUN_DIR:-} ]]; then
+        mkdir -p "$RUN_DIR"
+        DATA_CACHE=$RUN_DIR/data_cache
+        return
+    fi
+    local root=$DPP_REPO/runs/${RUN_NAME:-$DPP_MODEL-$DPP_ROLE} n=1
+    mkdir -p "$root" || dpp_die "cannot create the run directory $root"
+    while [[ -e $root/$n ]] || ! mkdir "$root/$n" 2>/dev/null; do
+        [[ -w $root ]] || dpp_die "cannot create a run directory in $root"
+        n=$(( n + 1 ))
+    done
+    ln -sfn "$n" "$root/latest"
+    RUN_DIR=$root/$n
+    DATA_CACHE=$root/data_cache
+}
+
+# the first lines of a run: where its log, checkpoints and traces go
+dpp_say_outputs() {
+    local logfile=$1 save trace_dir
+    dpp_say "log: $logfile"
+    save=$(dpp_extra_value --save)
+    if [[ -n $save ]]; then
+        dpp_say "checkpoints: $save (--save)"
+    elif [[ -n ${CHECKPOINT_DIR:-} ]]; then
+        dpp_say "checkpoints: $CHECKPOINT_DIR (${SAVE_INTERVAL:+every $SAVE_INTERVAL iterations and }at the end; a run resumes from the latest)"
+    else
+        dpp_say "no checkpoints: set CHECKPOINT_DIR (and SAVE_INTERVAL) to save them"
+    fi
+    if dpp_extra_has --trace; then
+        trace_dir=$(dpp_extra_value --trace-dir)
+        dpp_say "traces: ${trace_dir:-$RUN_DIR/traces}/trace-rank<R>.jsonl (docs/profiling.md)"
+    else
+        dpp_say "no traces: pass --trace to record the pipeline's spans"
+    fi
 }
 
 dpp_model_flags() {
@@ -205,13 +286,15 @@ dpp_launch() {
         megatron.trainer.launch preflight --role "$DPP_ROLE" --script "$DPP_SCRIPT") || exit 2
     eval "$exports"
 
-    RUN_DIR=${RUN_DIR:-$DPP_REPO/runs/${RUN_NAME:-$DPP_MODEL-$DPP_ROLE}}
-    mkdir -p "$RUN_DIR"
+    dpp_run_dir
     dpp_train_flags "$on_gpu" $(( NNODES * GPUS_PER_NODE ))
     local node_flags=()
     if [[ $DPP_ROLE != single ]]; then
         # shellcheck disable=SC2206  # NODE_IPS is a list of addresses
         node_flags=(--multi-node --node-ips $NODE_IPS)
+    fi
+    if dpp_extra_has --trace && ! dpp_extra_has --trace-dir; then
+        TRAIN_FLAGS+=(--trace-dir "$RUN_DIR/traces")
     fi
     local logfile=$RUN_DIR/train.log
     local launcher=(torchrun)
@@ -223,7 +306,8 @@ dpp_launch() {
     printf '%q ' "${cmd[@]}" >"$RUN_DIR/command.txt"
     echo >>"$RUN_DIR/command.txt"
 
-    dpp_say "node $NODE_RANK of $NNODES, $GPUS_PER_NODE processes on $([[ $on_gpu == 1 ]] && echo GPUs || echo CPU), schedule $DPP_SCHEDULE; log: $logfile"
+    dpp_say_outputs "$logfile"
+    dpp_say "node $NODE_RANK of $NNODES, $GPUS_PER_NODE processes on $([[ $on_gpu == 1 ]] && echo GPUs || echo CPU), schedule $DPP_SCHEDULE"
     if [[ $DPP_ROLE == master ]]; then
         local rank ips
         read -r -a ips <<<"$NODE_IPS"
@@ -236,16 +320,29 @@ dpp_launch() {
 
     if [[ $DPP_ROLE == worker && ${DATA_PATH:-sample} != mock ]]; then
         # megatron.core writes the dataset index files on rank 0 (the master's node) only
-        dpp_say "building this node's dataset index cache in $RUN_DIR/data_cache"
+        dpp_say "building this node's dataset index cache in $DATA_CACHE"
         PYTHONPATH="$DPP_REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m megatron.trainer.launch \
             prepare-data --model "$DPP_MODEL" --world-size $(( NNODES * GPUS_PER_NODE )) -- \
             "${TRAIN_FLAGS[@]}" "${node_flags[@]}" "${DPP_EXTRA[@]}" >"$RUN_DIR/prepare_data.log" 2>&1 ||
             { cat "$RUN_DIR/prepare_data.log" >&2; dpp_die "could not build the dataset index cache"; }
     fi
+    if [[ -e $logfile ]]; then
+        local kept=1
+        while [[ -e $logfile.$kept ]]; do kept=$(( kept + 1 )); done
+        mv "$logfile" "$logfile.$kept"
+        dpp_say "kept the previous run's log of RUN_DIR as $logfile.$kept"
+    fi
+    # the terminal gets the ranks' output without torchrun's traceback (the log keeps it)
     local status=0
-    "${cmd[@]}" 2>&1 | tee "$logfile" || status=${PIPESTATUS[0]}
+    "${cmd[@]}" 2>&1 | tee "$logfile" | PYTHONPATH="$DPP_REPO${PYTHONPATH:+:$PYTHONPATH}" \
+        "$PYTHON" -m megatron.trainer.launch console || status=${PIPESTATUS[0]}
     if (( status != 0 )); then
-        dpp_say "training failed (exit $status); log: $logfile"
+        # torchrun exits 1 whatever the rank's status; its failure block holds the rank's
+        local trainer_status
+        trainer_status=$(PYTHONPATH="$DPP_REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m \
+            megatron.trainer.launch exit-status "$logfile") || trainer_status=
+        status=${trainer_status:-$status}
+        dpp_say "training failed (exit $status); full log: $logfile"
         if grep -q "waiting for clients" "$logfile"; then
             dpp_say "no worker joined within RDZV_TIMEOUT=${RDZV_TIMEOUT:-300} s: start the worker command printed above on each other node"
         fi

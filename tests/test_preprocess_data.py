@@ -1,5 +1,6 @@
 """tools/preprocess_data.py: round trips through IndexedDataset, sentences, every bad input."""
 
+import hashlib
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ sys.path.insert(0, REPO_ROOT)
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset  # noqa: E402
 
+from megatron.trainer.data import tokenizer_record  # noqa: E402
 from megatron.trainer.data.tokenizer import build_tokenizer  # noqa: E402
 from tools.preprocess_data import PreprocessError, main, parse_args, preprocess  # noqa: E402
 
@@ -79,6 +81,22 @@ def test_gpt2_round_trip_with_eod(tmp_path, gpt2, workers):
         assert sequences[0][-1] == gpt2.eod
         assert gpt2.detokenize(sequences[0]) == text + "<|endoftext|>"
         assert gpt2.eod not in sequences[0][:-1]
+
+
+def test_each_output_records_its_tokenizer(tmp_path):
+    """The record the launch scripts read to train on the data without tokenizer settings:
+    the type and each file's absolute path and SHA-256."""
+    source = write_lines(tmp_path / "in.json", [json_line(text) for text in TEXTS])
+    summary = run(source, tmp_path / "out", *GPT_FLAGS, "--json-keys", "text")
+    (prefix,) = summary.outputs
+    record = tokenizer_record.read(prefix)
+    vocab, merges = os.path.abspath(GPT_FLAGS[3]), os.path.abspath(GPT_FLAGS[5])
+    assert record == {
+        "tokenizer_type": "GPT2BPETokenizer",
+        "vocab_file": {"path": vocab, "sha256": tokenizer_record.file_digest(vocab)},
+        "merge_file": {"path": merges, "sha256": tokenizer_record.file_digest(merges)}}
+    with open(vocab, "rb") as stream:
+        assert record["vocab_file"]["sha256"] == hashlib.sha256(stream.read()).hexdigest()
 
 
 def test_gpt2_without_eod_and_several_keys(tmp_path, gpt2):
@@ -215,7 +233,8 @@ def test_failed_run_leaves_previous_output_intact(tmp_path, gpt2):
     bad = write_lines(tmp_path / "in_bad.json", [json_line("new"), b"not json"])
     with pytest.raises(PreprocessError, match="in_bad.json:2: not valid JSON"):
         run(bad, tmp_path / "out", *GPT_FLAGS)
-    assert output_files(tmp_path) == ["out_text_document.bin", "out_text_document.idx"]
+    assert output_files(tmp_path) == ["out_text_document.bin", "out_text_document.idx",
+                                      "out_text_document.tokenizer.json"]
     assert gpt2.detokenize(documents(prefix)[0][0]) == "previous output"
 
 

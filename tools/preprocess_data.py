@@ -115,7 +115,9 @@ class Summary:
 class IndexedDatasetWriters:
     """One IndexedDatasetBuilder per JSON key, under temporary names until commit()."""
 
-    def __init__(self, output_prefix: str, json_keys: list[str], level: str, vocab_size: int):
+    def __init__(self, output_prefix: str, json_keys: list[str], level: str, vocab_size: int,
+                 tokenizer_record: dict):
+        self.tokenizer_record = tokenizer_record
         from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
         directory = os.path.dirname(os.path.abspath(output_prefix))
@@ -141,7 +143,10 @@ class IndexedDatasetWriters:
                 start = end
 
     def commit(self) -> list[str]:
-        """Finish the index files and rename both files of each dataset into place."""
+        """Finish the index files and rename both files of each dataset into place, each
+        with the record of its tokenizer (megatron/trainer/data/tokenizer_record.py)."""
+        from megatron.trainer.data import tokenizer_record
+
         for key, builder in self.builders.items():
             builder.finalize(self.temp_prefixes[key] + ".idx")
         for key, final in self.final_prefixes.items():
@@ -150,6 +155,7 @@ class IndexedDatasetWriters:
                 os.remove(final + ".idx")
             os.replace(self.temp_prefixes[key] + ".bin", final + ".bin")
             os.replace(self.temp_prefixes[key] + ".idx", final + ".idx")
+            tokenizer_record.write(final, self.tokenizer_record)
         return list(self.final_prefixes.values())
 
     def abort(self) -> None:
@@ -174,6 +180,15 @@ def _build_tokenizer(args):
         )
     except (ValueError, ImportError) as error:
         raise PreprocessError(str(error)) from error
+
+
+def _tokenizer_record(args) -> dict:
+    from megatron.trainer.data import tokenizer_record
+
+    files = {"vocab_file": args.vocab_file, "merge_file": args.merge_file,
+             "tokenizer_model": args.tokenizer_model}
+    vocab_size = args.vocab_size if args.tokenizer_type == "NullTokenizer" else None
+    return tokenizer_record.describe(args.tokenizer_type, files, vocab_size)
 
 
 class _Progress:
@@ -265,7 +280,7 @@ def preprocess(args: argparse.Namespace) -> Summary:
     summary = Summary()
     start = time.perf_counter()
     writers = IndexedDatasetWriters(args.output_prefix, args.json_keys, level,
-                                    tokenizer.vocab_size)
+                                    tokenizer.vocab_size, _tokenizer_record(args))
     progress = _Progress(summary, args.log_interval, start)
     try:
         chunks = read_line_chunks(args.input, args.chunk_bytes)

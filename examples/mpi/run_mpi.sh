@@ -16,6 +16,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/../launch_common.sh"
 MODEL=${1:-gpt}
 shift || true
 DPP_MODEL=$MODEL DPP_ROLE=mpi DPP_SCRIPT=run_mpi.sh
+DPP_EXTRA=("$@")
 case $MODEL in
     gpt) source "$DPP_REPO/examples/gpt3/settings.sh" ;;
     bert) source "$DPP_REPO/examples/bert/settings.sh" ;;
@@ -40,8 +41,7 @@ NNODES=${#ips[@]}
 gpus=$(dpp_count_gpus)
 GPUS_PER_NODE=${GPUS_PER_NODE:-$(( gpus > 0 ? gpus : 2 ))}
 if (( gpus == 0 )); then export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}; fi
-RUN_DIR=${RUN_DIR:-$DPP_REPO/runs/${RUN_NAME:-$MODEL-mpi}}
-mkdir -p "$RUN_DIR"
+dpp_run_dir
 dpp_train_flags "$(( gpus > 0 ))" $(( NNODES * GPUS_PER_NODE ))
 node_flags=()
 if (( NNODES > 1 )); then node_flags=(--multi-node --node-ips "${ips[@]}"); fi
@@ -55,6 +55,7 @@ cmd+=(${MPIEXEC_ARGS:-}
       "$PYTHON" -m megatron.trainer.launch mpi-exec --
       "$PYTHON" "$DPP_REPO/$MODEL_ENTRY" "${TRAIN_FLAGS[@]}" "${node_flags[@]}" "$@")
 printf '%q ' "${cmd[@]}" >"$RUN_DIR/command.txt"
+dpp_say_outputs "$RUN_DIR/train.log"
 dpp_say "running: $(cat "$RUN_DIR/command.txt")"
 "${cmd[@]}" 2>&1 | tee "$RUN_DIR/train.log"
 PYTHONPATH=$DPP_REPO "$PYTHON" -m megatron.trainer.launch summarize "$RUN_DIR/train.log"

@@ -8,6 +8,10 @@ Sub-commands (`python -m megatron.trainer.launch CMD`):
   mpi-exec   map the ranks of mpiexec/srun (OpenMPI, MPICH/Hydra PMI, Cray PALS, SLURM) to
              torch.distributed's variables and exec the trainer.
   prepare-data  build the dataset index cache of a node before torchrun (see below).
+  tokenizer  the tokenizer settings of a DATA_PATH from the record beside it
+             (data/tokenizer_record.py), as shell assignments.
+  console    what of torchrun's output the terminal shows (see console_lines).
+  exit-status  the trainer's exit status from a failed run's log.
   summarize  the throughput and losses of a training log.
 
 Only the standard library at import: preflight runs before torch is importable on a fresh
@@ -24,12 +28,14 @@ import logging
 import os
 import re
 import shlex
+import signal
 import socket
 import struct
 import sys
 import time
 
 from megatron.trainer.config.addresses import is_ip_address
+from megatron.trainer.data import tokenizer_record
 
 log = logging.getLogger("megatron.trainer.launch")
 
@@ -294,6 +300,102 @@ def prepare_data_cache(model: str, trainer_argv: list[str], world_size: int) -> 
     task.build_datasets(args, TokenizerConfig.from_args(args).build())
 
 
+# the launcher's variable for each recorded tokenizer file
+TOKENIZER_VARIABLES = {"vocab_file": "VOCAB_FILE", "merge_file": "MERGE_FILE",
+                       "tokenizer_model": "TOKENIZER_MODEL"}
+
+
+def data_tokenizer(prefix: str, sample: dict[str, str | None]) -> dict[str, str]:
+    """TOKENIZER_TYPE and the file variables for the data at `prefix` from its record: the
+    sample's files (`sample`, keyed as the record) where the data was made with the same
+    contents, else the recorded files where they are still here."""
+    settings = "set TOKENIZER_TYPE and VOCAB_FILE (and MERGE_FILE for GPT2BPETokenizer)"
+    try:
+        record = tokenizer_record.read(prefix)
+    except ValueError as error:
+        raise LaunchError(f"DATA_PATH={prefix}: {error}; {settings}") from None
+    if record is None:
+        raise LaunchError(
+            f"DATA_PATH={prefix}: no {prefix}{tokenizer_record.SUFFIX} says which tokenizer "
+            f"made this data (tools/preprocess_data.py writes one); {settings} to the "
+            "tokenizer it was made with")
+    exports = {"TOKENIZER_TYPE": record["tokenizer_type"]}
+    if "vocab_size" in record:
+        exports["VOCAB_SIZE"] = str(record["vocab_size"])
+    for key, path in tokenizer_record.locate(record, sample).items():
+        variable = TOKENIZER_VARIABLES[key]
+        if path is None:
+            raise LaunchError(
+                f"DATA_PATH={prefix} was made with {record['tokenizer_type']} and "
+                f"{record[key]['path']} (per {prefix}{tokenizer_record.SUFFIX}), which is not "
+                f"here with the same contents: set TOKENIZER_TYPE and {variable} (and the "
+                "other tokenizer files) to that tokenizer's")
+        exports[variable] = path
+    return exports
+
+
+# torchrun's report of a failed rank: its own traceback, then a block framed by "=" lines
+TORCHRUN_FAILURE = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
+TORCHRUN_AGENT_NOISE = re.compile(
+    r"elastic/multiprocessing/api\.py:\d+\] (Sending process \d+ closing signal|failed \(exitcode)")
+FAILURE_LINE = re.compile(r" ERROR megatron\.trainer\.run\.failures: (.*)$")
+USAGE_LINE = re.compile(r"^\S+\.py: \S")
+
+
+def console_lines(lines):
+    """The lines of a run's output that the terminal shows: all but torchrun's own
+    traceback and failure block (the log keeps them) and its agent's notes on stopping the
+    other ranks, with each rank's one-line error shown once (every rank reports the same
+    bad flag or bad data). A rank's own traceback (a bug) is shown."""
+    shown_errors: set[str] = set()
+    traceback: list[str] = []
+    frame_lines_left = 0  # "=" lines still to skip in torchrun's failure block
+    for line in lines:
+        if frame_lines_left:
+            frame_lines_left -= line.startswith("=" * 20)
+            continue
+        if traceback:
+            if line[:1].isspace():
+                traceback.append(line)
+                continue
+            if line.startswith(TORCHRUN_FAILURE):
+                traceback, frame_lines_left = [], 2
+                continue
+            yield from traceback
+            traceback = []
+        if line.rstrip("\n") == "Traceback (most recent call last):":
+            traceback = [line]
+            continue
+        if TORCHRUN_AGENT_NOISE.search(line):
+            continue
+        error = FAILURE_LINE.search(line)
+        key = error.group(1) if error else line if USAGE_LINE.match(line) else None
+        if key is not None:
+            if key in shown_errors:
+                continue
+            shown_errors.add(key)
+        yield line
+    yield from traceback
+
+
+ROOT_CAUSE_STATUS = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+
+
+def trainer_exit_status(lines) -> int | None:
+    """The exit status of the first rank that failed, from torchrun's "Root Cause" block
+    (a signal as a shell reports it, 128 + number); None where the log has none."""
+    in_root_cause = False
+    for line in lines:
+        if line.startswith("Root Cause"):
+            in_root_cause = True
+        elif in_root_cause:
+            match = ROOT_CAUSE_STATUS.match(line)
+            if match:
+                status = int(match.group(1))
+                return 128 - status if status < 0 else status
+    return None
+
+
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|")
 FIELD = re.compile(r"([a-zA-Z /()]+?): ([-+0-9.Ee]+)(?: \||$)")
 
@@ -340,6 +442,13 @@ def _main(argv=None) -> int:
     data.add_argument("--model", required=True, choices=["gpt", "bert"])
     data.add_argument("--world-size", type=int, required=True)
     data.add_argument("trainer_args", nargs=argparse.REMAINDER)
+    record = commands.add_parser("tokenizer", help="tokenizer settings of a DATA_PATH")
+    record.add_argument("--prefix", required=True)
+    for key in TOKENIZER_VARIABLES:
+        record.add_argument(f"--sample-{key.replace('_', '-')}", default=None)
+    commands.add_parser("console", help="filter a run's output for the terminal (stdin)")
+    status = commands.add_parser("exit-status", help="the trainer's exit status from a log")
+    status.add_argument("log")
     report = commands.add_parser("summarize", help="throughput and losses of a training log")
     report.add_argument("log")
     args = parser.parse_args(argv)
@@ -353,6 +462,20 @@ def _main(argv=None) -> int:
             if not cmd:
                 parser.error("mpi-exec needs a command, e.g. -- python pretrain_gpt.py ...")
             os.execvpe(cmd[0], cmd, {**os.environ, **torch_env_from_mpi(os.environ)})
+        elif args.command == "tokenizer":
+            sample = {key: getattr(args, f"sample_{key}") for key in TOKENIZER_VARIABLES}
+            exports = data_tokenizer(args.prefix, sample)
+            sys.stdout.write("".join(f"export {k}={shlex.quote(v)}\n" for k, v in exports.items()))
+        elif args.command == "console":
+            # Ctrl-C reaches the whole job: keep passing the ranks' last words on until EOF
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            for line in console_lines(iter(sys.stdin.readline, "")):
+                sys.stdout.write(line)
+                sys.stdout.flush()
+        elif args.command == "exit-status":
+            with open(args.log, encoding="utf-8", errors="replace") as handle:
+                status = trainer_exit_status(handle)
+            sys.stdout.write(f"{'' if status is None else status}\n")
         elif args.command == "prepare-data":
             flags = args.trainer_args[1:] if args.trainer_args[:1] == ["--"] else args.trainer_args
             prepare_data_cache(args.model, flags, args.world_size)
