@@ -232,9 +232,10 @@ REAL_RATIOS = tuple((a, b) for a, b in RATIOS if a.startswith(("docs-", "cv-")))
 REAL_RATIOS += tuple((f"{v}{graphs}", f"fixed-1024{graphs}") for graphs in GRAPH_CHOICES
                      for v in ("docs-dpp", "docs-1f1b", "cv-dpp", "cv-1f1b"))
 
+# TFLOP/s and MFU are logged only on a GPU whose peak the trainer knows (metrics.py)
 LINE = re.compile(
-    r"iteration\s+(\d+)/.*elapsed time per iteration \(ms\): ([\d.]+).*"
-    r"throughput per GPU \(TFLOP/s/GPU\): ([\d.]+)(?:.*MFU: ([\d.]+)%)?.*tokens/s: (\d+)"
+    r"iteration\s+(\d+)/.*elapsed time per iteration \(ms\): ([\d.]+)"
+    r"(?:.*throughput per GPU \(TFLOP/s/GPU\): ([\d.]+))?(?:.*MFU: ([\d.]+)%)?.*tokens/s: (\d+)"
 )
 MEMORY = re.compile(r"memory per rank \(max allocated, MB\): (.*)")
 REAL = re.compile(r"iteration\s+(\d+)/.*real tokens per second: (\d+) \| padding: ([\d.]+)%")
@@ -345,7 +346,8 @@ def run(name: str, flags: list[str], args, out: Path) -> dict:
     return {
         "name": name, "flags": " ".join(flags), "ms_per_iter": ms,
         "tokens_per_s": tokens,
-        "tflops_per_gpu": statistics.median(float(r[2]) for r in measured),
+        "tflops_per_gpu": (statistics.median(float(r[2]) for r in measured)
+                           if measured[0][2] else None),
         "mfu_percent": statistics.median(float(r[3]) for r in measured) if measured[0][3] else None,
         "peak_mb": max(per_rank) if per_rank else None, "peak_mb_per_rank": per_rank,
         "iterations": len(measured), "wall_s": round(time.time() - started, 1),

@@ -10,6 +10,8 @@ import re
 
 import pytest
 
+from megatron.trainer.launch import read_iterations
+from megatron.trainer.run.metrics import IterationStats
 from tests.distributed import run_ranks
 from tests.trainer_runs import TINY, train_run, train_runs, with_flags
 
@@ -105,7 +107,9 @@ def test_log_throughput_line(gpt_pp2):
         assert _field(line, "grad norm") == pytest.approx(
             results[-1]["grad_norms"][number - 1], abs=1e-3)
         assert _field(line, "tokens/s") > 0
-        assert _field(line, "throughput per GPU (TFLOP/s/GPU)") >= 0
+        # CPU ranks: no GPU peak, so no TFLOP/s or MFU column
+        assert "TFLOP/s" not in line and "MFU" not in line
+        assert re.search(r"\| time left: \d+:\d\d:\d\d \|", line), line
         assert _field(line, "number of skipped iterations") == 0
 
 
@@ -149,3 +153,24 @@ def test_dpp_with_distributed_optimizer_overlapped_reduce_and_rampup():
     assert dpp["grad_norms"] == pytest.approx(core["grad_norms"], rel=1e-6)
     assert core_losses[-1] < core_losses[0]  # the optimizer steps reached the parameters
     assert any("schedule DPP" in m for _, m in dpp["logs"])
+
+
+def iteration_line(iteration: int, elapsed_ms: float, peak_tflops: float | None) -> str:
+    return IterationStats(
+        iteration=iteration, train_iters=1000, consumed_samples=8 * iteration,
+        elapsed_ms=elapsed_ms, lr=1e-3, global_batch_size=8, losses={"lm loss": 9.0},
+        loss_scale=1.0, grad_norm=0.5, skipped=0, nan=0, tokens=4096, world_size=2,
+        flops=4e12, peak_tflops=peak_tflops).line(with_throughput=True)
+
+
+def test_the_iteration_line_tells_the_time_left_and_flops_only_against_a_peak():
+    # 990 iterations left at 250 ms: 247.5 s; 1 left at 4000 ms
+    cpu = iteration_line(10, 250.0, None)
+    assert "| time left: 0:04:08 |" in cpu
+    assert "TFLOP/s" not in cpu and "MFU" not in cpu and "| tokens/s: 16384 |" in cpu
+    assert "| time left: 1:06:00 |" in iteration_line(10, 4000.0, None)
+    # 4 TFLOP per iteration over 2 GPUs in 1 s: 2 TFLOP/s per GPU, 2/989 of an H100's peak
+    gpu = iteration_line(999, 1000.0, 989.0)
+    assert "| time left: 0:00:01 |" in gpu
+    assert "| throughput per GPU (TFLOP/s/GPU): 2.0 | MFU: 0.2% |" in gpu
+    assert read_iterations([cpu])[0]["tokens/s"] == 16384

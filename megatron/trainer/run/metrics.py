@@ -73,13 +73,15 @@ class IterationStats:
             f" iteration {self.iteration:8d}/{self.train_iters:8d}",
             f"consumed samples: {self.consumed_samples:12d}",
             f"elapsed time per iteration (ms): {self.elapsed_ms:.1f}",
+            f"time left: {time_left(self.elapsed_ms, self.train_iters - self.iteration)}",
         ]
         seconds = self.elapsed_ms / 1000.0
         tflops = self.flops / seconds / self.world_size / 1e12 if seconds > 0 else 0.0
-        if with_throughput:
+        # TFLOP/s per GPU and MFU only where there is a GPU peak to set them against
+        if with_throughput and self.peak_tflops:
             parts.append(f"throughput per GPU (TFLOP/s/GPU): {tflops:.1f}")
-            if self.peak_tflops:
-                parts.append(f"MFU: {100.0 * tflops / self.peak_tflops:.1f}%")
+            parts.append(f"MFU: {100.0 * tflops / self.peak_tflops:.1f}%")
+        if with_throughput:
             parts.append(f"tokens/s: {self.tokens / seconds if seconds > 0 else 0.0:.0f}")
             if self.real_tokens is not None and self.real_tokens < self.tokens:
                 # padded microbatches: what was learnt from, and the share of padding
@@ -99,6 +101,12 @@ class IterationStats:
         parts.append(f"number of skipped iterations: {self.skipped:3d}")
         parts.append(f"number of nan iterations: {self.nan:3d}")
         return " | ".join(parts) + " |"
+
+
+def time_left(ms_per_iteration: float, iterations: int) -> str:
+    """H:MM:SS for `iterations` more at the recent interval's time per iteration."""
+    seconds = round(max(0, iterations) * ms_per_iteration / 1000.0)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 def require_wandb(config: LoggingConfig) -> None:
