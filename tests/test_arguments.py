@@ -221,10 +221,8 @@ def test_entry_point_reports_configuration_errors_in_one_message(case, capsys, m
     with pytest.raises(SystemExit) as exited:
         pretrain(GPT_TASK, with_flags(BASE, **overrides))
     assert exited.value.code == 2
-    header, *problems = capsys.readouterr().err.splitlines()
-    assert header.endswith(": invalid arguments:")
-    assert problems and all(line.startswith("  --") for line in problems), problems
-    assert message in problems[0], problems
+    (line,) = capsys.readouterr().err.splitlines()  # one line, however many problems
+    assert message in line, line
 
 
 def test_entry_point_script_exits_without_traceback():
@@ -238,7 +236,7 @@ def test_entry_point_script_exits_without_traceback():
     # a CUDA toolkit but no GPU (this one): torch's line, not the trainer's
     stderr = "".join(line for line in done.stderr.splitlines(keepends=True)
                      if "torch/utils/cpp_extension.py" not in line)
-    assert stderr == "pretrain_gpt.py: invalid arguments:\n  --train-iters 0 must be >= 1\n"
+    assert stderr == "pretrain_gpt.py: --train-iters 0 must be >= 1\n"
     assert done.stdout == ""
 
 

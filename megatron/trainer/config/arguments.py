@@ -18,6 +18,7 @@ from megatron.trainer.data.batch_schedule import (
     StepSchedule,
     batch_size_schedule,
 )
+from megatron.trainer.data.documents import split_document_ranges
 from megatron.trainer.data.tokenizer import TOKENIZER_TYPES
 
 # --pad-to-multiple's default on GPU: at --seq-length 2048, 16 shapes (buckets)
@@ -26,6 +27,12 @@ GPU_PAD_TO_MULTIPLE = 128
 
 class ArgumentError(ValueError):
     """Inconsistent or unsupported flags; the message names each flag and value."""
+
+
+def one_line(problems: list[str]) -> str:
+    """The flag problems as one line: every rank of a job prints it, and the launch scripts
+    show a repeated line once."""
+    return problems[0] if len(problems) == 1 else "invalid arguments: " + "; ".join(problems)
 
 
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
@@ -477,7 +484,7 @@ def validate_args(args, world_size: int, model: str = "gpt") -> None:
     _validate_checkpointing(args, need)
     _validate_checkpoint_args_and_eval(args, need)
     if problems:
-        raise ArgumentError("invalid arguments:\n  " + "\n  ".join(problems))
+        raise ArgumentError(one_line(problems))
 
 
 def _validate_virtual_pipeline(args, need):
@@ -687,7 +694,7 @@ def _check_ranges(args) -> None:
         problems.append(f"--seed {args.seed} must be below {top} (numpy's seeds are 32-bit, and "
                         "each pipeline stage adds 100 x its rank)")
     if problems:
-        raise ArgumentError("invalid arguments:\n  " + "\n  ".join(problems))
+        raise ArgumentError(one_line(problems))
 
 
 def _validate_precision(args, need):
@@ -741,6 +748,10 @@ def _validate_data(args, need):
                                           " and --merge-file, or --tokenizer-type)"))
     if args.data_path:
         _parse_blend(args, need)
+        try:
+            split_document_ranges(args.split, 1)  # megatron.core reads "abc" as NaN weights
+        except ValueError as error:
+            need(False, str(error))
     need(args.seq_length_cv >= 0, f"--seq-length-cv {args.seq_length_cv} must be >= 0")
     # megatron-core exchanges the shapes of variable-length microbatches in one batched p2p
     # call, which at PP=2 with virtual stages swaps the activation's and the gradient's

@@ -37,6 +37,11 @@ from megatron.trainer.model.attention import MLA_SDPA_BY_BACKEND, SDPA_BY_BACKEN
 log = logging.getLogger(__name__)
 
 
+class ModelFlagError(ValueError):
+    """Flags the model cannot be built with on this machine (a missing Transformer Engine, an
+    attention backend that cannot run here); reported as a flag error (run/failures.py)."""
+
+
 def transformer_engine_available() -> bool:
     try:
         import transformer_engine  # noqa: F401
@@ -48,7 +53,7 @@ def transformer_engine_available() -> bool:
 def use_transformer_engine(args) -> bool:
     if args.transformer_impl == "transformer_engine":
         if not transformer_engine_available():
-            raise RuntimeError("--transformer-impl transformer_engine: Transformer Engine is not "
+            raise ModelFlagError("--transformer-impl transformer_engine: Transformer Engine is not "
                                "importable (or there is no GPU)")
         return True
     return args.transformer_impl == "auto" and transformer_engine_available()
@@ -57,7 +62,7 @@ def use_transformer_engine(args) -> bool:
 def transformer_config_from_args(args) -> TransformerConfig:
     te = use_transformer_engine(args)
     if te and args.dpp_split_backward:
-        raise RuntimeError("--dpp-split-backward: Transformer Engine's layers compute their "
+        raise ModelFlagError("--dpp-split-backward: Transformer Engine's layers compute their "
                            "weight gradients in their own backward; use --transformer-impl local")
     on_gpu = torch.cuda.is_available()
     if not batch_p2p_comm(args) and not args.no_batch_p2p_comm and not args.use_dpp:
@@ -268,13 +273,13 @@ def _local_mla_spec(spec: ModuleSpec, args) -> ModuleSpec:
     DotProductAttention sizes all heads by kv_channels and cannot run it."""
     q_k_dim = args.qk_head_dim + args.qk_pos_emb_head_dim
     if args.attention_backend in ("local", "unfused"):
-        raise RuntimeError(f"--attention-backend {args.attention_backend} with "
+        raise ModelFlagError(f"--attention-backend {args.attention_backend} with "
                            "--multi-latent-attention and local layers: megatron-core's "
                            "DotProductAttention has one head dim for q, k and v; use "
                            "--attention-backend auto (SDPA) or Transformer Engine")
     backend = "flash" if args.use_flash_attn else args.attention_backend
     if backend == "flash" and q_k_dim != args.v_head_dim:
-        raise RuntimeError(f"FlashAttention with --multi-latent-attention and local layers: "
+        raise ModelFlagError(f"FlashAttention with --multi-latent-attention and local layers: "
                            f"torch's FlashAttention kernel needs one head dim, MLA's q/k heads "
                            f"have {q_k_dim} channels and its v heads {args.v_head_dim}")
     spec = copy.deepcopy(spec)
@@ -341,7 +346,7 @@ def _stock_attention(args) -> bool:
     if args.attention_backend not in ("local", "unfused"):
         return False
     if not torch.cuda.is_available():
-        raise RuntimeError(f"--attention-backend {args.attention_backend}: megatron.core's "
+        raise ModelFlagError(f"--attention-backend {args.attention_backend}: megatron.core's "
                            "DotProductAttention needs CUDA; use --attention-backend auto on CPU")
     return True
 

@@ -26,6 +26,7 @@ from megatron.trainer.core_compat.reruns import ResultValidationStop
 from megatron.trainer.data.batch_schedule import BatchScheduleError
 from megatron.trainer.data.data import DataError
 from megatron.trainer.data.tokenizer import TokenizerError, TokenizerFlagError
+from megatron.trainer.model.models import ModelFlagError
 from megatron.trainer.run.replica_check import ReplicaMismatch
 
 log = logging.getLogger("megatron.trainer.run.failures")
@@ -63,7 +64,7 @@ def exit_on_known_failures(program: str):
     argparse); another known failure logs one ERROR line and exits 1 (130 on Ctrl-C)."""
     try:
         yield
-    except (ArgumentError, TokenizerFlagError) as error:
+    except (ArgumentError, TokenizerFlagError, ModelFlagError) as error:
         sys.stderr.write(f"{program}: {error}\n")
         raise SystemExit(EXIT_USAGE) from None
     except BaseException as error:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from megatron.trainer.config.arguments import ArgumentError
 from megatron.trainer.core_compat.cpu_compat import CpuCompat
 from megatron.trainer.run.determinism import deterministic_mode
 
@@ -42,7 +43,7 @@ def initialize_distributed(args, stack: contextlib.ExitStack) -> torch.device:
     return this rank's device. CPU runs enter `CpuCompat` on `stack`."""
     use_gpu = args.distributed_backend == "nccl"
     if use_gpu and not torch.cuda.is_available():
-        raise RuntimeError("--distributed-backend nccl needs a GPU; use gloo on CPU")
+        raise ArgumentError("--distributed-backend nccl needs a GPU; use gloo on CPU")
     local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
     if use_gpu:
         torch.cuda.set_device(local_rank)

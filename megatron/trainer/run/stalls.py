@@ -10,6 +10,8 @@ import os
 import threading
 import time
 
+from megatron.trainer.config.arguments import ArgumentError
+
 log = logging.getLogger("megatron.trainer.run.stalls")
 
 DEFAULT_WARNING_S = 60.0
@@ -22,9 +24,9 @@ def warning_interval_s() -> float:
     try:
         value = float(text) if text else DEFAULT_WARNING_S
     except ValueError:
-        raise ValueError(f"MEGATRON_STALL_WARNING_S={text!r} is not a number of seconds") from None
+        raise ArgumentError(f"MEGATRON_STALL_WARNING_S={text!r} is not a number of seconds") from None
     if value <= 0:
-        raise ValueError(f"MEGATRON_STALL_WARNING_S={text!r}: expected a positive number")
+        raise ArgumentError(f"MEGATRON_STALL_WARNING_S={text!r}: expected a positive number")
     return value
 
 
