@@ -26,6 +26,7 @@ import hashlib
 import inspect
 import logging
 import os
+import pickle
 import queue
 import random
 import re
@@ -38,7 +39,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
-from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
@@ -53,7 +53,7 @@ from megatron.core.utils import unwrap_model
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.dpp.transport.channel import brief, peer_failure
-from megatron.trainer.checkpoint import torch_checkpoint
+from megatron.trainer.checkpoint import checkpoint_files, torch_checkpoint
 from megatron.trainer.checkpoint.checkpoint_config import CheckpointConfig
 from megatron.trainer.core_compat import core_overrides
 
@@ -483,12 +483,18 @@ def integrity_problem(path: str) -> str | None:
         f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
 
 
-def _verify_on_rank0(path: str) -> None:
-    """Rank 0 re-hashes the checkpoint; every rank raises its verdict."""
-    problem = [integrity_problem(path) if dist.get_rank() == 0 else None]
+def _raise_on_rank0_verdict(path: str, find_problem) -> None:
+    """Rank 0 looks at the checkpoint's files (`find_problem(path)`: a message or None);
+    every rank raises its verdict, so that all stop together."""
+    problem = [find_problem(path) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(problem, src=0)
     if problem[0] is not None:
         raise CheckpointError(problem[0])
+
+
+def _verify_on_rank0(path: str) -> None:
+    """Rank 0 re-hashes the checkpoint; every rank raises its verdict."""
+    _raise_on_rank0_verdict(path, integrity_problem)
     log.info("%s: every file matches its SHA-256 in %s", path, INTEGRITY_MANIFEST)
 
 
@@ -723,6 +729,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler,
         _verify_on_rank0(path)
     load_optim = optimizer is not None and config.load_optim and not config.finetune
     torch_format = checkpoint_format(path, config) == "torch"
+    if not torch_format:
+        _raise_on_rank0_verdict(path, checkpoint_files.torch_dist_problem)
     with torch.no_grad():
         sharding = None
         if torch_format:
@@ -782,7 +790,7 @@ def checkpoint_format(path: str, config: CheckpointConfig) -> str:
 def _read_torch_format(path: str) -> dict:
     try:
         return torch_checkpoint.load(path)
-    except (OSError, RuntimeError) as error:
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as error:
         raise CheckpointError(f"loading {path} failed: {brief(error)}") from error
 
 
@@ -791,7 +799,12 @@ def _read_torch_dist(path: str, model, optimizer, scheduler,
     """megatron.core's load with the flags' strictness and strategy, and the distributed
     optimizer's layout. Its state is requested in the layout it was saved in (the
     checkpoint's content metadata), whatever --dist-ckpt-optim-fully-reshardable says now."""
-    metadata = dist_checkpointing.load_content_metadata(path)
+    try:
+        metadata = dist_checkpointing.load_content_metadata(path)
+    except Exception as error:
+        common = os.path.join(path, checkpoint_files.COMMON_FILE)
+        raise CheckpointError(f"{common} is unreadable: {type(error).__name__}: "
+                              f"{brief(error)}") from error
     if metadata is None:  # written before the metadata was stored: the flags' layout
         metadata = _optimizer_metadata(config)
     if optimizer is not None and config.distributed_optimizer:
@@ -803,10 +816,9 @@ def _read_torch_dist(path: str, model, optimizer, scheduler,
             strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
     try:
         loaded = dist_checkpointing.load(sharded, path, strategy, strict=config.strictness)
-    except CheckpointingException as error:
-        message = " ".join(str(error).split())
-        raise CheckpointError(f"loading {path} (--dist-ckpt-strictness {config.strictness}): "
-                              f"{message}") from error
+    except (Exception, CheckpointException) as error:
+        raise CheckpointError(checkpoint_files.load_failure(
+            path, error, config.strictness, _saved_args(path), config.run_args)) from error
     if config.strictness.startswith("return_"):
         loaded, missing, unexpected = loaded
         if missing or unexpected:
@@ -814,6 +826,15 @@ def _read_torch_dist(path: str, model, optimizer, scheduler,
                         "that the checkpoint lacks (unexpected): %s", path,
                         sorted(missing) or "none", sorted(unexpected) or "none")
     return loaded, metadata.get("distrib_optim_sharding_type")
+
+
+def _saved_args(path: str) -> dict | None:
+    """The flags saved in the checkpoint's common state, where they can be read."""
+    try:
+        saved = dist_checkpointing.load_common_state_dict(path).get("args")
+    except Exception:  # the load failed already: its error is the one reported
+        return None
+    return vars(saved) if hasattr(saved, "__dict__") else saved
 
 
 # the scheduler's settings a checkpoint holds, and the flags that set them
