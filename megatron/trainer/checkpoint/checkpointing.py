@@ -285,6 +285,7 @@ def _save(root: str, model, optimizer, scheduler, state: TrainingState,
     final = checkpoint_dir(root, iteration)
     staging = final + ".tmp"
     rank0 = dist.get_rank() == 0
+    _refuse_non_finite(model, root, final)
     try:
         if rank0:
             os.makedirs(root, exist_ok=True)
@@ -327,6 +328,26 @@ def _save(root: str, model, optimizer, scheduler, state: TrainingState,
             raise
         raise _save_failed(error, root, staging, iteration, rank0) from error
     return final
+
+
+def _refuse_non_finite(model, root: str, final: str) -> None:
+    """No checkpoint of parameters holding NaN or Inf is published (it would become the
+    one to resume from): every rank counts its own, one all-reduce sums them."""
+    params = [param for chunk in unwrap_model(model) for param in chunk.parameters()]
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    count = torch.zeros(1, dtype=torch.int64, device=device)
+    if params:  # one device sync for all of them
+        count += torch.stack([torch.isfinite(p).all() for p in params]).logical_not().sum().to(
+            device)
+    dist.all_reduce(count)
+    if count.item():
+        message = (f"not saving {final}: {count.item()} parameter tensors hold NaN or Inf "
+                   "(the run diverged)")
+        with contextlib.suppress(OSError, CheckpointError):
+            latest = latest_iteration(root)
+            if latest is not None:
+                message += f"; {os.path.join(root, POINTER)} still names iteration {latest}"
+        raise CheckpointError(message)
 
 
 def _save_torch_dist(staging: str, model, optimizer, scheduler, state: TrainingState,

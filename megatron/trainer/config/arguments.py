@@ -1416,8 +1416,9 @@ def _add_rerun_args(g):
                         "reproduced), persistent_error or correct_result (reproduced)")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
                    dest="check_for_nan_in_loss_and_grad",
-                   help="with --rerun-mode validate_results|report_stats: no NaN/Inf checks of "
-                        "the losses and gradient norms (disabled checks nothing anyway)")
+                   help="train on through NaN/Inf losses and gradient norms: without it a "
+                        "non-finite one stops the run (and --rerun-mode validate_results|"
+                        "report_stats also re-runs the iteration)")
     g.add_argument("--check-for-spiky-loss", action="store_true",
                    help="with --rerun-mode validate_results|report_stats: also reject a loss "
                         "ten times the largest of the first 100 (not fatal)")

@@ -31,7 +31,12 @@ from megatron.trainer.config import fast_path
 from megatron.trainer.config.arguments import ArgumentError, parse_args
 from megatron.trainer.config.configs import LoggingConfig, TokenizerConfig
 from megatron.trainer.core_compat import core_overrides, no_apex
-from megatron.trainer.core_compat.reruns import RerunConfig, ResultValidation, ResultValidationStop
+from megatron.trainer.core_compat.reruns import (
+    RerunConfig,
+    ResultValidation,
+    ResultValidationStop,
+    stop_on_non_finite,
+)
 from megatron.trainer.data.batch_schedule import batch_size_schedule
 from megatron.trainer.data.data import MicroBatchIterator, check_data_paths, microbatch_lengths
 from megatron.trainer.data.microbatches import (
@@ -354,8 +359,11 @@ def train_step(trainer: Trainer, iterator) -> dict:
         trainer.scheduler.step(increment=batch)
     else:
         trainer.state.skipped_iterations += 1
+    reduced = reduce_losses(losses, trainer.task.loss_names)
+    if trainer.reruns.config.check_for_nan and updated:  # a skipped step changed nothing
+        stop_on_non_finite(iteration, reduced, grad_norm)
     return {
-        "losses": reduce_losses(losses, trainer.task.loss_names),
+        "losses": reduced,
         "grad_norm": grad_norm,
         "num_zeros": num_zeros,
         "updated": updated,
