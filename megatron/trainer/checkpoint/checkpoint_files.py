@@ -26,6 +26,7 @@ from megatron.dpp.transport.channel import brief
 CONFIG_FILE = "metadata.json"  # megatron.core's: which backends wrote the checkpoint
 COMMON_FILE = "common.pt"  # megatron.core's: the state every rank shares (torch.save)
 METADATA_FILE = ".metadata"  # torch.distributed.checkpoint's: where each tensor's bytes lie
+RNG_KEY = "rng_state"  # the ShardedObject of every rank's RNG states
 # the flags that set the model's tensor shapes (as --use-checkpoint-args fills them in)
 SHAPE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                "num_query_groups", "kv_channels", "seq_length", "max_position_embeddings",
@@ -83,6 +84,17 @@ def _shard_problem(path: str, storage: dict) -> str | None:
         if size < end:
             return (f"{shard} is truncated: {size} bytes, but {METADATA_FILE} places data up "
                     f"to byte {end}")
+    return None
+
+
+def saved_rng_layout(path: str) -> tuple[int, ...] | None:
+    """The parallel layout the RNG states of the torch_dist checkpoint at `path` were saved
+    in: the global shape in the key of their ShardedObject (`rng_state/shard_<at>_<shape>`),
+    None where it holds none."""
+    keys = FileSystemReader(path).read_metadata().state_dict_metadata
+    for key in keys:
+        if key.startswith(RNG_KEY + "/shard_"):
+            return tuple(int(size) for size in key.rsplit("_", 1)[1].split("."))
     return None
 
 

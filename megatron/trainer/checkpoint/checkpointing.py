@@ -98,7 +98,8 @@ def _chunk_keys(model) -> list[str]:
     return ["model"] if len(model) == 1 else [f"model{index}" for index in range(len(model))]
 
 
-def _sharded_state(model, optimizer, scheduler, state, metadata: dict, loading: bool) -> dict:
+def _sharded_state(model, optimizer, scheduler, state, metadata: dict, loading: bool,
+                   with_rng: bool = True) -> dict:
     # the bare models (no DDP / Float16Module wrapper): their keys are what load_state_dict
     # expects and do not change with the precision
     model = unwrap_model(model)
@@ -114,7 +115,8 @@ def _sharded_state(model, optimizer, scheduler, state, metadata: dict, loading: 
         )
     if scheduler is not None:
         sharded["opt_param_scheduler"] = scheduler.state_dict()
-    sharded["rng_state"] = _rng_sharded_object()
+    if with_rng:
+        sharded["rng_state"] = _rng_sharded_object()
     sharded["training_state"] = vars(state).copy()
     sharded["checkpoint_version"] = 1
     return sharded
@@ -130,6 +132,17 @@ def _rng_state() -> dict:
     }
 
 
+def _rng_layout() -> tuple[int, int, int]:
+    """(pipeline, tensor, data)-parallel sizes: the shape the RNG states are saved in."""
+    return (parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_data_parallel_world_size(with_context_parallel=True))
+
+
+def _layout_text(layout: tuple[int, ...] | None) -> str:
+    return "no layout" if layout is None else "PP {} x TP {} x DP {}".format(*layout)
+
+
 def _rng_sharded_object() -> ShardedObject:
     """Each rank's RNG state, keyed by its (pipeline, tensor, data) coordinates."""
     coords = (
@@ -137,12 +150,22 @@ def _rng_sharded_object() -> ShardedObject:
         parallel_state.get_tensor_model_parallel_rank(),
         parallel_state.get_data_parallel_rank(with_context_parallel=True),
     )
-    shape = (
-        parallel_state.get_pipeline_model_parallel_world_size(),
-        parallel_state.get_tensor_model_parallel_world_size(),
-        parallel_state.get_data_parallel_world_size(with_context_parallel=True),
-    )
-    return ShardedObject("rng_state", _rng_state(), shape, coords, replica_id=0)
+    return ShardedObject(checkpoint_files.RNG_KEY, _rng_state(), _rng_layout(), coords, replica_id=0)
+
+
+def _rng_restorable(path: str, config: CheckpointConfig) -> bool:
+    """Whether to load the RNG states: asked for, and saved in this run's parallel layout
+    (each rank's own state; at another layout there is none that belongs to a rank, and the
+    run goes on with its own seeds, as Megatron-LM's)."""
+    if not config.load_rng or config.finetune:
+        return False
+    saved = checkpoint_files.saved_rng_layout(path)
+    current = _rng_layout()
+    if saved == current:
+        return True
+    log.info("%s: its RNG states are not restored: saved at %s, this run is %s (the seeds of "
+             "--seed continue instead)", path, _layout_text(saved), _layout_text(current))
+    return False
 
 
 @dataclass(frozen=True)
@@ -782,9 +805,10 @@ def load_checkpoint(root: str, model, optimizer, scheduler,
                 _restore_adam_steps(optimizer)
             if scheduler is not None:
                 scheduler.load_state_dict(loaded["opt_param_scheduler"])
-    if config.load_rng and not config.finetune:
-        _restore_rng(torch_checkpoint.rng_state_of_this_rank(loaded) if torch_format
-                     else loaded["rng_state"])
+    if torch_format and config.load_rng and not config.finetune:
+        _restore_rng(torch_checkpoint.rng_state_of_this_rank(loaded))
+    elif "rng_state" in loaded:  # torch_dist: requested where its layout is this run's
+        _restore_rng(loaded["rng_state"])
     state = TrainingState(**loaded["training_state"])
     if config.finetune:
         state = TrainingState()
@@ -830,7 +854,8 @@ def _read_torch_dist(path: str, model, optimizer, scheduler,
         metadata = _optimizer_metadata(config)
     if optimizer is not None and config.distributed_optimizer:
         _create_adam_states(optimizer)
-    sharded = _sharded_state(model, optimizer, scheduler, TrainingState(), metadata, True)
+    sharded = _sharded_state(model, optimizer, scheduler, TrainingState(), metadata, True,
+                             with_rng=_rng_restorable(path, config))
     strategy = TorchDistLoadShardedStrategy()
     if config.fully_parallel_load:
         strategy = FullyParallelLoadStrategyWrapper(
