@@ -27,6 +27,7 @@ from megatron.dpp.weight_grad import SplitBackwardNoPipelining, WeightGradStore
 from megatron.dpp.weight_grad_accumulation import weight_grad_accumulation_fusion
 from megatron.trainer.checkpoint import checkpointing
 from megatron.trainer.checkpoint.checkpoint_config import CheckpointConfig
+from megatron.trainer.checkpoint.save_directory import claim_save_directory
 from megatron.trainer.config import fast_path
 from megatron.trainer.config.arguments import ArgumentError, parse_args
 from megatron.trainer.config.configs import LoggingConfig, TokenizerConfig
@@ -135,6 +136,8 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     _require_optimizer_instance_support(args)
     device = initialize_distributed(args, stack)
     setup_logging(dist.get_rank(), dist.get_world_size())
+    if args.save:  # checked and locked before anything is built
+        claim_save_directory(args.save, args.load is not None, stack)
     try:
         model_fallbacks = fast_path.resolve_for_model(args, task.masked_attention)
     except fast_path.GraphsRefused as refusal:
