@@ -25,6 +25,7 @@ from megatron.trainer.config.arguments import ArgumentError
 from megatron.trainer.core_compat.reruns import NonFiniteResult, ResultValidationStop
 from megatron.trainer.data.batch_schedule import BatchScheduleError
 from megatron.trainer.data.data import DataError
+from megatron.trainer.data.tokenizer import TokenizerFileError
 from megatron.trainer.run.replica_check import ReplicaMismatch
 
 log = logging.getLogger("megatron.trainer.run.failures")
@@ -42,6 +43,8 @@ def known_failure(error: BaseException) -> tuple[str, int] | None:
         return f"bad training data: {error}", EXIT_FAILED
     if isinstance(error, TransportError):
         return f"pipeline transport: {error}", EXIT_FAILED
+    if isinstance(error, TokenizerFileError):
+        return f"tokenizer: {error}", EXIT_FAILED
     if isinstance(error, CheckpointError):
         return f"checkpoint: {error}", EXIT_FAILED
     if isinstance(error, CoreInternalsError | BatchScheduleError | ReplicaMismatch

@@ -266,7 +266,8 @@ def data_iterators(trainer: Trainer, dataset, consumed_samples: int):
             iterators.append(MicroBatchIterator(dataset, args.micro_batch_size, consumed_samples,
                                                 seq_length_cv=args.seq_length_cv,
                                                 seed=args.seed, num_workers=args.num_workers,
-                                                pad_to_multiple=args.pad_to_multiple))
+                                                pad_to_multiple=args.pad_to_multiple,
+                                                vocab_size=args.padded_vocab_size))
     return iterators if len(iterators) > 1 else iterators[0]
 
 
