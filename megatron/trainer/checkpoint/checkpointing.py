@@ -53,7 +53,7 @@ from megatron.core.utils import unwrap_model
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.dpp.transport.channel import brief, peer_failure
-from megatron.trainer.checkpoint import checkpoint_files, torch_checkpoint
+from megatron.trainer.checkpoint import checkpoint_files, checkpoint_trust, torch_checkpoint
 from megatron.trainer.checkpoint.checkpoint_config import CheckpointConfig
 from megatron.trainer.core_compat import core_overrides
 
@@ -771,6 +771,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler,
     path = checkpoint_dir(root, iteration)
     if not os.path.isdir(path):
         raise CheckpointError(f"{root}/{POINTER} names iteration {iteration} but {path} is missing")
+    if not config.trust:
+        _raise_on_rank0_verdict(path, functools.partial(checkpoint_trust.untrusted_problem, root))
     if config.verify_integrity:
         _verify_on_rank0(path)
     load_optim = optimizer is not None and config.load_optim and not config.finetune
@@ -780,7 +782,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler,
     with torch.no_grad():
         sharding = None
         if torch_format:
-            loaded = _read_torch_format(path)
+            loaded = _read_torch_format(path, config.trust)
         else:
             loaded, sharding = _read_torch_dist(path, model, optimizer if load_optim else None,
                                                 scheduler, config)
@@ -834,10 +836,18 @@ def checkpoint_format(path: str, config: CheckpointConfig) -> str:
     return found
 
 
-def _read_torch_format(path: str) -> dict:
+def _read_torch_format(path: str, trusted: bool) -> dict:
     try:
-        return torch_checkpoint.load(path)
-    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as error:
+        return torch_checkpoint.load(path, trusted)
+    except pickle.UnpicklingError as error:
+        refused = checkpoint_trust.refused_global(error)
+        if refused is None:
+            raise CheckpointError(f"loading {path} failed: {brief(error)}") from error
+        raise CheckpointError(
+            f"loading {path}: a file in it holds {refused}, which loading does not build (a "
+            "crafted pickle runs code): check the checkpoint and give "
+            f"{checkpoint_trust.TRUST_FLAG} to load it anyway") from error
+    except (OSError, RuntimeError, EOFError, ValueError) as error:
         raise CheckpointError(f"loading {path} failed: {brief(error)}") from error
 
 

@@ -1232,6 +1232,10 @@ def _add_core_extras_args(g):
     g.add_argument("--ckpt-assume-constant-structure", action="store_true",
                    help="torch_dist saves reuse the first save's plan and metadata (the model "
                         "and optimizer structure must not change during the run)")
+    g.add_argument("--trust-checkpoint", action="store_true",
+                   help="load a checkpoint that is world-writable or another user's, and legacy "
+                        "files holding classes beyond the allowed ones (loading unpickles: a "
+                        "crafted checkpoint runs code; megatron/trainer/checkpoint_trust.py)")
     g.add_argument("--verify-integrity", action="store_true",
                    help="write a SHA-256 manifest of each saved checkpoint and check the "
                         "loaded checkpoint against it")
