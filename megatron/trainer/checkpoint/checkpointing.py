@@ -462,7 +462,7 @@ def _staged_in_shared_memory(request):
 def _remove_stale_staging(root: str) -> None:
     """Staging directories a crashed save left behind (`iter_N.tmp`): partial checkpoints,
     or a re-saved iteration's previous copy. Never another job's save in progress: --save
-    is this job's alone (megatron/trainer/save_directory.py)."""
+    is this job's alone (megatron/trainer/checkpoint/save_directory.py)."""
     for name in os.listdir(root):
         path = os.path.join(root, name)
         if name.startswith("iter_") and name.endswith(".tmp") and os.path.isdir(path):

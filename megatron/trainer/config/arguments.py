@@ -1235,7 +1235,7 @@ def _add_core_extras_args(g):
     g.add_argument("--trust-checkpoint", action="store_true",
                    help="load a checkpoint that is world-writable or another user's, and legacy "
                         "files holding classes beyond the allowed ones (loading unpickles: a "
-                        "crafted checkpoint runs code; megatron/trainer/checkpoint_trust.py)")
+                        "crafted checkpoint runs code; megatron/trainer/checkpoint/checkpoint_trust.py)")
     g.add_argument("--verify-integrity", action="store_true",
                    help="write a SHA-256 manifest of each saved checkpoint and check the "
                         "loaded checkpoint against it")
