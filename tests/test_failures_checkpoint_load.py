@@ -23,6 +23,10 @@ FLAGS = with_flags(TINY, num_layers=2, global_batch_size=4, train_iters=1,
 ITERATION = "iter_0000001"
 SHARD, OTHER_SHARD = "__0_0.distcp", "__1_0.distcp"
 
+# the job stops at start-up: well under 30 s on an idle 2-core machine (its Python and torch
+# imports included), with room for one shared with other jobs
+STOP_S = 60
+
 
 def _truncate(name):
     def damage(path):
@@ -136,4 +140,4 @@ def test_a_damaged_checkpoint_ends_the_job_in_one_line(saved, tmp_path):
         errors = job.lines(rank, " ERROR ")
         assert len(errors) == 1, log[-3000:]
         assert f"checkpoint: {root / ITERATION / SHARD} is truncated:" in errors[0], errors
-    assert took < 30, f"the job took {took:.0f} s to stop"
+    assert took < STOP_S, f"the job took {took:.0f} s to stop"

@@ -364,8 +364,9 @@ def train_step(trainer: Trainer, iterator) -> dict:
     else:
         trainer.state.skipped_iterations += 1
     reduced = reduce_losses(losses, trainer.task.loss_names)
-    if trainer.reruns.config.check_for_nan and updated:  # a skipped step changed nothing
-        stop_on_non_finite(iteration, reduced, grad_norm)
+    if trainer.reruns.config.check_for_nan:
+        # a step the loss scaler skipped (fp16 overflow) changed nothing: its norm is no news
+        stop_on_non_finite(iteration, reduced, grad_norm if updated else None)
     return {
         "losses": reduced,
         "grad_norm": grad_norm,
