@@ -3,8 +3,11 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
 #include <utility>
 
 #include "errors.h"
@@ -42,6 +45,25 @@ void* map_shared(int fd, size_t bytes, const std::string& name) {
   return data;
 }
 
+// Reserves the segment's pages now: ftruncate leaves it sparse, and a /dev/shm too small
+// for it would otherwise show only at the first write to a missing page, as SIGBUS.
+void reserve_pages(int fd, size_t bytes, const std::string& name) {
+  struct statvfs filesystem;
+  const bool known = ::fstatvfs(fd, &filesystem) == 0;
+  const int err = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  if (err == 0 || err == EOPNOTSUPP || err == EINVAL) return;  // EOPNOTSUPP: cannot reserve
+  ::shm_unlink(name.c_str());
+  std::string free_space = "an unknown amount";
+  if (known) {
+    free_space = std::to_string(static_cast<unsigned long long>(filesystem.f_bavail) *
+                                filesystem.f_frsize) + " bytes";
+  }
+  throw TransportFailure("shared-memory segment " + name + " needs " + std::to_string(bytes) +
+                         " bytes, but /dev/shm had " + free_space + " free: " +
+                         std::strerror(err) +
+                         " (give /dev/shm more space, e.g. docker run --shm-size)");
+}
+
 }  // namespace
 
 SharedSegment SharedSegment::create(const std::string& name, size_t bytes) {
@@ -56,6 +78,7 @@ SharedSegment SharedSegment::create(const std::string& name, size_t bytes) {
     throw_errno("ftruncate of shared-memory segment " + name + " to " + std::to_string(bytes) +
                 " bytes (is /dev/shm large enough?)");
   }
+  reserve_pages(fd.get(), bytes, name);
   void* data = nullptr;
   try {
     data = map_shared(fd.get(), bytes, name);

@@ -167,8 +167,8 @@ def _single_rank_flags(rank, root, world_size):
     # the checkpoint that the loads below read holds one tensor the model lacks
     sharded_state = checkpointing._sharded_state
 
-    def with_extra_key(model, optimizer, scheduler, state, metadata, loading):
-        sharded = sharded_state(model, optimizer, scheduler, state, metadata, loading)
+    def with_extra_key(model, optimizer, scheduler, state, metadata, loading, **options):
+        sharded = sharded_state(model, optimizer, scheduler, state, metadata, loading, **options)
         sharded["extra"] = ShardedTensor.from_rank_offsets("extra.weight", torch.zeros(3))
         return sharded
 
@@ -181,8 +181,9 @@ def _single_rank_flags(rank, root, world_size):
         args = parse_args(with_flags(flags, train_iters=2, load=checkpoint) + extra_flags,
                           world_size=world_size)
         if asked_for is not None:
-            def asking(model, optimizer, scheduler, state, metadata, loading):
-                sharded = sharded_state(model, optimizer, scheduler, state, metadata, loading)
+            def asking(model, optimizer, scheduler, state, metadata, loading, **options):
+                sharded = sharded_state(model, optimizer, scheduler, state, metadata, loading,
+                                        **options)
                 sharded["probe"] = ShardedTensor.from_rank_offsets(asked_for, torch.zeros(3))
                 return sharded
             checkpointing._sharded_state = asking

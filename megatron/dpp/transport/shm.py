@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import _posixshmem
 import logging
+import os
 import secrets
 import threading
 
@@ -45,6 +46,18 @@ def _unlink_segment(name: str) -> None:
         _posixshmem.shm_unlink(name)
     except FileNotFoundError:
         pass
+
+
+SHM_DIR = "/dev/shm"  # where shm_open's segments live on Linux
+
+
+def shm_free_bytes() -> int | None:
+    """Bytes free on /dev/shm for this process; None where it cannot be asked."""
+    try:
+        stats = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return stats.f_bavail * stats.f_frsize
 
 
 def _as_transport_error(error: Exception, edge: Edge) -> TransportError:
@@ -221,6 +234,7 @@ class ShmBackend(Backend):
         try:
             failure: Exception | None = None
             try:
+                self._check_room([edge for edge in edges if edge.dst == rank], rank)
                 for edge in edges:
                     if edge.dst == rank:
                         receivers[edge] = self._open_receiver(extension, token, edge, inbox)
@@ -246,6 +260,18 @@ class ShmBackend(Backend):
         for channel in receivers.values():
             channel.start()
         return senders, receivers
+
+    def _check_room(self, incoming: list[Edge], rank: int) -> None:
+        """Up front: this rank's receiving segments (its rings' slots at least) fit in what
+        /dev/shm has free. The segments reserve their pages when created too, so one that
+        does not fit later (other ranks, other jobs) fails by name rather than as SIGBUS."""
+        needed = len(incoming) * self.slots * self.slot_bytes
+        free = shm_free_bytes()
+        if needed and free is not None and needed > free:
+            raise TransportError(
+                f"shm channels of rank {rank}: {len(incoming)} receiving segments need at "
+                f"least {needed} bytes of {SHM_DIR}, which has {free} bytes free (give it more "
+                "space, e.g. docker run --shm-size, or --dpp-transport torch)")
 
     @staticmethod
     def _clean_up_failed_open(token: str, edges: list[Edge], rank: int, channels) -> None:

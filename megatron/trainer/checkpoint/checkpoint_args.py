@@ -24,6 +24,7 @@ from megatron.core import dist_checkpointing
 
 from megatron.trainer.checkpoint import torch_checkpoint
 from megatron.trainer.checkpoint.checkpoint_config import CheckpointConfig
+from megatron.trainer.checkpoint.checkpoint_trust import untrusted_problem
 from megatron.trainer.checkpoint.checkpointing import (
     CheckpointError,
     checkpoint_dir,
@@ -85,9 +86,12 @@ def read_checkpoint_args(args) -> tuple[str, dict] | None:
     path = checkpoint_dir(root, iteration)
     if not os.path.isdir(path):
         raise CheckpointError(f"{root} names iteration {iteration} but {path} is missing")
+    problem = None if config.trust else untrusted_problem(root, path)
+    if problem is not None:
+        raise CheckpointError(f"--use-checkpoint-args: {problem}")
     try:
         if checkpoint_format(path, config) == "torch":
-            state = torch_checkpoint.load_first_rank_file(path)
+            state = torch_checkpoint.load_first_rank_file(path, config.trust)
         else:
             state = dist_checkpointing.load_common_state_dict(path)
     except CheckpointError:

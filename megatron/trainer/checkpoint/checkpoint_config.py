@@ -58,6 +58,7 @@ class CheckpointConfig:
     verify_integrity: bool = False  # a SHA-256 manifest written at save, checked at load
     auto_detect_format: bool = False  # --ckpt-format torch also loads torch_dist checkpoints
     async_cpu_shm: bool = False  # asynchronous saves hand the writer shared-memory copies
+    trust: bool = False  # --trust-checkpoint: load whoever wrote it (checkpoint_trust.py)
     # the run's flags, saved with every checkpoint (--use-checkpoint-args reads them)
     run_args: dict | None = field(default=None, compare=False, hash=False, repr=False)
 
@@ -89,6 +90,7 @@ class CheckpointConfig:
             verify_integrity=args.verify_integrity,
             auto_detect_format=args.auto_detect_ckpt_format,
             async_cpu_shm=args.async_ckpt_use_cpu_shm,
+            trust=args.trust_checkpoint,
             run_args=plain_args(args),
         )
 

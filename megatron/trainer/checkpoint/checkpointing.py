@@ -26,6 +26,7 @@ import hashlib
 import inspect
 import logging
 import os
+import pickle
 import queue
 import random
 import re
@@ -38,7 +39,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
-from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
@@ -53,7 +53,7 @@ from megatron.core.utils import unwrap_model
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.dpp.transport.channel import brief, peer_failure
-from megatron.trainer.checkpoint import torch_checkpoint
+from megatron.trainer.checkpoint import checkpoint_files, checkpoint_trust, torch_checkpoint
 from megatron.trainer.checkpoint.checkpoint_config import CheckpointConfig
 from megatron.trainer.core_compat import core_overrides
 
@@ -98,7 +98,8 @@ def _chunk_keys(model) -> list[str]:
     return ["model"] if len(model) == 1 else [f"model{index}" for index in range(len(model))]
 
 
-def _sharded_state(model, optimizer, scheduler, state, metadata: dict, loading: bool) -> dict:
+def _sharded_state(model, optimizer, scheduler, state, metadata: dict, loading: bool,
+                   with_rng: bool = True) -> dict:
     # the bare models (no DDP / Float16Module wrapper): their keys are what load_state_dict
     # expects and do not change with the precision
     model = unwrap_model(model)
@@ -114,7 +115,8 @@ def _sharded_state(model, optimizer, scheduler, state, metadata: dict, loading: 
         )
     if scheduler is not None:
         sharded["opt_param_scheduler"] = scheduler.state_dict()
-    sharded["rng_state"] = _rng_sharded_object()
+    if with_rng:
+        sharded["rng_state"] = _rng_sharded_object()
     sharded["training_state"] = vars(state).copy()
     sharded["checkpoint_version"] = 1
     return sharded
@@ -130,6 +132,17 @@ def _rng_state() -> dict:
     }
 
 
+def _rng_layout() -> tuple[int, int, int]:
+    """(pipeline, tensor, data)-parallel sizes: the shape the RNG states are saved in."""
+    return (parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_data_parallel_world_size(with_context_parallel=True))
+
+
+def _layout_text(layout: tuple[int, ...] | None) -> str:
+    return "no layout" if layout is None else "PP {} x TP {} x DP {}".format(*layout)
+
+
 def _rng_sharded_object() -> ShardedObject:
     """Each rank's RNG state, keyed by its (pipeline, tensor, data) coordinates."""
     coords = (
@@ -137,12 +150,22 @@ def _rng_sharded_object() -> ShardedObject:
         parallel_state.get_tensor_model_parallel_rank(),
         parallel_state.get_data_parallel_rank(with_context_parallel=True),
     )
-    shape = (
-        parallel_state.get_pipeline_model_parallel_world_size(),
-        parallel_state.get_tensor_model_parallel_world_size(),
-        parallel_state.get_data_parallel_world_size(with_context_parallel=True),
-    )
-    return ShardedObject("rng_state", _rng_state(), shape, coords, replica_id=0)
+    return ShardedObject(checkpoint_files.RNG_KEY, _rng_state(), _rng_layout(), coords, replica_id=0)
+
+
+def _rng_restorable(path: str, config: CheckpointConfig) -> bool:
+    """Whether to load the RNG states: asked for, and saved in this run's parallel layout
+    (each rank's own state; at another layout there is none that belongs to a rank, and the
+    run goes on with its own seeds, as Megatron-LM's)."""
+    if not config.load_rng or config.finetune:
+        return False
+    saved = checkpoint_files.saved_rng_layout(path)
+    current = _rng_layout()
+    if saved == current:
+        return True
+    log.info("%s: its RNG states are not restored: saved at %s, this run is %s (the seeds of "
+             "--seed continue instead)", path, _layout_text(saved), _layout_text(current))
+    return False
 
 
 @dataclass(frozen=True)
@@ -285,6 +308,7 @@ def _save(root: str, model, optimizer, scheduler, state: TrainingState,
     final = checkpoint_dir(root, iteration)
     staging = final + ".tmp"
     rank0 = dist.get_rank() == 0
+    _refuse_non_finite(model, root, final)
     try:
         if rank0:
             os.makedirs(root, exist_ok=True)
@@ -327,6 +351,26 @@ def _save(root: str, model, optimizer, scheduler, state: TrainingState,
             raise
         raise _save_failed(error, root, staging, iteration, rank0) from error
     return final
+
+
+def _refuse_non_finite(model, root: str, final: str) -> None:
+    """No checkpoint of parameters holding NaN or Inf is published (it would become the
+    one to resume from): every rank counts its own, one all-reduce sums them."""
+    params = [param for chunk in unwrap_model(model) for param in chunk.parameters()]
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    count = torch.zeros(1, dtype=torch.int64, device=device)
+    if params:  # one device sync for all of them
+        count += torch.stack([torch.isfinite(p).all() for p in params]).logical_not().sum().to(
+            device)
+    dist.all_reduce(count)
+    if count.item():
+        message = (f"not saving {final}: {count.item()} parameter tensors hold NaN or Inf "
+                   "(the run diverged)")
+        with contextlib.suppress(OSError, CheckpointError):
+            latest = latest_iteration(root)
+            if latest is not None:
+                message += f"; {os.path.join(root, POINTER)} still names iteration {latest}"
+        raise CheckpointError(message)
 
 
 def _save_torch_dist(staging: str, model, optimizer, scheduler, state: TrainingState,
@@ -417,10 +461,12 @@ def _staged_in_shared_memory(request):
 
 def _remove_stale_staging(root: str) -> None:
     """Staging directories a crashed save left behind (`iter_N.tmp`): partial checkpoints,
-    or a re-saved iteration's previous copy."""
+    or a re-saved iteration's previous copy. Never another job's save in progress: --save
+    is this job's alone (megatron/trainer/checkpoint/save_directory.py)."""
     for name in os.listdir(root):
         path = os.path.join(root, name)
         if name.startswith("iter_") and name.endswith(".tmp") and os.path.isdir(path):
+            log.info("removing %s, left by a save that did not finish", path)
             shutil.rmtree(path)
 
 
@@ -483,12 +529,18 @@ def integrity_problem(path: str) -> str | None:
         f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
 
 
-def _verify_on_rank0(path: str) -> None:
-    """Rank 0 re-hashes the checkpoint; every rank raises its verdict."""
-    problem = [integrity_problem(path) if dist.get_rank() == 0 else None]
+def _raise_on_rank0_verdict(path: str, find_problem) -> None:
+    """Rank 0 looks at the checkpoint's files (`find_problem(path)`: a message or None);
+    every rank raises its verdict, so that all stop together."""
+    problem = [find_problem(path) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(problem, src=0)
     if problem[0] is not None:
         raise CheckpointError(problem[0])
+
+
+def _verify_on_rank0(path: str) -> None:
+    """Rank 0 re-hashes the checkpoint; every rank raises its verdict."""
+    _raise_on_rank0_verdict(path, integrity_problem)
     log.info("%s: every file matches its SHA-256 in %s", path, INTEGRITY_MANIFEST)
 
 
@@ -719,14 +771,18 @@ def load_checkpoint(root: str, model, optimizer, scheduler,
     path = checkpoint_dir(root, iteration)
     if not os.path.isdir(path):
         raise CheckpointError(f"{root}/{POINTER} names iteration {iteration} but {path} is missing")
+    if not config.trust:
+        _raise_on_rank0_verdict(path, functools.partial(checkpoint_trust.untrusted_problem, root))
     if config.verify_integrity:
         _verify_on_rank0(path)
     load_optim = optimizer is not None and config.load_optim and not config.finetune
     torch_format = checkpoint_format(path, config) == "torch"
+    if not torch_format:
+        _raise_on_rank0_verdict(path, checkpoint_files.torch_dist_problem)
     with torch.no_grad():
         sharding = None
         if torch_format:
-            loaded = _read_torch_format(path)
+            loaded = _read_torch_format(path, config.trust)
         else:
             loaded, sharding = _read_torch_dist(path, model, optimizer if load_optim else None,
                                                 scheduler, config)
@@ -753,9 +809,10 @@ def load_checkpoint(root: str, model, optimizer, scheduler,
                 _restore_adam_steps(optimizer)
             if scheduler is not None:
                 scheduler.load_state_dict(loaded["opt_param_scheduler"])
-    if config.load_rng and not config.finetune:
-        _restore_rng(torch_checkpoint.rng_state_of_this_rank(loaded) if torch_format
-                     else loaded["rng_state"])
+    if torch_format and config.load_rng and not config.finetune:
+        _restore_rng(torch_checkpoint.rng_state_of_this_rank(loaded))
+    elif "rng_state" in loaded:  # torch_dist: requested where its layout is this run's
+        _restore_rng(loaded["rng_state"])
     state = TrainingState(**loaded["training_state"])
     if config.finetune:
         state = TrainingState()
@@ -779,10 +836,18 @@ def checkpoint_format(path: str, config: CheckpointConfig) -> str:
     return found
 
 
-def _read_torch_format(path: str) -> dict:
+def _read_torch_format(path: str, trusted: bool) -> dict:
     try:
-        return torch_checkpoint.load(path)
-    except (OSError, RuntimeError) as error:
+        return torch_checkpoint.load(path, trusted)
+    except pickle.UnpicklingError as error:
+        refused = checkpoint_trust.refused_global(error)
+        if refused is None:
+            raise CheckpointError(f"loading {path} failed: {brief(error)}") from error
+        raise CheckpointError(
+            f"loading {path}: a file in it holds {refused}, which loading does not build (a "
+            "crafted pickle runs code): check the checkpoint and give "
+            f"{checkpoint_trust.TRUST_FLAG} to load it anyway") from error
+    except (OSError, RuntimeError, EOFError, ValueError) as error:
         raise CheckpointError(f"loading {path} failed: {brief(error)}") from error
 
 
@@ -791,22 +856,27 @@ def _read_torch_dist(path: str, model, optimizer, scheduler,
     """megatron.core's load with the flags' strictness and strategy, and the distributed
     optimizer's layout. Its state is requested in the layout it was saved in (the
     checkpoint's content metadata), whatever --dist-ckpt-optim-fully-reshardable says now."""
-    metadata = dist_checkpointing.load_content_metadata(path)
+    try:
+        metadata = dist_checkpointing.load_content_metadata(path)
+    except Exception as error:
+        common = os.path.join(path, checkpoint_files.COMMON_FILE)
+        raise CheckpointError(f"{common} is unreadable: {type(error).__name__}: "
+                              f"{brief(error)}") from error
     if metadata is None:  # written before the metadata was stored: the flags' layout
         metadata = _optimizer_metadata(config)
     if optimizer is not None and config.distributed_optimizer:
         _create_adam_states(optimizer)
-    sharded = _sharded_state(model, optimizer, scheduler, TrainingState(), metadata, True)
+    sharded = _sharded_state(model, optimizer, scheduler, TrainingState(), metadata, True,
+                             with_rng=_rng_restorable(path, config))
     strategy = TorchDistLoadShardedStrategy()
     if config.fully_parallel_load:
         strategy = FullyParallelLoadStrategyWrapper(
             strategy, parallel_state.get_data_parallel_group(with_context_parallel=True))
     try:
         loaded = dist_checkpointing.load(sharded, path, strategy, strict=config.strictness)
-    except CheckpointingException as error:
-        message = " ".join(str(error).split())
-        raise CheckpointError(f"loading {path} (--dist-ckpt-strictness {config.strictness}): "
-                              f"{message}") from error
+    except (Exception, CheckpointException) as error:
+        raise CheckpointError(checkpoint_files.load_failure(
+            path, error, config.strictness, _saved_args(path), config.run_args)) from error
     if config.strictness.startswith("return_"):
         loaded, missing, unexpected = loaded
         if missing or unexpected:
@@ -814,6 +884,15 @@ def _read_torch_dist(path: str, model, optimizer, scheduler,
                         "that the checkpoint lacks (unexpected): %s", path,
                         sorted(missing) or "none", sorted(unexpected) or "none")
     return loaded, metadata.get("distrib_optim_sharding_type")
+
+
+def _saved_args(path: str) -> dict | None:
+    """The flags saved in the checkpoint's common state, where they can be read."""
+    try:
+        saved = dist_checkpointing.load_common_state_dict(path).get("args")
+    except Exception:  # the load failed already: its error is the one reported
+        return None
+    return vars(saved) if hasattr(saved, "__dict__") else saved
 
 
 # the scheduler's settings a checkpoint holds, and the flags that set them

@@ -18,6 +18,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron.trainer.checkpoint.checkpoint_trust import load_legacy_file
+
 MODEL_FILE = "model_optim_rng.pt"
 DISTRIBUTED_OPTIMIZER_FILE = "distrib_optim.pt"
 CHECKPOINT_VERSION = 3.0
@@ -87,24 +89,25 @@ def _raise_on_every_rank(failure: Exception | None) -> None:
         raise CheckpointException("writing a torch-format checkpoint failed", failed)
 
 
-def load(path: str) -> dict:
+def load(path: str, trusted: bool = False) -> dict:
     """This rank's file of the checkpoint at `path`; FileNotFoundError naming it when the
-    checkpoint was saved with another tensor / pipeline split."""
+    checkpoint was saved with another tensor / pipeline split. Unless `trusted`, read with
+    weights_only (checkpoint_trust.load_legacy_file)."""
     filename = os.path.join(rank_directory(path), MODEL_FILE)
     if not os.path.exists(filename):
         raise FileNotFoundError(
             f"{filename} is missing: a --ckpt-format torch checkpoint loads only at the tensor "
             "and pipeline sizes it was saved with (torch_dist reshards)")
-    return torch.load(filename, map_location="cpu", weights_only=False)
+    return load_legacy_file(filename, trusted)
 
 
-def load_first_rank_file(path: str) -> dict:
+def load_first_rank_file(path: str, trusted: bool = False) -> dict:
     """The file of tensor and pipeline rank 0, read before any process group exists (what
     --use-checkpoint-args needs from it is not a tensor: memory-mapped, nothing else is read)."""
     for name in ("mp_rank_00", "mp_rank_00_000"):
         filename = os.path.join(path, name, MODEL_FILE)
         if os.path.exists(filename):
-            return torch.load(filename, map_location="cpu", weights_only=False, mmap=True)
+            return load_legacy_file(filename, trusted, mmap=True)
     raise FileNotFoundError(f"{path} has neither mp_rank_00/{MODEL_FILE} nor "
                             f"mp_rank_00_000/{MODEL_FILE}")
 

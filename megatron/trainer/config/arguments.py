@@ -1243,6 +1243,10 @@ def _add_core_extras_args(g):
     g.add_argument("--ckpt-assume-constant-structure", action="store_true",
                    help="torch_dist saves reuse the first save's plan and metadata (the model "
                         "and optimizer structure must not change during the run)")
+    g.add_argument("--trust-checkpoint", action="store_true",
+                   help="load a checkpoint that is world-writable or another user's, and legacy "
+                        "files holding classes beyond the allowed ones (loading unpickles: a "
+                        "crafted checkpoint runs code; megatron/trainer/checkpoint/checkpoint_trust.py)")
     g.add_argument("--verify-integrity", action="store_true",
                    help="write a SHA-256 manifest of each saved checkpoint and check the "
                         "loaded checkpoint against it")
@@ -1427,8 +1431,9 @@ def _add_rerun_args(g):
                         "reproduced), persistent_error or correct_result (reproduced)")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
                    dest="check_for_nan_in_loss_and_grad",
-                   help="with --rerun-mode validate_results|report_stats: no NaN/Inf checks of "
-                        "the losses and gradient norms (disabled checks nothing anyway)")
+                   help="train on through NaN/Inf losses and gradient norms: without it a "
+                        "non-finite one stops the run (and --rerun-mode validate_results|"
+                        "report_stats also re-runs the iteration)")
     g.add_argument("--check-for-spiky-loss", action="store_true",
                    help="with --rerun-mode validate_results|report_stats: also reject a loss "
                         "ten times the largest of the first 100 (not fatal)")

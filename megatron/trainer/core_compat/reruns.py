@@ -13,7 +13,12 @@ microbatch, so a healthy device computes the same numbers again. Then:
   status 16, to be resumed on another GPU to tell a persistent fault from a correct result.
 report_stats: every iteration runs twice and the relative differences between the two runs'
 results are logged every two iterations (non-determinism of the kernels).
-disabled: no checks, no re-runs.
+disabled: no re-runs; the check below still applies.
+
+Whatever the mode, a non-finite loss or gradient norm stops the run after the iteration
+(`stop_on_non_finite`, on by default as in Megatron-LM; --no-check-for-nan-in-loss-and-grad
+trains on): the optimizer step has then already spread it into the parameters, so nothing
+is saved, and the last checkpoint stays the one to resume from.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -81,6 +87,24 @@ class ResultValidationStop(RuntimeError):
     def __init__(self, message: str, status: int):
         super().__init__(message)
         self.status = status
+
+
+class NonFiniteResult(RuntimeError):
+    """An iteration's loss or gradient norm is NaN or Inf."""
+
+
+def stop_on_non_finite(iteration: int, losses: dict[str, float],
+                       grad_norm: float | None) -> None:
+    """Raise NonFiniteResult where this rank's reduced losses (the last pipeline stage's)
+    or the gradient norm (the same on every rank) are NaN or Inf."""
+    bad = [f"{name} {value}" for name, value in losses.items() if not math.isfinite(value)]
+    if grad_norm is not None and not math.isfinite(grad_norm):
+        bad.append(f"grad norm {grad_norm}")
+    if bad:
+        raise NonFiniteResult(
+            f"iteration {iteration}: non-finite {', '.join(bad)}; stopped without saving (the "
+            "parameters are no longer finite); resume from the last checkpoint, e.g. with a "
+            "lower --lr (--no-check-for-nan-in-loss-and-grad trains on)")
 
 
 @dataclass(frozen=True)

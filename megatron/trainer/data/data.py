@@ -246,6 +246,9 @@ class MockBertDataset(torch.utils.data.Dataset):
         }
 
 
+_TOKEN_KEYS = ("tokens", "labels", "text")  # GPT's and BERT's token-id fields
+
+
 class MicroBatchIterator:
     """Yields this data-parallel rank's micro-batches in Megatron's order, starting at
     `consumed_samples`: global micro-batch k holds samples [k*m*d, (k+1)*m*d) and data-parallel
@@ -254,8 +257,9 @@ class MicroBatchIterator:
     def __init__(self, dataset, micro_batch_size: int, consumed_samples: int = 0,
                  dp_rank: int | None = None, dp_size: int | None = None,
                  seq_length_cv: float = 0.0, seed: int = 0, num_workers: int = 0,
-                 pad_to_multiple: int = 1):
+                 pad_to_multiple: int = 1, vocab_size: int | None = None):
         self.dataset = dataset
+        self.vocab_size = vocab_size  # token ids must be below it (None: not checked)
         self.seq_length_cv, self.seed = seq_length_cv, seed
         self.pad_to_multiple = pad_to_multiple
         self.micro_batch_size = micro_batch_size
@@ -283,12 +287,28 @@ class MicroBatchIterator:
         global_index = self.next_start
         self.next_start += self.stride
         if self._loader is not None:
-            return next(self._loader)
+            return self._checked(next(self._loader), global_index)
         batch = torch.utils.data.default_collate(
             [self.dataset[i] for i in self.indices(global_index)])
         if self.seq_length_cv > 0:
             batch = _truncate(batch, self.seq_length_cv, self.seed, global_index,
                               self.pad_to_multiple)
+        return self._checked(batch, global_index)
+
+    def _checked(self, batch, global_index: int):
+        """The batch, once its token ids are known to index the embedding: an id beyond it
+        (data tokenized with a larger vocabulary) would fail in the lookup without a word
+        on the data (or, on a GPU, as a device-side assert)."""
+        if self.vocab_size is None or not isinstance(batch, dict):
+            return batch
+        for key in _TOKEN_KEYS:
+            ids = batch.get(key)
+            if isinstance(ids, torch.Tensor) and ids.numel() and int(ids.max()) >= self.vocab_size:
+                raise DataError(
+                    f"the micro-batch at sample {global_index} holds token id {int(ids.max())} "
+                    f"({key}), beyond the model's vocabulary of {self.vocab_size} (--vocab-size "
+                    "or the tokenizer's, padded): the data was tokenized with a larger "
+                    "vocabulary")
         return batch
 
 

@@ -22,7 +22,7 @@ from megatron.dpp.core_internals import CoreInternalsError
 from megatron.dpp.transport.channel import TransportError, brief, peer_failure
 from megatron.trainer.checkpoint.checkpointing import CheckpointError
 from megatron.trainer.config.arguments import ArgumentError
-from megatron.trainer.core_compat.reruns import ResultValidationStop
+from megatron.trainer.core_compat.reruns import NonFiniteResult, ResultValidationStop
 from megatron.trainer.data.batch_schedule import BatchScheduleError
 from megatron.trainer.data.data import DataError
 from megatron.trainer.data.tokenizer import TokenizerError, TokenizerFlagError
@@ -48,7 +48,8 @@ def known_failure(error: BaseException) -> tuple[str, int] | None:
         return f"pipeline transport: {error}", EXIT_FAILED
     if isinstance(error, CheckpointError):
         return f"checkpoint: {error}", EXIT_FAILED
-    if isinstance(error, CoreInternalsError | BatchScheduleError | ReplicaMismatch):
+    if isinstance(error, CoreInternalsError | BatchScheduleError | ReplicaMismatch
+                  | NonFiniteResult):
         return str(error), EXIT_FAILED
     if isinstance(error, ResultValidationStop):  # Megatron-LM's exit statuses 16 and 17
         return str(error), error.status

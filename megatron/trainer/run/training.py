@@ -27,11 +27,17 @@ from megatron.dpp.weight_grad import SplitBackwardNoPipelining, WeightGradStore
 from megatron.dpp.weight_grad_accumulation import weight_grad_accumulation_fusion
 from megatron.trainer.checkpoint import checkpointing
 from megatron.trainer.checkpoint.checkpoint_config import CheckpointConfig
+from megatron.trainer.checkpoint.save_directory import claim_save_directory
 from megatron.trainer.config import fast_path
 from megatron.trainer.config.arguments import ArgumentError, parse_args
 from megatron.trainer.config.configs import LoggingConfig, TokenizerConfig
 from megatron.trainer.core_compat import core_overrides, no_apex
-from megatron.trainer.core_compat.reruns import RerunConfig, ResultValidation, ResultValidationStop
+from megatron.trainer.core_compat.reruns import (
+    RerunConfig,
+    ResultValidation,
+    ResultValidationStop,
+    stop_on_non_finite,
+)
 from megatron.trainer.data.batch_schedule import batch_size_schedule
 from megatron.trainer.data.data import MicroBatchIterator, check_data_paths, microbatch_lengths
 from megatron.trainer.data.data_splits import check_splits
@@ -139,6 +145,8 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
                     " (a rank that has not started or has failed?)"):
         device = initialize_distributed(args, stack)
     setup_logging(dist.get_rank(), dist.get_world_size())
+    if args.save:  # checked and locked before anything is built
+        claim_save_directory(args.save, args.load is not None, stack)
     try:
         model_fallbacks = fast_path.resolve_for_model(args, task.masked_attention)
     except fast_path.GraphsRefused as refusal:
@@ -281,7 +289,8 @@ def data_iterators(trainer: Trainer, dataset, consumed_samples: int):
             iterators.append(MicroBatchIterator(dataset, args.micro_batch_size, consumed_samples,
                                                 seq_length_cv=args.seq_length_cv,
                                                 seed=args.seed, num_workers=args.num_workers,
-                                                pad_to_multiple=args.pad_to_multiple))
+                                                pad_to_multiple=args.pad_to_multiple,
+                                                vocab_size=args.padded_vocab_size))
     return iterators if len(iterators) > 1 else iterators[0]
 
 
@@ -377,8 +386,12 @@ def train_step(trainer: Trainer, iterator) -> dict:
         trainer.scheduler.step(increment=batch)
     else:
         trainer.state.skipped_iterations += 1
+    reduced = reduce_losses(losses, trainer.task.loss_names)
+    if trainer.reruns.config.check_for_nan:
+        # a step the loss scaler skipped (fp16 overflow) changed nothing: its norm is no news
+        stop_on_non_finite(iteration, reduced, grad_norm if updated else None)
     return {
-        "losses": reduce_losses(losses, trainer.task.loss_names),
+        "losses": reduced,
         "grad_norm": grad_norm,
         "num_zeros": num_zeros,
         "updated": updated,

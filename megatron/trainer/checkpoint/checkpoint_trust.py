@@ -1,0 +1,103 @@
+"""What loading a checkpoint trusts, and what it refuses without --trust-checkpoint.
+
+Loading unpickles: torch.distributed.checkpoint reads a torch_dist checkpoint's `.metadata`
+with pickle and megatron.core its `common.pt` with torch.load(weights_only=False), so a
+crafted file there runs code on every rank. Those readers cannot be restricted, so their
+files are trusted only when no one but this user could have written them: `untrusted_problem`
+refuses a checkpoint (the --load directory, the iteration's directory, or any file or
+directory in it) that is world-writable or owned by another user.
+
+The legacy `--ckpt-format torch` files are read with torch.load(weights_only=True), allowing
+by name only what Megatron-LM's checkpoints hold beyond tensors and plain values (numpy's
+RNG state, argparse.Namespace and the enums its flags hold): a crafted pickle there is
+refused whoever owns it. --trust-checkpoint lifts both (a checkpoint of a colleague on a
+shared filesystem, a legacy file holding other classes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import os
+import re
+import stat
+
+import numpy as np
+import torch
+
+TRUST_FLAG = "--trust-checkpoint"
+
+
+def untrusted_problem(root: str, path: str) -> str | None:
+    """Why the checkpoint at `path` (under --load `root`) cannot be trusted, or None."""
+    me = os.geteuid()
+    for candidate in _paths(root, path):
+        try:
+            info = os.lstat(candidate)
+        except OSError:
+            continue  # vanished or unreadable: the load itself will say so
+        if info.st_mode & stat.S_IWOTH and not stat.S_ISLNK(info.st_mode):
+            cause = "is world-writable"
+        elif info.st_uid != me:
+            cause = f"is owned by uid {info.st_uid}, not this user (uid {me})"
+        else:
+            continue
+        return (f"refusing to load {path}: {candidate} {cause}, and loading a checkpoint "
+                f"unpickles its files (a crafted one runs code on every rank); check it and "
+                f"give {TRUST_FLAG} to load it anyway")
+    return None
+
+
+def _paths(root: str, path: str):
+    yield root
+    yield path
+    for directory, names, files in os.walk(path):
+        for name in names + files:
+            yield os.path.join(directory, name)
+
+
+def _optional(module: str, name: str):
+    with contextlib.suppress(ImportError, AttributeError):
+        return getattr(importlib.import_module(module), name)
+    return None
+
+
+def _numpy_reconstruct():
+    for module in ("numpy._core.multiarray", "numpy.core.multiarray"):
+        found = _optional(module, "_reconstruct")
+        if found is not None:
+            return found
+    raise ImportError("numpy has no multiarray._reconstruct")
+
+
+def legacy_safe_globals() -> list:
+    """What torch.load(weights_only=True) may build beyond tensors and plain values: numpy
+    arrays (the RNG state), argparse.Namespace (Megatron-LM's saved flags) and the enums
+    among those flags."""
+    reconstruct = _numpy_reconstruct()
+    allowed = [argparse.Namespace, np.ndarray, np.dtype, type(np.dtype(np.uint32)),
+               (reconstruct, "numpy.core.multiarray._reconstruct"),
+               (reconstruct, "numpy._core.multiarray._reconstruct")]
+    for module, name in (("megatron.core.transformer.enums", "AttnBackend"),
+                         ("megatron.core.transformer.enums", "AttnMaskType"),
+                         ("megatron.core.enums", "ModelType")):
+        found = _optional(module, name)
+        if found is not None:
+            allowed.append(found)
+    return allowed
+
+
+def refused_global(error: BaseException) -> str | None:
+    """The class or function a weights_only load refused, from torch's error."""
+    match = re.search(r"GLOBAL ([\w.]+)", str(error))
+    return match.group(1) if match else None
+
+
+def load_legacy_file(filename: str, trusted: bool, mmap: bool = False) -> dict:
+    """torch.load of a legacy checkpoint file: restricted to `legacy_safe_globals` unless
+    `trusted`."""
+    if trusted:
+        return torch.load(filename, map_location="cpu", weights_only=False, mmap=mmap)
+    with torch.serialization.safe_globals(legacy_safe_globals()):
+        return torch.load(filename, map_location="cpu", weights_only=True, mmap=mmap)
