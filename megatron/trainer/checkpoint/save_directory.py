@@ -55,26 +55,22 @@ class SaveDirectory:
         return self._lock()
 
     def _lock(self) -> str | None:
-        target = self.path
-        descriptor = os.open(target, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as error:
-            os.close(descriptor)
-            if error.errno in (errno.EWOULDBLOCK, errno.EACCES):
-                return self._held(target)
-            # a filesystem that locks files only
-            target = os.path.join(self.path, LOCK_FILE)
-            descriptor = os.open(target, os.O_RDWR | os.O_CREAT, 0o644)
+        # the directory itself; where the filesystem locks files only, a file in it
+        attempts = ((self.path, os.O_RDONLY | os.O_DIRECTORY),
+                    (os.path.join(self.path, LOCK_FILE), os.O_RDWR | os.O_CREAT))
+        for target, flags in attempts:
+            descriptor = os.open(target, flags, 0o644)
             try:
                 fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as error:
                 os.close(descriptor)
                 if error.errno in (errno.EWOULDBLOCK, errno.EACCES):
                     return self._held(target)
-                return f"--save {self.path} cannot be locked: {os.strerror(error.errno)}"
-        self._descriptor = descriptor
-        return None
+                failure = error
+                continue
+            self._descriptor = descriptor
+            return None
+        return f"--save {self.path} cannot be locked: {os.strerror(failure.errno)}"
 
     def _held(self, target: str) -> str:
         holder = lock_holder(target)
