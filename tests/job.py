@@ -138,3 +138,12 @@ TINY_GPT = [
     "--global-batch-size", "8", "--lr", "1e-3", "--mock-data", "--tokenizer-type",
     "NullTokenizer", "--vocab-size", "128", "--eval-iters", "0", "--log-interval", "1",
 ]
+
+
+def mount(*arguments) -> str | None:
+    """Run `mount ARGUMENTS` (root only, as the tests that need a mount are); None when it
+    worked, else why it did not, for the test's skip."""
+    result = subprocess.run(["mount", *map(str, arguments)], capture_output=True, text=True)
+    return None if result.returncode == 0 else (
+        f"mount {' '.join(map(str, arguments))}: {result.stderr.strip()}")
+

@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from megatron.trainer.checkpoint import checkpointing
-from tests.job import TINY_GPT, Job
+from tests.job import TINY_GPT, Job, mount
 
 RUN_S = 180  # a whole short job, on a loaded 2-core machine
 POINTER = checkpointing.POINTER
@@ -155,9 +155,7 @@ def test_a_rank_killed_during_a_save_leaves_no_process_and_the_previous_checkpoi
 def _mount_problem(target) -> str | None:
     if os.geteuid() != 0:
         return "mounting a small tmpfs needs root (the injected-ENOSPC test runs anyway)"
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=900k", "tmpfs", str(target)],
-                            capture_output=True, text=True)
-    return None if result.returncode == 0 else f"cannot mount a tmpfs: {result.stderr.strip()}"
+    return mount("-t", "tmpfs", "-o", "size=900k", "tmpfs", target)
 
 
 def test_a_real_full_filesystem_is_reported_on_every_rank(tmp_path):

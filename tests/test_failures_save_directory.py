@@ -15,7 +15,7 @@ import pytest
 
 from megatron.trainer.checkpoint.checkpointing import POINTER
 from megatron.trainer.checkpoint.save_directory import SaveDirectory
-from tests.job import REPO, TINY_GPT, Job
+from tests.job import REPO, TINY_GPT, Job, mount
 
 HOLD = """
 import sys, time
@@ -99,11 +99,7 @@ def _read_only(path) -> str | None:
     if os.geteuid() != 0:
         os.chmod(path, 0o555)
         return None
-    result = subprocess.run(["mount", "--bind", "-o", "ro", str(path), str(path)],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        return f"cannot bind-mount read-only: {result.stderr.strip()}"
-    return None
+    return mount("--bind", "-o", "ro", path, path)
 
 
 def test_a_read_only_save_is_found_at_start(tmp_path):
