@@ -391,7 +391,7 @@ def _megatron_lm_gpt_flags(tmp_path):
 
 
 def test_megatron_lm_gpt_flags_accepted(tmp_path):
-    from megatron.trainer.config.arguments import _global_batch_sizes
+    from megatron.trainer.config.args_training import _global_batch_sizes
 
     args = parse_args(_megatron_lm_gpt_flags(tmp_path), world_size=2)
     assert args.tokenizer_type == "GPT2BPETokenizer"  # from --vocab-file and --merge-file

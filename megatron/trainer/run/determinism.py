@@ -1,6 +1,6 @@
 """--deterministic-mode: what makes two runs of the same flags give bitwise-equal results,
 as Megatron-LM sets it up. Argument validation refuses the options that would not
-(megatron/trainer/config/arguments.py `_validate_deterministic_mode`)."""
+(megatron/trainer/config/args_megatron_lm.py `_validate_deterministic_mode`)."""
 
 from __future__ import annotations
 

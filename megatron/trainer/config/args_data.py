@@ -1,0 +1,232 @@
+"""Data flags: datasets and splits, the tokenizer default, variable lengths, fill-in-the-middle."""
+
+from __future__ import annotations
+
+import math
+
+from megatron.trainer.config.args_common import GPU_PAD_TO_MULTIPLE, cuda_available, is_number
+from megatron.trainer.data.documents import split_document_ranges
+from megatron.trainer.data.tokenizer import TOKENIZER_TYPES
+
+
+def data_args(g):
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="prefixes written by tools/preprocess_data.py, optionally weighted: "
+                        "'0.3 a_text_document 0.7 b_text_document'")
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--num-workers", type=int, default=0,
+                   help="processes that read and collate the samples ahead of the step (0: the "
+                        "training process reads them itself)")
+    g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES)
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--vocab-size", type=int, default=None)
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--seq-length-cv", type=float, default=0.0,
+                   help="synthetic variable-length microbatches (mock data too): lognormal "
+                        "CV of each microbatch's token count, mean half of --seq-length; "
+                        "0 = fixed length")
+
+
+def validate_data(args, need):
+    chosen = args.tokenizer_type is not None
+    if not chosen:
+        args.tokenizer_type = _default_tokenizer(args)
+    need(args.mock_data or args.data_path,
+         "no data: give --data-path PREFIX [...] or --mock-data")
+    need(not (args.mock_data and args.data_path),
+         "--mock-data and --data-path are mutually exclusive")
+    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
+        # name what the user typed: the tokenizer only where they chose it
+        need(False, "--tokenizer-type NullTokenizer needs --vocab-size N" if chosen else
+             f"{args.model.upper()} with --mock-data and no tokenizer files needs --vocab-size "
+             "N (or give --vocab-file" + (")" if args.model == "bert" else
+                                          " and --merge-file, or --tokenizer-type)"))
+    if args.data_path:
+        _parse_blend(args, need)
+        try:
+            split_document_ranges(args.split, 1)  # megatron.core reads "abc" as NaN weights
+        except ValueError as error:
+            need(False, str(error))
+    need(args.seq_length_cv >= 0, f"--seq-length-cv {args.seq_length_cv} must be >= 0")
+    # megatron-core exchanges the shapes of variable-length microbatches in one batched p2p
+    # call, which at PP=2 with virtual stages swaps the activation's and the gradient's
+    need(args.seq_length_cv == 0 or args.use_dpp or args.pipeline_model_parallel_size != 2
+         or args.virtual_pipeline_model_parallel_size is None,
+         f"--seq-length-cv {args.seq_length_cv} with megatron-core's interleaved schedule at "
+         "--pipeline-model-parallel-size 2: its batched shape exchange with the one neighbour "
+         "mixes up activation and gradient shapes; use --use-dpp (or more pipeline stages)")
+
+
+def _parse_blend(args, need):
+    items = args.data_path
+    if len(items) > 1 and is_number(items[0]):
+        need(len(items) % 2 == 0,
+             f"--data-path with weights needs WEIGHT PREFIX pairs, got {len(items)} items")
+        weights = [float(w) for w in items[0::2] if is_number(w)]
+        need(len(weights) == len(items) // 2,
+             f"--data-path {' '.join(items)}: every other item must be a weight")
+        args.data_blend = (items[1::2], weights)
+    else:
+        args.data_blend = (items, None)
+
+
+def add_variable_length_args(parser):
+    g = parser.add_argument_group("variable sequence lengths")
+    g.add_argument("--variable-seq-lengths", action="store_true",
+                   help="GPT: one document per sample (cut at --seq-length, never packed), "
+                        "each microbatch padded to its own longest sample, padding out of "
+                        "the loss; the loss is per token (calculate_per_token_loss)")
+    g.add_argument("--group-by-length", action="store_true",
+                   help="with --variable-seq-lengths: microbatches of samples of similar "
+                        "length within each global batch (the same samples, less padding; "
+                        "docs/variable_lengths.md)")
+    g.add_argument("--pad-to-multiple", type=int, default=None,
+                   help="with --variable-seq-lengths or --seq-length-cv: round each "
+                        "microbatch's length up to this multiple, so that few shapes (buckets) "
+                        f"occur (default {GPU_PAD_TO_MULTIPLE} on GPU, 1 on CPU; with "
+                        "--sequence-parallel also a multiple of the tensor-parallel size)")
+    g.add_argument("--microbatch-tokens", type=int, default=None,
+                   help="with --variable-seq-lengths: form microbatches by this budget of "
+                        "padded tokens (rows x length) instead of --micro-batch-size rows; "
+                        "the number of microbatches then varies between iterations")
+    g.add_argument("--microbatch-order", choices=("natural", "cost"), default=None,
+                   help="the order an iteration's microbatches run in: cost = by their token "
+                        "counts, cheap first and last (megatron-core's schedules too); "
+                        "default cost with --use-dpp, natural otherwise")
+
+
+def validate_variable_lengths(args, need):
+    variable = args.variable_seq_lengths
+    if variable:
+        for bad, why in (
+            (args.mock_data or not args.data_path, "needs --data-path (documents of a "
+             ".bin/.idx prefix; --mock-data has no documents)"),
+            (args.seq_length_cv > 0, "and --seq-length-cv are two sources of lengths: give "
+             "one"),
+            (args.rampup_batch_size is not None, "with --rampup-batch-size: the microbatches "
+             "of a global batch are planned from a fixed global batch size"),
+            (args.reset_position_ids or args.reset_attention_mask, "with --reset-position-ids"
+             " / --reset-attention-mask: each sample is one document already"),
+            (not args.use_dpp and args.pipeline_model_parallel_size == 2
+             and args.virtual_pipeline_model_parallel_size is not None,
+             "with megatron-core's interleaved schedule at --pipeline-model-parallel-size 2: "
+             "its batched shape exchange with the one neighbour mixes up activation and "
+             "gradient shapes; use --use-dpp (or more pipeline stages)"),
+        ):
+            need(not bad, f"--variable-seq-lengths {why}")
+    else:
+        for flag, given in (("--group-by-length", args.group_by_length),
+                            ("--microbatch-tokens", args.microbatch_tokens is not None)):
+            need(not given, f"{flag} needs --variable-seq-lengths")
+        need(args.pad_to_multiple is None or args.seq_length_cv > 0,
+             "--pad-to-multiple needs --variable-seq-lengths or --seq-length-cv")
+    if args.pad_to_multiple is None:
+        # few shapes on GPU: each new one costs compilation, plans and graphs there
+        args.pad_to_multiple = GPU_PAD_TO_MULTIPLE if cuda_available() else 1
+    need(args.pad_to_multiple >= 1, f"--pad-to-multiple {args.pad_to_multiple} must be >= 1")
+    tp = args.tensor_model_parallel_size
+    if variable and args.sequence_parallel and tp > 1 and args.pad_to_multiple >= 1:
+        # sequence parallelism splits each microbatch's sequence across the TP ranks
+        args.pad_to_multiple = math.lcm(args.pad_to_multiple, tp)
+        need(args.seq_length % tp == 0, f"--variable-seq-lengths --sequence-parallel: "
+             f"--seq-length {args.seq_length} must be a multiple of "
+             f"--tensor-model-parallel-size {tp} (the longest microbatches are cut there)")
+    if args.microbatch_tokens is not None:
+        _validate_microbatch_tokens(args, need)
+    lengths_vary = variable or args.seq_length_cv > 0
+    if args.microbatch_order is None:
+        args.microbatch_order = "cost" if args.use_dpp else "natural"
+    elif args.microbatch_order == "cost":
+        need(lengths_vary, "--microbatch-order cost needs --variable-seq-lengths or "
+             "--seq-length-cv (with one length every order is the same)")
+
+
+def _validate_microbatch_tokens(args, need):
+    budget, longest = args.microbatch_tokens, args.seq_length
+    need(budget >= longest, f"--microbatch-tokens {budget} is less than --seq-length "
+         f"{longest}: a microbatch must hold the longest sample")
+    need(args.global_batch_size % args.data_parallel_size == 0,
+         f"--microbatch-tokens: --global-batch-size {args.global_batch_size} must be a "
+         f"multiple of the data-parallel size {args.data_parallel_size}")
+    need(args.virtual_pipeline_model_parallel_size is None,
+         "--microbatch-tokens with virtual pipeline stages: the interleaved schedules need "
+         "a multiple of --pipeline-model-parallel-size microbatches, which a token budget "
+         "does not give")
+
+
+def _default_tokenizer(args) -> str:
+    """Megatron-LM's choice when --tokenizer-type is not given: the files say which."""
+    if args.model == "bert":
+        return "BertWordPieceLowerCase" if args.vocab_file is not None else "NullTokenizer"
+    # Megatron-LM's GPT examples give --vocab-file/--merge-file and no --tokenizer-type;
+    # they keep meaning GPT-2 BPE when --mock-data replaces --data-path
+    bpe_files = args.vocab_file is not None and args.merge_file is not None
+    return "NullTokenizer" if args.mock_data and not bpe_files else "GPT2BPETokenizer"
+
+
+def add_fim_args(g):
+    """Megatron-LM's fill-in-the-middle data; megatron/trainer/data/fim.py does it."""
+    g.add_argument("--fim-data", action="store_true",
+                   help="GPT: fill-in-the-middle samples: a piece of text between end-of-"
+                        "document tokens becomes prefix/suffix/middle (docs/fim.md)")
+    g.add_argument("--fim-rate", type=float, default=None,
+                   help="probability that a piece becomes a FIM piece (default 0.5)")
+    g.add_argument("--fim-spm-rate", type=float, default=None,
+                   help="probability that a FIM piece is laid out suffix-prefix-middle instead "
+                        "of prefix-suffix-middle (default 0.5)")
+    g.add_argument("--fim-split-sample", default=None,
+                   help="a token (e.g. a file separator) at which a FIM piece is cut into "
+                        "fragments, each FIM'd with --fim-fragment-rate")
+    g.add_argument("--fim-fragment-rate", type=float, default=None,
+                   help="FIM probability of each fragment of --fim-split-sample")
+    g.add_argument("--fim-no-prefix", default=None,
+                   help="pieces whose text starts with this string are left as they are")
+    for name, default in (("prefix", "<fim_prefix>"), ("middle", "<fim_middle>"),
+                          ("suffix", "<fim_suffix>"), ("pad", "<fim_pad>")):
+        g.add_argument(f"--fim-{name}-token", default=default,
+                       help=f"the FIM {name} token (default {default}; GPT-2 BPE and HF "
+                            "tokenizers get it added when their files lack it)")
+    g.add_argument("--fim-eod-token", default=None,
+                   help="the token between documents (default: the tokenizer's end-of-document "
+                        "token, <|endoftext|> for GPT-2 BPE)")
+
+
+def validate_fim(args, need):
+    dependent = [flag for flag, value in (
+        ("--fim-rate", args.fim_rate), ("--fim-spm-rate", args.fim_spm_rate),
+        ("--fim-split-sample", args.fim_split_sample),
+        ("--fim-fragment-rate", args.fim_fragment_rate),
+        ("--fim-no-prefix", args.fim_no_prefix), ("--fim-eod-token", args.fim_eod_token),
+    ) if value is not None]
+    if not args.fim_data:
+        need(not dependent, f"{' '.join(dependent)} need{'s' * (len(dependent) == 1)} "
+             "--fim-data")
+        return
+    # Megatron-LM's defaults
+    args.fim_rate = 0.5 if args.fim_rate is None else args.fim_rate
+    args.fim_spm_rate = 0.5 if args.fim_spm_rate is None else args.fim_spm_rate
+    for flag, value in (("--fim-rate", args.fim_rate), ("--fim-spm-rate", args.fim_spm_rate),
+                        ("--fim-fragment-rate", args.fim_fragment_rate)):
+        need(value is None or 0 <= value <= 1, f"{flag} {value} must be in [0, 1]")
+    need((args.fim_split_sample is None) == (args.fim_fragment_rate is None),
+         "--fim-split-sample and --fim-fragment-rate go together (the fragments' FIM "
+         "probability)")
+    need(args.model == "gpt", "--fim-data makes GPT samples; BERT's masked-LM samples have "
+         "no FIM form")
+    need(not args.variable_seq_lengths, "--fim-data with --variable-seq-lengths: FIM works on "
+         "megatron-core's packed GPT samples, not on the one-document samples")
+    sentinels = [args.fim_prefix_token, args.fim_middle_token, args.fim_suffix_token,
+                 args.fim_pad_token]
+    need(len(set(sentinels)) == 4 and all(sentinels),
+         f"--fim-prefix/middle/suffix/pad-token {' '.join(sentinels)}: four different tokens "
+         "are needed")
+    need(args.tokenizer_type != "NullTokenizer",
+         f"--fim-data needs a tokenizer with the tokens {' '.join(sentinels)}: NullTokenizer "
+         "(--mock-data without tokenizer files) has only numbered tokens and no text to "
+         "split; give --vocab-file and --merge-file (GPT-2 BPE) or --tokenizer-model")
