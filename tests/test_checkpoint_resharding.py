@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from megatron.trainer.checkpoint.checkpointing import POINTER
+from megatron.trainer.checkpoint.checkpoint_publish import POINTER
 from tests.distributed import run_ranks
 from tests.trainer_runs import TINY, train_runs, with_flags
 

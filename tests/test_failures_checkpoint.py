@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from megatron.trainer.checkpoint import checkpointing
+from megatron.trainer.checkpoint import checkpoint_publish, checkpointing
 from tests.job import TINY_GPT, Job, mount
 
 RUN_S = 180  # a whole short job, on a loaded 2-core machine
@@ -54,13 +54,13 @@ filesystem_async._write_item = full_disk_write_item
 # copy is deleted.
 KILLED_AFTER_THE_SWAP = """
 import os, signal
-from megatron.trainer.checkpoint import checkpointing
-rmtree = checkpointing.shutil.rmtree
+from megatron.trainer.checkpoint import checkpoint_publish
+rmtree = checkpoint_publish.shutil.rmtree
 def killing_rmtree(path, *args, **kwargs):
     if str(path).endswith("iter_0000002.tmp") and os.path.isdir(str(path)[:-4]):
         os.kill(os.getpid(), signal.SIGKILL)
     return rmtree(path, *args, **kwargs)
-checkpointing.shutil.rmtree = killing_rmtree
+checkpoint_publish.shutil.rmtree = killing_rmtree
 """
 
 
@@ -187,11 +187,11 @@ def test_a_real_full_filesystem_is_reported_on_every_rank(tmp_path):
 @pytest.mark.parametrize("atomic_swap", [True, False], ids=["renameat2", "two-renames"])
 def test_saving_an_iteration_again_replaces_its_directory(tmp_path, monkeypatch, atomic_swap):
     if not atomic_swap:  # filesystems without RENAME_EXCHANGE (NFS, for one)
-        monkeypatch.setattr(checkpointing, "_exchange", lambda first, second: False)
+        monkeypatch.setattr(checkpoint_publish, "_exchange", lambda first, second: False)
     final, staging = tmp_path / "iter_0000002", tmp_path / "iter_0000002.tmp"
     for directory, content in ((final, "old"), (staging, "new")):
         directory.mkdir()
         (directory / "common.pt").write_text(content)
-    checkpointing._move_into_place(str(tmp_path), str(staging), str(final), 2)
+    checkpoint_publish._move_into_place(str(tmp_path), str(staging), str(final), 2)
     assert _listing(tmp_path) == ["iter_0000002", POINTER] and _pointer(tmp_path) == "2\n"
     assert (final / "common.pt").read_text() == "new"

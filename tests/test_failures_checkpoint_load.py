@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from megatron.trainer.checkpoint.checkpointing import CheckpointError
+from megatron.trainer.checkpoint.checkpoint_publish import CheckpointError
 from tests.distributed import run_ranks
 from tests.job import TINY_GPT, Job
 from tests.trainer_runs import TINY, train_runs, with_flags

@@ -12,7 +12,7 @@ import os
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from megatron.trainer.checkpoint.checkpointing import POINTER, CheckpointError
+from megatron.trainer.checkpoint.checkpoint_publish import POINTER, CheckpointError
 from tests.distributed import run_ranks
 from tests.job import TINY_GPT, Job
 from tests.trainer_runs import TINY, train_runs, with_flags

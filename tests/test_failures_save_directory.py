@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from megatron.trainer.checkpoint.checkpointing import POINTER
+from megatron.trainer.checkpoint.checkpoint_publish import POINTER
 from megatron.trainer.checkpoint.save_directory import SaveDirectory
 from tests.job import REPO, TINY_GPT, Job, mount
 

@@ -13,8 +13,8 @@ import pickle
 import pytest
 import torch
 
+from megatron.trainer.checkpoint.checkpoint_publish import POINTER, CheckpointError
 from megatron.trainer.checkpoint.checkpoint_trust import untrusted_problem
-from megatron.trainer.checkpoint.checkpointing import POINTER, CheckpointError
 from megatron.trainer.config.arguments import parse_args
 from tests.job import TINY_GPT, Job
 from tests.trainer_runs import with_flags

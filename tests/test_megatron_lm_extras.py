@@ -272,7 +272,10 @@ def test_verify_integrity_manifest_is_written_checked_and_catches_a_changed_file
     import os
     import shutil
 
-    from megatron.trainer.checkpoint.checkpointing import INTEGRITY_MANIFEST, integrity_problem
+    from megatron.trainer.checkpoint.checkpoint_publish import (
+        INTEGRITY_MANIFEST,
+        integrity_problem,
+    )
 
     # every save of the run wrote one; the resumed run loaded iteration 3 through the check
     for iteration in (1, 2, 3):

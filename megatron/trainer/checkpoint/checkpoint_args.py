@@ -24,14 +24,13 @@ from megatron.core import dist_checkpointing
 
 from megatron.trainer.checkpoint import torch_checkpoint
 from megatron.trainer.checkpoint.checkpoint_config import CheckpointConfig
-from megatron.trainer.checkpoint.checkpoint_trust import untrusted_problem
-from megatron.trainer.checkpoint.checkpointing import (
+from megatron.trainer.checkpoint.checkpoint_publish import (
     CheckpointError,
     checkpoint_dir,
-    checkpoint_format,
     latest_iteration,
-    load_root,
 )
+from megatron.trainer.checkpoint.checkpoint_trust import untrusted_problem
+from megatron.trainer.checkpoint.checkpointing import checkpoint_format, load_root
 
 log = logging.getLogger(__name__)
 

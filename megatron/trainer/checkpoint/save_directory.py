@@ -21,7 +21,11 @@ import tempfile
 
 import torch.distributed as dist
 
-from megatron.trainer.checkpoint.checkpointing import POINTER, CheckpointError, latest_iteration
+from megatron.trainer.checkpoint.checkpoint_publish import (
+    POINTER,
+    CheckpointError,
+    latest_iteration,
+)
 
 log = logging.getLogger(__name__)
 

@@ -61,13 +61,13 @@ LOCAL_SCALE = Internal(
 # the torch optimizers inside megatron-core's
 MEGATRON_OPTIMIZER = Internal(
     "megatron.core.optimizer.optimizer:MegatronOptimizer.__init__", "private",
-    "trainer/core_compat/no_apex.py torch_optimizers, trainer/checkpoint/checkpointing.py "
-    "_create_adam_states",
+    "trainer/core_compat/no_apex.py torch_optimizers, "
+    "trainer/checkpoint/checkpoint_restore.py _create_adam_states",
     read_by=("self.optimizer = optimizer",))
 CHAINED_OPTIMIZER = Internal(
     "megatron.core.optimizer.optimizer:ChainedOptimizer.__init__", "private",
-    "trainer/core_compat/no_apex.py torch_optimizers, trainer/checkpoint/checkpointing.py "
-    "_create_adam_states",
+    "trainer/core_compat/no_apex.py torch_optimizers, "
+    "trainer/checkpoint/checkpoint_restore.py _create_adam_states",
     read_by=("self.chained_optimizers = chained_optimizers",))
 # fused_layers.install_fused_layers
 COLUMN_PARALLEL_FORWARD_IMPL = Internal(
@@ -154,7 +154,7 @@ SEQUENCE_PARALLEL_GRAD_SUM = Internal(
     read_by=('getattr(param, "sequence_parallel", False)',),
     read_in="megatron.core.distributed.finalize_model_grads:"
             "_allreduce_non_tensor_model_parallel_grads")
-# checkpointing.py
+# checkpointing.py, checkpoint_writers.py
 SHARDED_OBJECT = Internal(
     "megatron.core.dist_checkpointing.mapping:ShardedObject.__init__", "called",
     "trainer/checkpoint/checkpointing.py _rng_sharded_object",
@@ -167,8 +167,7 @@ DISTRIBUTED_OPTIMIZER_STATE = Internal(
     keywords=("is_loading", "metadata"), read_by=("dp_reshardable",))
 WRITE_RESULTS_QUEUE = Internal(
     "megatron.core.dist_checkpointing.strategies.filesystem_async:_results_queue", "private",
-    "trainer/checkpoint/checkpointing.py _keep_write_results_in_process (no multiprocessing "
-    "Manager)",
+    "trainer/checkpoint/checkpoint_writers.py _use_results_queue (no multiprocessing Manager)",
     read_by=("if _results_queue is None",))
 # checkpointing._staged_in_shared_memory: an async request's args are (rank, write buckets,
 # results queue) and its preload_fn stages the buckets (--async-ckpt-use-cpu-shm)
@@ -187,7 +186,8 @@ ASYNC_REQUEST_PRELOAD = Internal(
 WRITE_BUCKET = Internal(
     "megatron.core.dist_checkpointing.strategies.filesystem_async:"
     "FileSystemWriterAsync.write_preloaded_data", "patched",
-    "trainer/checkpoint/checkpointing.py _write_errors_raised (a failed write keeps its error)",
+    "trainer/checkpoint/checkpoint_writers.py _write_errors_raised (a failed write keeps its "
+    "error)",
     positional=(("transform_list", "local_proc_idx", "write_bucket", "results_queue",
                  "count_queue", "use_fsync"),),
     read_by=("FileSystemWriterAsync.write_preloaded_data",))

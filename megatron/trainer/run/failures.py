@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from megatron.dpp.core_internals import CoreInternalsError
 from megatron.dpp.transport.channel import TransportError, brief, peer_failure
-from megatron.trainer.checkpoint.checkpointing import CheckpointError
+from megatron.trainer.checkpoint.checkpoint_publish import CheckpointError
 from megatron.trainer.config.arguments import ArgumentError
 from megatron.trainer.core_compat.reruns import NonFiniteResult, ResultValidationStop
 from megatron.trainer.data.batch_schedule import BatchScheduleError
