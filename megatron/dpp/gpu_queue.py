@@ -80,10 +80,12 @@ class GpuQueue:
         if not pending:
             self._queued = 0.0  # no rounding left behind
 
-    def close(self) -> None:
-        """Stop the watcher once it has seen every launched task end."""
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the watcher once it has seen every launched task end, waiting at most
+        `timeout` seconds (a device that never finishes, after a peer failed, must not hold
+        the process; the watcher is a daemon thread)."""
         self._watched.put(None)
-        self._watcher.join()
+        self._watcher.join(timeout)
 
     def _watch(self) -> None:
         while (marker := self._watched.get()) is not None:

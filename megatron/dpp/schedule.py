@@ -102,7 +102,7 @@ class DppSchedule:
 
     def close(self) -> None:
         if self._gpu_queue is not None:
-            self._gpu_queue.close()
+            self._gpu_queue.close(self.options.timeout)
             self._gpu_queue = None
         if self._transport is not None:
             self._transport.close()
