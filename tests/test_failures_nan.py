@@ -11,6 +11,7 @@ import os
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megatron.trainer.checkpoint.checkpoint_publish import POINTER, CheckpointError
 from tests.distributed import run_ranks
@@ -23,8 +24,11 @@ DIVERGING = dict(lr=1e6, global_batch_size=4, train_iters=4, save_interval=1,
 
 def _tensors(path: str):
     """Every tensor of a torch_dist checkpoint, read from its shard files."""
-    storage = FileSystemReader(path).read_metadata().storage_data
-    for info in storage.values():
+    metadata = FileSystemReader(path).read_metadata()
+    for index, info in metadata.storage_data.items():
+        # pickled objects (the RNG states, numpy arrays in them) are not parameters
+        if not isinstance(metadata.state_dict_metadata[index.fqn], TensorStorageMetadata):
+            continue
         with open(os.path.join(path, info.relative_path), "rb") as handle:
             handle.seek(info.offset)
             data = handle.read(info.length)
