@@ -161,14 +161,15 @@ def _eager_vs_bucket_graphs(rank, lengths, limits):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 def test_graphs_per_length_bucket_equal_eager_within_the_memory_limit():
-    """Lengths 8, 16 and 32 (buckets of --pad-to-multiple 8): one slot per microbatch of
-    each shape in flight, recorded in the first step and replayed in the second, giving
-    eager's losses and gradients; under a limit of 0 GiB only the first slot is recorded
-    and the rest runs eagerly, with the same results."""
+    """Lengths 8, 16 and 32 of the buckets 8, 16, 24 and 32 (--pad-to-multiple 8 at
+    --seq-length 32), six microbatches in flight: six lanes, each recording every bucket when
+    it is made (in the first step; the second replays), giving eager's losses and gradients;
+    under a limit of 0 GiB only the first slot is recorded and the rest runs eagerly, with
+    the same results."""
     lengths = [8, 16, 8, 32, 16, 8]
     (results,) = run_ranks(1, _eager_vs_bucket_graphs, lengths, ["eager", 0], gpu=True)
     eager = results["eager"]
-    assert results[None]["slots"] == [[(8, 3), (16, 2), (32, 1)]]
+    assert results[None]["slots"] == [[(8, 6), (16, 6), (24, 6), (32, 6)]]
     assert results[0]["slots"] == [[(8, 1)]]
     for limit in (None, 0):
         for (eager_losses, eager_grads), (losses, grads) in zip(
@@ -268,3 +269,17 @@ def test_block_gradients_reach_main_grad_as_per_tensor_adds_would():
     _accumulate_into_main_grads(list(zip(mains, grads, strict=True)))
     for main, want in zip(mains, expected, strict=True):
         assert torch.equal(main, want)
+
+
+def test_bucket_shapes_are_the_padded_lengths_known_in_advance():
+    """--pad-to-multiple 8 at --seq-length 32: the four block inputs a lane records when it
+    is made; none with a token budget (its row counts vary) or with too many lengths."""
+    from megatron.trainer.model.cuda_graphs import bucket_shapes
+
+    args = parse_args([*TINY_GPT, "--seq-length-cv", "0.5", "--pad-to-multiple", "8"],
+                      world_size=1)
+    assert bucket_shapes(args) == tuple((n, 2, 64) for n in (8, 16, 24, 32))
+    args.seq_length = 8 * 65  # more lengths than MAX_WARM_BUCKETS: each on first use
+    assert bucket_shapes(args) == ()
+    args.seq_length, args.microbatch_tokens = 32, 64
+    assert bucket_shapes(args) == ()

@@ -1,6 +1,7 @@
 """CUDA-graph slots kept per input shape (megatron/trainer/model/graph_slots.py), with a fake
-recorder: one set of slots per length bucket, recorded on first use and reused, and the
-memory budget that sends a bucket to the eager path with one log line."""
+recorder: lanes (one memory pool per microbatch in flight) holding a slot per length bucket,
+recorded on first use or when the lane is made, reused, and the memory budget that sends a
+bucket to the eager path with one log line."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from megatron.trainer.model.graph_slots import (
-    MAX_SLOTS_PER_SHAPE,
+    MAX_LANES,
     GraphMemoryBudget,
     ShapeSlots,
     SlotLeak,
@@ -21,15 +22,28 @@ BYTES_PER_TOKEN = 100
 
 
 class FakeRecorder:
-    """Records nothing: a slot is a name, holding BYTES_PER_TOKEN per input position."""
+    """Records nothing: a slot is a name; a lane's pool holds BYTES_PER_TOKEN per position of
+    the largest shape recorded into it, so a recording adds only what its pool grows by."""
 
     def __init__(self):
         self.recorded: list[tuple[int, ...]] = []
+        self.pools: list[dict] = []
 
-    def __call__(self, sample):
-        shape = tuple(sample.shape)
+    def new_pool(self) -> dict:
+        self.pools.append({"tokens": 0})
+        return self.pools[-1]
+
+    def __call__(self, shape, pool, lane):
         self.recorded.append(shape)
-        return f"slot {len(self.recorded)} {shape}", BYTES_PER_TOKEN * shape[0] * shape[1]
+        tokens = shape[0] * shape[1]
+        grown = max(0, tokens - pool["tokens"]) * BYTES_PER_TOKEN
+        pool["tokens"] = max(pool["tokens"], tokens)
+        return f"slot {len(self.recorded)} lane {lane} {shape}", grown
+
+
+def make_slots(budget=None, warm=()) -> tuple[ShapeSlots, FakeRecorder]:
+    recorder = FakeRecorder()
+    return ShapeSlots(recorder, budget, recorder.new_pool, warm), recorder
 
 
 def block_input(length: int, rows: int = ROWS) -> torch.Tensor:
@@ -55,11 +69,11 @@ def run_microbatches(slots: ShapeSlots, lengths: list[int], in_flight: int) -> l
     return got
 
 
-def test_one_set_of_slots_per_bucket_recorded_once():
-    """Three buckets over six iterations of 8 microbatches, 3 in flight: each bucket records
-    at most 3 slots, all in the first iteration it appears; later iterations record nothing."""
-    recorder = FakeRecorder()
-    slots = ShapeSlots(recorder)
+def test_lanes_follow_the_microbatches_in_flight_and_record_each_bucket_once():
+    """Three buckets over six iterations of 8 microbatches, 3 in flight: 3 lanes (pools),
+    each recording a bucket at most once, all in the first iteration it appears; later
+    iterations record nothing; the pools hold 3 x the largest bucket, not a pool per slot."""
+    slots, recorder = make_slots()
     buckets = [128, 256, 384]
     iterations = [[buckets[(i * 5 + k * 7) % 3] for k in range(8)] for i in range(6)]
     run_microbatches(slots, iterations[0], in_flight=3)
@@ -69,63 +83,93 @@ def test_one_set_of_slots_per_bucket_recorded_once():
         got = run_microbatches(slots, lengths, in_flight=3)
         assert all(slot is not None for slot in got)
     assert recorder.recorded == after_first, "a later iteration recorded again"
+    assert len(slots.lanes) == 3 and len(recorder.pools) == 3
     for bucket in buckets:
         assert 1 <= after_first.count((bucket, ROWS, HIDDEN)) <= 3
     assert len(slots) == len(after_first)
+    assert slots.budget.used_bytes <= 3 * 384 * ROWS * BYTES_PER_TOKEN
 
 
-def test_a_slot_is_only_reused_by_its_own_shape():
-    slots = ShapeSlots(FakeRecorder())
+def test_a_lane_carries_one_microbatch_whatever_its_shape():
+    """A slot is reused by its own shape only; a busy lane lends none of its slots, so two
+    microbatches in flight never share a pool."""
+    slots, _ = make_slots()
     short = slots.acquire(block_input(128))
+    long = slots.acquire(block_input(256))  # lane 0 is busy: a second lane
+    assert "lane 0" in short and "lane 1" in long
     slots.release((128, ROWS, HIDDEN), short)
-    long = slots.acquire(block_input(256))
-    assert long != short and "(256, 2, 8)" in long
-    assert slots.acquire(block_input(128)) == short
+    again = slots.acquire(block_input(256))  # lane 0 is free: 256 recorded into it
+    assert "lane 0" in again and again != long
+    assert slots.acquire(block_input(128)) is not short  # lane 0 busy again: lane 2
+    slots.release((256, ROWS, HIDDEN), long)
+    assert slots.acquire(block_input(256)) is long
     # another row count (a token budget) is another shape
-    assert slots.acquire(block_input(128, rows=3)) not in (short, long)
+    assert slots.acquire(block_input(128, rows=3)) not in (short, long, again)
+    with pytest.raises(KeyError, match="no lane holds"):
+        slots.release((64, ROWS, HIDDEN), "a slot never recorded")
+
+
+def test_a_new_lane_records_every_warm_bucket_at_once():
+    """With the buckets known in advance a lane records all of them when it is made
+    (largest first), so no later microbatch waits for a recording."""
+    buckets = [(b, ROWS, HIDDEN) for b in (128, 256, 384)]
+    slots, recorder = make_slots(warm=buckets)
+    first = slots.acquire(block_input(128))
+    assert recorder.recorded == [(128, ROWS, HIDDEN), (384, ROWS, HIDDEN), (256, ROWS, HIDDEN)]
+    recorded = len(recorder.recorded)
+    slots.release((128, ROWS, HIDDEN), first)
+    for length in (384, 256, 128):
+        slot = slots.acquire(block_input(length))
+        slots.release((length, ROWS, HIDDEN), slot)
+    assert len(recorder.recorded) == recorded
+    # a shape outside the buckets is still recorded on first use
+    assert slots.acquire(block_input(64)) is not None
+    assert len(recorder.recorded) == recorded + 1
 
 
 def test_memory_limit_sends_a_bucket_to_eager_with_one_line(caplog):
-    """A budget of two 128-token slots and one 256-token slot: the next 256 slot would pass
-    it (estimated from the recorded one), so that microbatch runs eagerly, said once; freed
-    slots are still replayed."""
-    recorder = FakeRecorder()
+    """A budget of two 128-token pools and room to grow one of them to 256 tokens: a third
+    pool would pass it (estimated from the first), so those microbatches run eagerly, said
+    once per shape; a recording that fits in a lane's pool costs nothing; freed slots are
+    still replayed."""
     per_128 = BYTES_PER_TOKEN * 128 * ROWS
-    budget = GraphMemoryBudget(limit_bytes=4 * per_128)
-    slots = ShapeSlots(recorder, budget)
+    budget = GraphMemoryBudget(limit_bytes=3 * per_128)
+    slots, recorder = make_slots(budget)
     with caplog.at_level(logging.INFO, logger="megatron.trainer.model.graph_slots"):
         a = slots.acquire(block_input(128))
         b = slots.acquire(block_input(128))
-        c = slots.acquire(block_input(256))
-        assert None not in (a, b, c) and budget.used_bytes == 4 * per_128
+        assert None not in (a, b) and budget.used_bytes == 2 * per_128
         assert slots.estimate_bytes((384, ROWS, HIDDEN)) == 3 * per_128  # scaled by tokens
+        assert slots.estimate_bytes((384, ROWS, HIDDEN), slots.lanes[0]) == 2 * per_128
+        assert slots.acquire(block_input(256)) is None  # a third pool: 2 x per_128 more
         assert slots.acquire(block_input(256)) is None
-        assert slots.acquire(block_input(256)) is None
-        assert slots.acquire(block_input(384)) is None
+        slots.release((128, ROWS, HIDDEN), a)
+        c = slots.acquire(block_input(256))  # lane 0's pool grows by 128 tokens
+        assert c is not None and budget.used_bytes == 3 * per_128
+        slots.release((256, ROWS, HIDDEN), c)
+        assert slots.acquire(block_input(128)) == a  # recorded in lane 0, fits: no cost
+        assert slots.acquire(block_input(384)) is None  # both lanes busy: a third pool
     lines = [r.getMessage() for r in caplog.records if "memory limit" in r.getMessage()]
     assert len(lines) == 2 and "(256, 2, 8)" in lines[0] and "(384, 2, 8)" in lines[1]
     assert len(recorder.recorded) == 3
-    slots.release((256, ROWS, HIDDEN), c)
-    assert slots.acquire(block_input(256)) == c
 
 
 def test_blocks_share_the_rank_budget():
     budget = GraphMemoryBudget(limit_bytes=BYTES_PER_TOKEN * 128 * ROWS)
-    first, second = ShapeSlots(FakeRecorder(), budget), ShapeSlots(FakeRecorder(), budget)
+    (first, _), (second, _) = make_slots(budget), make_slots(budget)
     assert first.acquire(block_input(128)) is not None
-    # the second block has recorded nothing: the rank's slots give its estimate
+    # the second block has recorded nothing: the rank's recordings give its estimate
     assert second.acquire(block_input(64)) is None
     assert first.acquire(block_input(128)) is None
     assert budget.used_bytes == budget.limit_bytes
 
 
 def test_a_forward_without_backward_is_named_a_leak():
-    slots = ShapeSlots(FakeRecorder())
-    for _ in range(MAX_SLOTS_PER_SHAPE):
+    slots, _ = make_slots()
+    for _ in range(MAX_LANES):
         slots.acquire(block_input(128))
     with pytest.raises(SlotLeak, match="a forward whose backward never ran"):
-        slots.acquire(block_input(128))
-    assert slots.acquire(block_input(256)) is not None  # another shape is not the leak
+        slots.acquire(block_input(256))
 
 
 def test_negative_budget_is_refused():

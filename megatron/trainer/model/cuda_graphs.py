@@ -12,12 +12,12 @@ slot (recording a new one when all are taken), the microbatch's backward replays
 slot's backward graph and frees it. Any schedule that runs each microbatch's backward after
 its forward works, and the number of slots is the most microbatches it ever has in flight.
 
-With variable lengths the slots are kept per shape (graph_slots.py): one set per length
-bucket, recorded on the bucket's first use, within a memory budget past which a shape runs
-eagerly.
+With variable lengths a slot holds one graph pair per shape (graph_slots.py: a lane per
+microbatch in flight, every length bucket recorded when the lane is made), within a memory
+budget past which a shape runs eagerly.
 
-Each slot records into its own memory pool, so its saved activations are never shared with
-another slot's. Its backward graph adds the weight gradients into megatron-core DDP's
+Each lane records into its own memory pool, so a microbatch's saved activations are never
+shared with another in flight; the shapes of one lane share its pool (one of them in flight). Its backward graph adds the weight gradients into megatron-core DDP's
 `main_grad` buffers itself (what DDP's per-parameter hooks do eagerly; with the
 gradient-accumulation fusion the linear layers' GEMMs do it), so parameters are not inputs
 of the replay and no per-parameter hook runs for the block.
@@ -39,6 +39,7 @@ import dataclasses
 import functools
 import gc
 import logging
+import math
 
 import torch
 from megatron.core import tensor_parallel
@@ -100,10 +101,12 @@ class BlockGraphs:
 
     def __init__(self, block: TransformerBlock, shape: tuple[int, ...], dtype: torch.dtype,
                  weight_grads: WeightGradStore | None = None, weight_parts: int = 1,
-                 lengths_vary: bool = False, budget: GraphMemoryBudget | None = None):
+                 lengths_vary: bool = False, budget: GraphMemoryBudget | None = None,
+                 warm_shapes: tuple[tuple[int, ...], ...] = ()):
         """`shape`: the block input [s, b, h] replayed; with `lengths_vary`, any sequence
-        length up to s (and any micro-batch rows: a token budget varies them) is, one set of
-        slots per shape, all within `budget`."""
+        length up to s (and any micro-batch rows: a token budget varies them) is, a graph
+        pair per shape and lane, all within `budget`; `warm_shapes` are recorded as soon as a
+        lane is made."""
         if weight_parts < 1:
             raise CudaGraphError(f"weight_parts must be >= 1, got {weight_parts}")
         self.block = block
@@ -119,7 +122,8 @@ class BlockGraphs:
         if missing:
             raise CudaGraphError("--cuda-graph-impl block needs megatron-core DDP's main_grad "
                                  f"buffers; the block's {missing[0]} has none")
-        self.slots = ShapeSlots(self._record, budget)
+        self.slots = ShapeSlots(self._record, budget, torch.cuda.graph_pool_handle,
+                                warm_shapes if lengths_vary else ())
 
     def forward(self, hidden_states, attention_mask, *args, **kwargs):
         block = self.block
@@ -175,16 +179,20 @@ class BlockGraphs:
         finally:
             block.set_input_tensor(saved)
 
-    def _record(self, sample: torch.Tensor) -> tuple[_Slot, int]:
-        """A new slot for inputs like `sample`, and the bytes its recording took (the
-        memory the caching allocator reserved meanwhile, its private pool included)."""
-        before = torch.cuda.memory_reserved(sample.device)
-        with _generators_restored():
-            slot = self._record_slot(sample)
-        return slot, max(0, torch.cuda.memory_reserved(sample.device) - before)
+    def _record(self, shape: tuple[int, ...], pool, lane: int) -> tuple[_Slot, int]:
+        """A new slot for inputs of `shape` recorded into the lane's `pool`, and the bytes
+        its recording added (the memory the caching allocator reserved meanwhile, the pool's
+        growth included). The recording reads zeros: graphs hold no data."""
+        device = torch.device("cuda", torch.cuda.current_device())
+        before = torch.cuda.memory_reserved(device)
+        sample = torch.zeros(shape, dtype=self.dtype, device=device)
+        with _generators_restored(), _collector_paused():
+            slot = self._record_slot(sample, pool)
+        log.info("CUDA graphs: recorded lane %d's slot of a %d-layer block for shape %s",
+                 lane, len(self.block.layers), shape)
+        return slot, max(0, torch.cuda.memory_reserved(device) - before)
 
-    def _record_slot(self, sample: torch.Tensor) -> _Slot:
-        pool = torch.cuda.graph_pool_handle()
+    def _record_slot(self, sample: torch.Tensor, pool) -> _Slot:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         forward_graph, backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
@@ -233,9 +241,6 @@ class BlockGraphs:
         slot = _Slot(static_input, output.detach(), grad_output, grads[0],
                      forward_graph, backward_graph, weight_graphs)
         del grads, output
-        log.info("CUDA graphs: recorded slot %d of a %d-layer block for shape %s",
-                 len(self.slots.recorded.get(tuple(sample.shape), ())) + 1,
-                 len(self.block.layers), tuple(sample.shape))
         return slot
 
 
@@ -303,24 +308,31 @@ def _parameters_replaced(module: torch.nn.Module, replacements: dict[str, torch.
 
 
 @contextlib.contextmanager
-def _capture(graph: torch.cuda.CUDAGraph, pool):
-    """Record the current (side) stream's work into `graph`. Unlike torch.cuda.graph, no
-    device-wide synchronize first: a stage may have receives pending that only its peer,
-    itself possibly recording, can complete. As torch.cuda.graph does, unreachable objects
-    are collected first, and the collector stays off during the capture: a CUDA graph
-    collected then frees its memory pool, and a cudaFree invalidates the capture."""
+def _collector_paused():
+    """As torch.cuda.graph does, unreachable objects are collected first and the collector
+    stays off while recording: a CUDA graph collected then frees its memory pool, and a
+    cudaFree invalidates a capture. Once per slot, not per capture: a collection of a
+    trainer's heap takes tens of milliseconds and a slot has 2 + W-part captures."""
     gc.collect()
     collecting = gc.isenabled()
     gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def _capture(graph: torch.cuda.CUDAGraph, pool):
+    """Record the current (side) stream's work into `graph` (inside _collector_paused).
+    Unlike torch.cuda.graph, no device-wide synchronize first: a stage may have receives
+    pending that only its peer, itself possibly recording, can complete."""
     graph.capture_begin(pool=pool, capture_error_mode="thread_local")
     try:
         yield
     finally:
-        try:
-            graph.capture_end()
-        finally:
-            if collecting:
-                gc.enable()
+        graph.capture_end()
 
 
 def install_block_graphs(model_chunks, args, device: torch.device,
@@ -336,6 +348,7 @@ def install_block_graphs(model_chunks, args, device: torch.device,
     shape = (args.seq_length, args.micro_batch_size, args.hidden_size)
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     lengths_vary = args.variable_seq_lengths or args.seq_length_cv > 0
+    warm_shapes = bucket_shapes(args) if lengths_vary else ()
     limit = args.cuda_graph_memory_limit
     budget = GraphMemoryBudget(None if limit is None else int(limit * (1 << 30)))
     installed = []
@@ -343,7 +356,25 @@ def install_block_graphs(model_chunks, args, device: torch.device,
         for module in chunk.modules():
             if isinstance(module, TransformerBlock) and len(module.layers) > 0:
                 graphs = BlockGraphs(module, shape, dtype, weight_grads, weight_parts,
-                                     lengths_vary, budget)
+                                     lengths_vary, budget, warm_shapes)
                 module.forward = graphs.forward
                 installed.append(graphs)
     return installed
+
+
+MAX_WARM_BUCKETS = 64  # beyond this many lengths, a shape is recorded on its first use
+
+
+def bucket_shapes(args) -> tuple[tuple[int, ...], ...]:
+    """The block input shapes [s, b, h] a run of variable lengths can meet, when they are
+    known in advance: every multiple of --pad-to-multiple up to --seq-length at
+    --micro-batch-size rows (sequence parallelism splits s). None for a token budget (its
+    row counts vary) or where there are more than MAX_WARM_BUCKETS lengths."""
+    multiple = args.pad_to_multiple or 1
+    if args.microbatch_tokens is not None or args.seq_length / multiple > MAX_WARM_BUCKETS:
+        return ()
+    split = args.tensor_model_parallel_size if args.sequence_parallel else 1
+    lengths = {min(k * multiple, args.seq_length)
+               for k in range(1, math.ceil(args.seq_length / multiple) + 1)}
+    return tuple((length // split, args.micro_batch_size, args.hidden_size)
+                 for length in sorted(lengths))
