@@ -115,7 +115,7 @@ def test_graph_replays_equal_eager_in_any_backward_order(dtype_flags):
 def _eager_vs_bucket_graphs(rank, lengths, limits):
     """Two steps of microbatches of the given lengths (several per bucket, all in flight,
     backwards in reverse), eager and with graphs per shape under each memory limit (GiB)."""
-    from megatron.trainer.core_compat import no_apex
+    from megatron.dpp.weight_grad_accumulation import weight_grad_accumulation_fusion
     from megatron.trainer.model.models import (
         build_gpt_stage,
         build_model_chunks,
@@ -129,7 +129,7 @@ def _eager_vs_bucket_graphs(rank, lengths, limits):
     results = {}
     with contextlib.ExitStack() as stack:
         device = initialize_distributed(parse_args(flags, world_size=1), stack)
-        stack.enter_context(no_apex.weight_grad_accumulation_fusion())
+        stack.enter_context(weight_grad_accumulation_fusion())
         generator = torch.Generator().manual_seed(3)
         batches = [torch.randint(0, 128, (2, n), generator=generator).to(device)
                    for n in lengths]
@@ -164,13 +164,13 @@ def test_graphs_per_length_bucket_equal_eager_within_the_memory_limit():
     """Lengths 8, 16 and 32 of the buckets 8, 16, 24 and 32 (--pad-to-multiple 8 at
     --seq-length 32), six microbatches in flight: six lanes, each recording every bucket when
     it is made (in the first step; the second replays), giving eager's losses and gradients;
-    under a limit of 0 GiB only the first slot is recorded and the rest runs eagerly, with
-    the same results."""
+    under a limit of 0 GiB only the first slot (the largest bucket) is recorded and the rest
+    runs eagerly, with the same results."""
     lengths = [8, 16, 8, 32, 16, 8]
     (results,) = run_ranks(1, _eager_vs_bucket_graphs, lengths, ["eager", 0], gpu=True)
     eager = results["eager"]
     assert results[None]["slots"] == [[(8, 6), (16, 6), (24, 6), (32, 6)]]
-    assert results[0]["slots"] == [[(8, 1)]]
+    assert results[0]["slots"] == [[(32, 1)]]
     for limit in (None, 0):
         for (eager_losses, eager_grads), (losses, grads) in zip(
                 eager["steps"], results[limit]["steps"], strict=True):

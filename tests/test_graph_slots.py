@@ -115,7 +115,8 @@ def test_a_new_lane_records_every_warm_bucket_at_once():
     buckets = [(b, ROWS, HIDDEN) for b in (128, 256, 384)]
     slots, recorder = make_slots(warm=buckets)
     first = slots.acquire(block_input(128))
-    assert recorder.recorded == [(128, ROWS, HIDDEN), (384, ROWS, HIDDEN), (256, ROWS, HIDDEN)]
+    assert recorder.recorded == [(384, ROWS, HIDDEN), (256, ROWS, HIDDEN), (128, ROWS, HIDDEN)]
+    assert slots.budget.used_bytes == 384 * ROWS * BYTES_PER_TOKEN  # one pool, the largest
     recorded = len(recorder.recorded)
     slots.release((128, ROWS, HIDDEN), first)
     for length in (384, 256, 128):

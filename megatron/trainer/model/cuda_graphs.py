@@ -181,18 +181,18 @@ class BlockGraphs:
 
     def _record(self, shape: tuple[int, ...], pool, lane: int) -> tuple[_Slot, int]:
         """A new slot for inputs of `shape` recorded into the lane's `pool`, and the bytes
-        its recording added (the memory the caching allocator reserved meanwhile, the pool's
-        growth included). The recording reads zeros: graphs hold no data."""
+        its recording added to the pool. The recording reads zeros: graphs hold no data."""
         device = torch.device("cuda", torch.cuda.current_device())
-        before = torch.cuda.memory_reserved(device)
         sample = torch.zeros(shape, dtype=self.dtype, device=device)
         with _generators_restored(), _collector_paused():
-            slot = self._record_slot(sample, pool)
-        log.info("CUDA graphs: recorded lane %d's slot of a %d-layer block for shape %s",
-                 lane, len(self.block.layers), shape)
-        return slot, max(0, torch.cuda.memory_reserved(device) - before)
+            slot, added = self._record_slot(sample, pool)
+        log.info("CUDA graphs: recorded lane %d's slot of a %d-layer block for shape %s "
+                 "(%.0f MiB more)", lane, len(self.block.layers), shape, added / (1 << 20))
+        return slot, added
 
-    def _record_slot(self, sample: torch.Tensor, pool) -> _Slot:
+    def _record_slot(self, sample: torch.Tensor, pool) -> tuple[_Slot, int]:
+        """The slot and what the caching allocator reserved during its captures: the pool's
+        growth (the eager warm-up pass before them reserves memory the eager steps reuse)."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         forward_graph, backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
@@ -214,6 +214,7 @@ class BlockGraphs:
                 added_here = [(aliases[name], param) for name, param in self.named_params
                               if not aliases[name].grad_added_to_main_grad]
                 inputs = (static_input, *(alias for alias, _ in added_here))
+                before = torch.cuda.memory_reserved(sample.device)
                 with _capture(forward_graph, pool):
                     output = self._run(static_input)
                 grad_output = torch.empty_like(output)
@@ -237,11 +238,12 @@ class BlockGraphs:
                                 work()
                         weight_graphs.append(graph)
                 del deferred, split
+                added = max(0, torch.cuda.memory_reserved(sample.device) - before)
         torch.cuda.current_stream().wait_stream(side)
         slot = _Slot(static_input, output.detach(), grad_output, grads[0],
                      forward_graph, backward_graph, weight_graphs)
         del grads, output
-        return slot
+        return slot, added
 
 
 def split_evenly(items: list, parts: int) -> list[list]:

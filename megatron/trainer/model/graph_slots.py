@@ -9,8 +9,8 @@ because only one of them is in flight. So a block holds as many pools as the sch
 microbatches in flight (the same as with one fixed shape), each as large as its largest
 shape, not one pool per shape and microbatch in flight.
 
-A new lane records the run's bucket shapes (`warm_shapes`, when they are known in advance)
-right away, so that no later iteration pays for a recording; a shape met later is recorded
+A new lane records the run's bucket shapes (`warm_shapes`, when they are known in advance,
+largest first: the first recording sizes the pool) right away, so that no later iteration pays for a recording; a shape met later is recorded
 on first use in a free lane. The recordings of every block on a rank share one memory budget
 (`--cuda-graph-memory-limit` GiB): before recording, what the slot adds is estimated (tokens
 beyond what its lane already held, at the most bytes per token any recording of the rank
@@ -116,14 +116,13 @@ class ShapeSlots:
                                "forward needs its backward)")
             lane = Lane(len(self.lanes), self._new_pool())
             self.lanes.append(lane)
-        slot = self._record_into(lane, shape)
+            for warm in self.warm_shapes:  # every bucket now, none in later steps
+                self._record_into(lane, warm)
+        slot = lane.slots.get(shape)
         if slot is None:
-            return None
-        if len(lane.slots) == 1:
-            for warm in self.warm_shapes:  # a new lane: every bucket now, none in later steps
-                if warm not in lane.slots:
-                    self._record_into(lane, warm)
-        lane.busy = True
+            slot = self._record_into(lane, shape)
+        if slot is not None:
+            lane.busy = True
         return slot
 
     def release(self, shape, slot) -> None:
