@@ -10,6 +10,7 @@ from megatron.trainer.config.args_common import (
     cuda_available,
     is_number,
 )
+from megatron.trainer.config.configs import DataConfig
 from megatron.trainer.data.documents import split_document_ranges
 from megatron.trainer.data.tokenizer import TOKENIZER_TYPES
 
@@ -42,10 +43,7 @@ def validate_data(args, need):
     chosen = args.tokenizer_type is not None
     if not chosen:
         args.tokenizer_type = _default_tokenizer(args)
-    need(args.mock_data or args.data_path,
-         "no data: give --data-path PREFIX [...] or --mock-data")
-    need(not (args.mock_data and args.data_path),
-         "--mock-data and --data-path are mutually exclusive")
+    DataConfig.rules(args, need)
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         # name what the user typed: the tokenizer only where they chose it
         need(False, "--tokenizer-type NullTokenizer needs --vocab-size N" if chosen else
@@ -58,7 +56,6 @@ def validate_data(args, need):
             split_document_ranges(args.split, 1)  # megatron.core reads "abc" as NaN weights
         except ValueError as error:
             need(False, str(error))
-    need(args.seq_length_cv >= 0, f"--seq-length-cv {args.seq_length_cv} must be >= 0")
     # megatron-core exchanges the shapes of variable-length microbatches in one batched p2p
     # call, which at PP=2 with virtual stages swaps the activation's and the gradient's
     need(args.seq_length_cv == 0 or args.use_dpp or args.pipeline_model_parallel_size != 2
@@ -126,9 +123,6 @@ def validate_variable_lengths(args, need):
         ):
             need(not bad, f"--variable-seq-lengths {why}")
     else:
-        for flag, given in (("--group-by-length", args.group_by_length),
-                            ("--microbatch-tokens", args.microbatch_tokens is not None)):
-            need(not given, f"{flag} needs --variable-seq-lengths")
         need(args.pad_to_multiple is None or args.seq_length_cv > 0,
              "--pad-to-multiple needs --variable-seq-lengths or --seq-length-cv")
     if args.pad_to_multiple is None:

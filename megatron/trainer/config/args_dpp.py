@@ -7,6 +7,7 @@ import os
 
 from megatron.trainer.config.addresses import is_ip_address
 from megatron.trainer.config.args_common import add_flags, cuda_available
+from megatron.trainer.config.configs import FastPathConfig, ScheduleConfig
 
 
 def dpp_args(g):
@@ -66,10 +67,7 @@ def validate_dpp(args, need):
     if args.num_gpus is not None:
         need(False, f"--num-gpus {args.num_gpus}: no longer used; torchrun's --nproc_per_node "
              "sets the GPUs per node")
-    if args.dpp_max_inflight is not None:
-        need(args.dpp_max_inflight >= 0,
-             f"--dpp-max-inflight {args.dpp_max_inflight} must be >= 0")
-    need(not args.dpp_static or args.use_dpp, "--dpp-static needs --use-dpp")
+    ScheduleConfig.rules(args, need)
     if args.use_dpp:
         need(args.pipeline_model_parallel_size > 1,
              "--use-dpp needs --pipeline-model-parallel-size > 1 (nothing to schedule otherwise)")
@@ -111,8 +109,9 @@ def validate_cuda_graphs(args, need):
             "manager / Transformer Engine helper), which this trainer does not run") +
             "; use --cuda-graph-impl block")
     limit = args.cuda_graph_memory_limit
-    need(limit is None or (impl == "block" and limit >= 0),
-         f"--cuda-graph-memory-limit {limit} needs --cuda-graph-impl block and a bound >= 0")
+    need(limit is None or impl == "block",
+         f"--cuda-graph-memory-limit {limit} needs --cuda-graph-impl block")
+    FastPathConfig.rules(args, need)
     if impl != "block":
         return
     # by default only where fast_path.Machine found CUDA

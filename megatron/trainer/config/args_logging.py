@@ -56,8 +56,8 @@ def validate_trace(args, need):
 
 
 def add_logging_args(g):
-    """Megatron-LM's logging flags; configs.LoggingConfig holds them, megatron/trainer/run/
-    metrics.py writes what they ask for."""
+    """Megatron-LM's logging flags; configs.LoggingConfig holds them and their rules,
+    megatron/trainer/run/metrics.py writes what they ask for."""
     add_flags(g, {
         "--log-timers-to-tensorboard":
             "the --timing-log-level timers as timers/<name> (ms per iteration)",
@@ -76,21 +76,3 @@ def add_logging_args(g):
         "--wandb-entity str": "the W&B team or user",
         "--wandb-save-dir str": "W&B's local files (default: --save/wandb, else wandb)",
     })
-
-
-def validate_logging(args, need):
-    board_flags = [flag for flag, on in (
-        ("--log-timers-to-tensorboard", args.log_timers_to_tensorboard),
-        ("--log-memory-to-tensorboard", args.log_memory_to_tensorboard),
-        ("--log-validation-ppl-to-tensorboard", args.log_validation_ppl_to_tensorboard),
-    ) if on]
-    need(not board_flags or args.tensorboard_dir or args.wandb_project,
-         f"{' '.join(board_flags)} need --tensorboard-dir DIR (or --wandb-project)")
-    wandb_flags = [flag for flag, value in (
-        ("--wandb-exp-name", args.wandb_exp_name), ("--wandb-entity", args.wandb_entity),
-        ("--wandb-save-dir", args.wandb_save_dir)) if value is not None]
-    if args.wandb_project is None:
-        need(not wandb_flags, f"{' '.join(wandb_flags)} need --wandb-project")
-        return
-    need(bool(args.wandb_exp_name), f"--wandb-project {args.wandb_project} needs "
-         "--wandb-exp-name NAME")

@@ -88,10 +88,6 @@ def validate_megatron_lm_flags(args, need):
     for flag, value in (("--decoupled-lr", args.decoupled_lr),
                         ("--decoupled-min-lr", args.decoupled_min_lr)):
         need(value is None or value >= 0, f"{flag} {value} must be >= 0")
-    need(not args.rotary_interleaved or args.position_embedding_type == "rope",
-         "--rotary-interleaved needs --position-embedding-type rope")
-    need(not (args.squared_relu and args.swiglu), "--squared-relu and --swiglu are mutually "
-         "exclusive (two MLP activations)")
     # megatron-core's BERT head builds its own norm, which without apex or TE is torch's
     need(not (args.apply_layernorm_1p and args.model == "bert"
               and args.transformer_impl == "local"),
@@ -106,9 +102,6 @@ def validate_megatron_lm_flags(args, need):
         need(args.model != "gpt" or not middle, "--reset-attention-mask with more than two "
              "pipeline stages (virtual ones included): the middle stages read no batch and "
              "would not see the document boundaries")
-    need(args.num_workers == 0 or args.seq_length_cv == 0,
-         f"--num-workers {args.num_workers} with --seq-length-cv: the microbatches are cut "
-         "to their lengths in the training process; use --num-workers 0")
     if args.use_flash_attn:
         need(args.attention_backend in ("auto", "flash"),
              f"--use-flash-attn contradicts --attention-backend {args.attention_backend}")

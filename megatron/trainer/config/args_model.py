@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 
 from megatron.trainer.config.args_common import add_flags
+from megatron.trainer.config.configs import PrecisionConfig
 
 
 def model_args(g):
@@ -74,7 +75,7 @@ def precision_args(g):
 
 
 def validate_precision(args, need):
-    need(not (args.fp16 and args.bf16), "--fp16 and --bf16 are mutually exclusive")
+    PrecisionConfig.rules(args, need)
     import torch
 
     args.params_dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32

@@ -200,15 +200,6 @@ def validate_core_extras(args, need):
     need(not args.ckpt_assume_constant_structure or args.ckpt_format == "torch_dist",
          f"--ckpt-assume-constant-structure caches megatron-core's torch_dist save plan; "
          f"--ckpt-format {args.ckpt_format} has none")
-    instances, dp = args.num_distributed_optimizer_instances, args.data_parallel_size
-    if instances != 1:
-        need(instances >= 1, f"--num-distributed-optimizer-instances {instances} must be >= 1")
-        need(args.use_distributed_optimizer,
-             f"--num-distributed-optimizer-instances {instances} needs "
-             "--use-distributed-optimizer")
-        need(instances < 1 or dp % instances == 0,
-             f"--num-distributed-optimizer-instances {instances} does not divide the "
-             f"data-parallel size {dp}")
 
 
 def _validate_interleaved_schedule_tuning(args, need):
