@@ -119,10 +119,26 @@ def report_of(path: str) -> list[dict]:
     return iteration_reports(*load_spans(load_trace(path)))
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def trace_tool_parser(doc: str) -> argparse.ArgumentParser:
+    """The command line the trace tools share: a trace, and --json."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("trace", help="a --trace directory or a Chrome trace JSON file")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return parser
+
+
+def write_result(as_json: bool, result, text: str) -> int:
+    """A trace tool's answer on stdout: `result` as JSON, or `text`; the exit status."""
+    if as_json:
+        json.dump(result, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(text + "\n")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = trace_tool_parser(__doc__)
     args = parser.parse_args(argv)
     try:
         reports = report_of(args.trace)
@@ -130,12 +146,7 @@ def main(argv=None) -> int:
         parser.exit(2, f"{parser.prog}: {error}\n")
     if not reports:
         parser.exit(2, f"{parser.prog}: {args.trace}: no forward/backward spans\n")
-    if args.json:
-        json.dump({"iterations": reports}, sys.stdout, indent=1)
-        sys.stdout.write("\n")
-    else:
-        sys.stdout.write(format_reports(reports) + "\n")
-    return 0
+    return write_result(args.json, {"iterations": reports}, format_reports(reports))
 
 
 if __name__ == "__main__":

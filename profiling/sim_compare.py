@@ -27,9 +27,7 @@ latency minus that at zero) and to the runtime beyond the replay (the rest).
 
 from __future__ import annotations
 
-import argparse
 import glob
-import json
 import os
 import re
 import statistics
@@ -46,7 +44,12 @@ from megatron.dpp.simulator import SCHEDULES, Durations, replay, simulate  # noq
 from megatron.dpp.topology import PipelineTopology  # noqa: E402
 from profiling.aggregate import Span, TraceError, load_spans, load_trace  # noqa: E402
 from profiling.plot_timeline import select  # noqa: E402
-from profiling.report import COMPUTE_KINDS, iteration_reports  # noqa: E402
+from profiling.report import (  # noqa: E402
+    COMPUTE_KINDS,
+    iteration_reports,
+    trace_tool_parser,
+    write_result,
+)
 
 TASK_KIND = {"forward": FORWARD, "backward": BACKWARD, "weight": WEIGHT}
 _ACTIONS_FILE = re.compile(r"trace-rank(\d+)\.actions\.csv$")
@@ -258,8 +261,7 @@ def _stage_line(row: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("trace", help="a --trace directory or a Chrome trace JSON file")
+    parser = trace_tool_parser(__doc__)
     parser.add_argument("--schedule", choices=SCHEDULES, default=None,
                         help="schedule to simulate (default: the trace header's)")
     parser.add_argument("--slack", type=int, default=None,
@@ -270,7 +272,6 @@ def main(argv=None) -> int:
                              "trace directory)")
     parser.add_argument("--latency", type=float, default=None,
                         help="message latency in ms (default: estimated per iteration)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     if args.slack is not None and args.slack < 0:
         parser.error(f"--slack must be >= 0, got {args.slack}")
@@ -280,12 +281,7 @@ def main(argv=None) -> int:
         result = compare(args.trace, args.schedule, args.slack, args.latency, args.actions)
     except TraceError as error:
         parser.exit(2, f"{parser.prog}: {error}\n")
-    if args.json:
-        json.dump(result, sys.stdout, indent=1)
-        sys.stdout.write("\n")
-    else:
-        sys.stdout.write(format_comparison(result) + "\n")
-    return 0
+    return write_result(args.json, result, format_comparison(result))
 
 
 if __name__ == "__main__":

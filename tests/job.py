@@ -9,12 +9,15 @@ to inject a fault (it sees the rank in os.environ["RANK"]).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from tests.distributed import free_port
 
@@ -140,10 +143,16 @@ TINY_GPT = [
 ]
 
 
-def mount(*arguments) -> str | None:
-    """Run `mount ARGUMENTS` (root only, as the tests that need a mount are); None when it
-    worked, else why it did not, for the test's skip."""
+@contextlib.contextmanager
+def mounted(*arguments):
+    """`mount ARGUMENTS` (root only, as the tests that need a mount are) for the block, the
+    last argument its mount point, unmounted after it (lazily: a rank process may still hold
+    it); a mount that fails skips the test, saying why."""
     result = subprocess.run(["mount", *map(str, arguments)], capture_output=True, text=True)
-    return None if result.returncode == 0 else (
-        f"mount {' '.join(map(str, arguments))}: {result.stderr.strip()}")
+    if result.returncode != 0:
+        pytest.skip(f"mount {' '.join(map(str, arguments))}: {result.stderr.strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", "-l", str(arguments[-1])], capture_output=True)
 

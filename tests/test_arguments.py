@@ -3,6 +3,7 @@ values; a Megatron-LM user's GPT flag set is accepted and trains."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import subprocess
@@ -11,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from megatron.trainer.config.args_common import add_flags
 from megatron.trainer.config.arguments import ArgumentError, parse_args
 from tests.distributed import run_ranks
 from tests.trainer_runs import TINY, train_run, with_flags
@@ -238,6 +240,24 @@ def test_entry_point_script_exits_without_traceback():
                      if "torch/utils/cpp_extension.py" not in line)
     assert stderr == "pretrain_gpt.py: --train-iters 0 must be >= 1\n"
     assert done.stdout == ""
+
+
+def test_flag_table_keys_give_type_choices_and_default():
+    parser = argparse.ArgumentParser()
+    add_flags(parser, {
+        "--window float = 1000": None, "--level int {0,1,2} = 0": "timers", "--on": None,
+        "--impl {a,b}": None, "--split str = 9,1": None, "--no-x": dict(
+            dest="x", action="store_false"),
+    })
+    args = parser.parse_args([])
+    assert vars(args) == dict(window=1000, level=0, on=False, impl=None, split="9,1", x=True)
+    assert type(args.window) is int  # the default as written, argparse's type for values
+    args = parser.parse_args(["--window", "2", "--level", "2", "--on", "--impl", "b", "--no-x"])
+    assert vars(args) == dict(window=2.0, level=2, on=True, impl="b", split="9,1", x=False)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--level", "3"])
+    with pytest.raises(ValueError, match="'integer' is neither a type nor choices"):
+        add_flags(parser, {"--bad integer": None})
 
 
 def test_unknown_flag_is_named():

@@ -7,14 +7,12 @@ line. Real jobs of pretrain_gpt.py (tests/job.py)."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import subprocess
 
 import pytest
 
 from megatron.trainer.checkpoint import checkpoint_publish, checkpointing
-from tests.job import TINY_GPT, Job, mount
+from tests.job import TINY_GPT, Job, mounted
 
 RUN_S = 180  # a whole short job, on a loaded 2-core machine
 POINTER = checkpointing.POINTER
@@ -152,19 +150,12 @@ def test_a_rank_killed_during_a_save_leaves_no_process_and_the_previous_checkpoi
     assert _listing(root) == ["iter_0000002", POINTER] and _pointer(root) == "2\n"
 
 
-def _mount_problem(target) -> str | None:
-    if os.geteuid() != 0:
-        return "mounting a small tmpfs needs root (the injected-ENOSPC test runs anyway)"
-    return mount("-t", "tmpfs", "-o", "size=900k", "tmpfs", target)
-
-
 def test_a_real_full_filesystem_is_reported_on_every_rank(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (the injected-ENOSPC test runs anyway)")
     disk = tmp_path / "disk"
     disk.mkdir()
-    problem = _mount_problem(disk)
-    if problem is not None:
-        pytest.skip(problem)
-    try:
+    with mounted("-t", "tmpfs", "-o", "size=900k", "tmpfs", disk):
         root = disk / "ckpt"
         # a checkpoint of this model takes about 600 kB: the second one does not fit
         flags = TINY_GPT + ["--pipeline-model-parallel-size", "2", "--train-iters", "4",
@@ -179,9 +170,6 @@ def test_a_real_full_filesystem_is_reported_on_every_rank(tmp_path):
             in errors[0], errors
         assert all(f"iteration 4 to {staging}" in error for error in errors), errors
         assert _listing(root) == ["iter_0000002", POINTER] and _pointer(root) == "2\n"
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], capture_output=True)
-        shutil.rmtree(disk, ignore_errors=True)
 
 
 @pytest.mark.parametrize("atomic_swap", [True, False], ids=["renameat2", "two-renames"])

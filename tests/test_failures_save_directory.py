@@ -5,17 +5,16 @@ anything is built, and nothing in the directory changes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 
-import pytest
-
 from megatron.trainer.checkpoint.checkpoint_publish import POINTER
 from megatron.trainer.checkpoint.save_directory import SaveDirectory
-from tests.job import REPO, TINY_GPT, Job, mount
+from tests.job import REPO, TINY_GPT, Job, mounted
 
 HOLD = """
 import sys, time
@@ -93,25 +92,22 @@ def test_a_garbage_pointer_is_found_at_start(tmp_path):
                        "expected an iteration number, found 'release'")
 
 
-def _read_only(path) -> str | None:
-    """Make `path` read-only for this process: a read-only bind mount for root (who writes
-    through permission bits), else its mode."""
+@contextlib.contextmanager
+def _read_only(path):
+    """`path` read-only for this process in the block: a read-only bind mount for root (who
+    writes through permission bits), else its mode."""
     if os.geteuid() != 0:
         os.chmod(path, 0o555)
-        return None
-    return mount("--bind", "-o", "ro", path, path)
+        yield
+    else:
+        with mounted("--bind", "-o", "ro", path, path):
+            yield
 
 
 def test_a_read_only_save_is_found_at_start(tmp_path):
     root = tmp_path / "ckpt"
     root.mkdir()
-    problem = _read_only(root)
-    if problem is not None:
-        pytest.skip(problem)
-    try:
+    with _read_only(root):
         message = SaveDirectory(str(root)).claim(resuming=False)
-    finally:
-        if os.geteuid() == 0:
-            subprocess.run(["umount", str(root)], capture_output=True)
     assert message in (f"--save {root} is not writable: Read-only file system",
                        f"--save {root} is not writable: Permission denied"), message

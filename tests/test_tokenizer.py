@@ -11,7 +11,6 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 from megatron.trainer.data.tokenizer import (  # noqa: E402
-    TOKENIZER_TYPES,
     GPT2BPETokenizer,
     TokenizerError,
     TokenizerFileError,
@@ -179,6 +178,3 @@ def test_mismatched_vocab_and_merges_are_named(tmp_path):
 def test_unknown_type_lists_the_known_ones():
     with pytest.raises(ValueError, match="GPT2BPETokenizer, BertWordPieceLowerCase"):
         build_tokenizer("Gpt2")
-    from tools import preprocess_data
-
-    assert preprocess_data.TOKENIZER_TYPES == TOKENIZER_TYPES

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron.trainer.data.tokenizer_record import TOKENIZER_TYPES  # noqa: E402
 from tools.document_encoder import (  # noqa: E402
     DocumentEncoder,
     EncodedChunk,
@@ -35,17 +36,6 @@ from tools.document_encoder import (  # noqa: E402
 
 logger = logging.getLogger("preprocess_data")
 
-# The same names as megatron.trainer.data.tokenizer.TOKENIZER_TYPES (a test checks), listed here
-# so that --help needs no megatron.core import.
-TOKENIZER_TYPES = (
-    "GPT2BPETokenizer",
-    "BertWordPieceLowerCase",
-    "BertWordPieceCase",
-    "HuggingFaceTokenizer",
-    "SentencePieceTokenizer",
-    "GPTSentencePieceTokenizer",
-    "NullTokenizer",
-)
 MAX_REPORTED_BAD_LINES = 10
 DEFAULT_PUNKT_PARAMS = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                     "punkt_english.json.gz")

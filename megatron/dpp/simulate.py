@@ -164,15 +164,9 @@ def main(argv=None) -> int:
             sys.stdout.write(table + f"\n\ngrid took {elapsed:.1f} s\n")
         return 0
     try:
-        cost = CostModel(
-            backward_ratio=args.backward_ratio,
-            cv=args.cv,
-            jitter=args.jitter,
-            slow_stage=args.slow_stage,
-            slow_factor=args.slow_factor,
-            latency=args.latency,
-            weight_share=args.weight_share,
-        )
+        cost = CostModel(**{name: getattr(args, name) for name in (
+            "backward_ratio", "cv", "jitter", "slow_stage", "slow_factor", "latency",
+            "weight_share")})
         report = _single_report(args, cost)
     except ValueError as error:
         parser.error(str(error))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from megatron.trainer.config.args_common import add_flags
+
 CKPT_FORMATS = ("torch_dist", "torch")
 
 
@@ -14,47 +16,46 @@ DIST_CKPT_STRICTNESS = (
 def add_checkpoint_args(g):
     """Megatron-LM's checkpoint flags; megatron/trainer/checkpoint/checkpoint_config.py says
     what each does here."""
-    g.add_argument("--ckpt-format", default="torch_dist",
-                   choices=[*CKPT_FORMATS, "torch_dcp", "fsdp_dtensor"],
-                   help="torch_dist: megatron.core.dist_checkpointing (sharded, reshardable); "
-                        "torch: one torch.save file per model-parallel rank (Megatron-LM's "
-                        "legacy layout). --load reads either")
-    g.add_argument("--async-save", action="store_true",
-                   help="write torch_dist checkpoints in a background process "
-                        "(megatron.core's AsyncCallsQueue); published once every rank is done")
-    g.add_argument("--use-persistent-ckpt-worker", action="store_true",
-                   help="--async-save through one long-lived writer process per rank (GPU only)")
-    g.add_argument("--dist-ckpt-strictness", default="assume_ok_unexpected",
-                   choices=DIST_CKPT_STRICTNESS,
-                   help="key mismatches between a torch_dist checkpoint and the model "
-                        "(megatron.core's StrictHandling; 'unexpected': asked for but absent "
-                        "from the checkpoint, 'missing': in the checkpoint but not asked for)")
-    g.add_argument("--ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save",
-                   action="store_true", default=True,
-                   help="spread the writes of replicated tensors over the data-parallel ranks "
-                        "(the default)")
-    g.add_argument("--no-ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save",
-                   action="store_false",
-                   help="data-parallel rank 0 writes every replicated tensor")
-    g.add_argument("--ckpt-fully-parallel-load", action="store_true",
-                   help="each data-parallel rank reads a share of a torch_dist checkpoint and "
-                        "they exchange the rest")
-    g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
-                   help="distributed optimizer state saved fully reshardable (TP/PP/DP) "
-                        "instead of data-parallel reshardable")
-    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
-                   help="take the lr / weight-decay schedule from the checkpoint")
-    g.add_argument("--override-opt_param-scheduler", action="store_true",
-                   help="take the lr / weight-decay schedule from the flags, not the checkpoint")
-    g.add_argument("--save-retain-interval", type=int, default=None,
-                   help="after each save, delete the previous checkpoint unless its iteration "
-                        "is a multiple of this")
-    g.add_argument("--non-persistent-save-interval", type=int, default=None,
-                   help="iterations between non-persistent saves (only the latest is kept)")
-    g.add_argument("--non-persistent-ckpt-type", default=None,
-                   choices=["global", "local", "in_memory"])
-    g.add_argument("--non-persistent-global-ckpt-dir", default=None,
-                   help="where non-persistent global checkpoints go (default: SAVE/non_persistent)")
+    add_flags(g, {
+        "--ckpt-format str": dict(
+            default="torch_dist", choices=[*CKPT_FORMATS, "torch_dcp", "fsdp_dtensor"],
+            help="torch_dist: megatron.core.dist_checkpointing (sharded, reshardable); "
+                 "torch: one torch.save file per model-parallel rank (Megatron-LM's legacy "
+                 "layout). --load reads either"),
+        "--async-save": "write torch_dist checkpoints in a background process (megatron.core's "
+                        "AsyncCallsQueue); published once every rank is done",
+        "--use-persistent-ckpt-worker":
+            "--async-save through one long-lived writer process per rank (GPU only)",
+        "--dist-ckpt-strictness str": dict(
+            default="assume_ok_unexpected", choices=DIST_CKPT_STRICTNESS,
+            help="key mismatches between a torch_dist checkpoint and the model (megatron."
+                 "core's StrictHandling; 'unexpected': asked for but absent from the "
+                 "checkpoint, 'missing': in the checkpoint but not asked for)"),
+        "--ckpt-fully-parallel-save": dict(
+            default=True, help="spread the writes of replicated tensors over the data-"
+                               "parallel ranks (the default)"),
+        "--no-ckpt-fully-parallel-save": dict(
+            dest="ckpt_fully_parallel_save", action="store_false",
+            help="data-parallel rank 0 writes every replicated tensor"),
+        "--ckpt-fully-parallel-load":
+            "each data-parallel rank reads a share of a torch_dist checkpoint and they "
+            "exchange the rest",
+        "--dist-ckpt-optim-fully-reshardable":
+            "distributed optimizer state saved fully reshardable (TP/PP/DP) instead of "
+            "data-parallel reshardable",
+        "--use-checkpoint-opt_param-scheduler":
+            "take the lr / weight-decay schedule from the checkpoint",
+        "--override-opt_param-scheduler":
+            "take the lr / weight-decay schedule from the flags, not the checkpoint",
+        "--save-retain-interval int":
+            "after each save, delete the previous checkpoint unless its iteration is a "
+            "multiple of this",
+        "--non-persistent-save-interval int":
+            "iterations between non-persistent saves (only the latest is kept)",
+        "--non-persistent-ckpt-type {global,local,in_memory}": None,
+        "--non-persistent-global-ckpt-dir str":
+            "where non-persistent global checkpoints go (default: SAVE/non_persistent)",
+    })
 
 
 def validate_checkpointing(args, need):
@@ -87,26 +88,27 @@ def add_checkpoint_args_and_eval_args(g):
     """Megatron-LM's flags for taking the model's arguments from the checkpoint
     (megatron/trainer/checkpoint/checkpoint_args.py), detecting the checkpoint format on load,
     staging asynchronous saves in shared memory, and evaluation's batch size."""
-    g.add_argument("--use-checkpoint-args", action="store_true",
-                   help="on --load, the checkpoint's model arguments (layers, sizes, heads, "
-                        "normalization, position embedding, ...) replace or fill in the "
-                        "command line's, as in Megatron-LM; each change is logged")
-    g.add_argument("--use-mp-args-from-checkpoint-args", action="store_true",
-                   help="with --use-checkpoint-args, also the tensor, pipeline and virtual "
-                        "pipeline sizes")
-    g.add_argument("--no-use-tokenizer-model-from-checkpoint-args", action="store_false",
-                   dest="use_tokenizer_model_from_checkpoint_args",
-                   help="with --use-checkpoint-args, keep the command line's tokenizer type "
-                        "and model (default: the checkpoint's)")
-    g.add_argument("--auto-detect-ckpt-format", action="store_true",
-                   help="--load reads a checkpoint in either format; without it "
-                        "--ckpt-format torch reads only torch-format checkpoints (torch_dist, "
-                        "the default, detects either, as in Megatron-LM)")
-    g.add_argument("--async-ckpt-use-cpu-shm", action="store_true",
-                   help="--async-save: copy the tensors to write into CPU shared memory in "
-                        "the training process, so the writer process gets no CUDA IPC handles")
-    g.add_argument("--eval-global-batch-size", type=int, default=None,
-                   help="samples per evaluation iteration (default: --global-batch-size)")
+    add_flags(g, {
+        "--use-checkpoint-args":
+            "on --load, the checkpoint's model arguments (layers, sizes, heads, normalization, "
+            "position embedding, ...) replace or fill in the command line's, as in "
+            "Megatron-LM; each change is logged",
+        "--use-mp-args-from-checkpoint-args":
+            "with --use-checkpoint-args, also the tensor, pipeline and virtual pipeline sizes",
+        "--no-use-tokenizer-model-from-checkpoint-args": dict(
+            dest="use_tokenizer_model_from_checkpoint_args", action="store_false",
+            help="with --use-checkpoint-args, keep the command line's tokenizer type and "
+                 "model (default: the checkpoint's)"),
+        "--auto-detect-ckpt-format":
+            "--load reads a checkpoint in either format; without it --ckpt-format torch reads "
+            "only torch-format checkpoints (torch_dist, the default, detects either, as in "
+            "Megatron-LM)",
+        "--async-ckpt-use-cpu-shm":
+            "--async-save: copy the tensors to write into CPU shared memory in the training "
+            "process, so the writer process gets no CUDA IPC handles",
+        "--eval-global-batch-size int":
+            "samples per evaluation iteration (default: --global-batch-size)",
+    })
 
 
 def apply_checkpoint_args(args) -> None:

@@ -4,43 +4,46 @@ from __future__ import annotations
 
 import math
 
-from megatron.trainer.config.args_common import GPU_PAD_TO_MULTIPLE, cuda_available, is_number
+from megatron.trainer.config.args_common import (
+    GPU_PAD_TO_MULTIPLE,
+    add_flags,
+    cuda_available,
+    is_number,
+)
+from megatron.trainer.config.configs import DataConfig
 from megatron.trainer.data.documents import split_document_ranges
 from megatron.trainer.data.tokenizer import TOKENIZER_TYPES
 
 
 def data_args(g):
-    g.add_argument("--data-path", nargs="*", default=None,
-                   help="prefixes written by tools/preprocess_data.py, optionally weighted: "
-                        "'0.3 a_text_document 0.7 b_text_document'")
-    g.add_argument("--split", default="969,30,1")
-    g.add_argument("--mock-data", action="store_true")
-    g.add_argument("--data-cache-path", default=None)
-    g.add_argument("--num-workers", type=int, default=0,
-                   help="processes that read and collate the samples ahead of the step (0: the "
-                        "training process reads them itself)")
-    g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES)
-    g.add_argument("--tokenizer-model", default=None)
-    g.add_argument("--vocab-file", default=None)
-    g.add_argument("--merge-file", default=None)
-    g.add_argument("--vocab-size", type=int, default=None)
-    g.add_argument("--reset-position-ids", action="store_true")
-    g.add_argument("--reset-attention-mask", action="store_true")
-    g.add_argument("--eod-mask-loss", action="store_true")
-    g.add_argument("--seq-length-cv", type=float, default=0.0,
-                   help="synthetic variable-length microbatches (mock data too): lognormal "
-                        "CV of each microbatch's token count, mean half of --seq-length; "
-                        "0 = fixed length")
+    add_flags(g, {
+        "--data-path str": dict(
+            nargs="*", help="prefixes written by tools/preprocess_data.py, optionally "
+                            "weighted: '0.3 a_text_document 0.7 b_text_document'"),
+        "--split str = 969,30,1": None,
+        "--mock-data": None,
+        "--data-cache-path str": None,
+        "--num-workers int = 0": "processes that read and collate the samples ahead of the "
+                                 "step (0: the training process reads them itself)",
+        "--tokenizer-type str": dict(choices=TOKENIZER_TYPES),
+        "--tokenizer-model str": None,
+        "--vocab-file str": None,
+        "--merge-file str": None,
+        "--vocab-size int": None,
+        "--reset-position-ids": None,
+        "--reset-attention-mask": None,
+        "--eod-mask-loss": None,
+        "--seq-length-cv float = 0.0":
+            "synthetic variable-length microbatches (mock data too): lognormal CV of each "
+            "microbatch's token count, mean half of --seq-length; 0 = fixed length",
+    })
 
 
 def validate_data(args, need):
     chosen = args.tokenizer_type is not None
     if not chosen:
         args.tokenizer_type = _default_tokenizer(args)
-    need(args.mock_data or args.data_path,
-         "no data: give --data-path PREFIX [...] or --mock-data")
-    need(not (args.mock_data and args.data_path),
-         "--mock-data and --data-path are mutually exclusive")
+    DataConfig.rules(args, need)
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         # name what the user typed: the tokenizer only where they chose it
         need(False, "--tokenizer-type NullTokenizer needs --vocab-size N" if chosen else
@@ -53,7 +56,6 @@ def validate_data(args, need):
             split_document_ranges(args.split, 1)  # megatron.core reads "abc" as NaN weights
         except ValueError as error:
             need(False, str(error))
-    need(args.seq_length_cv >= 0, f"--seq-length-cv {args.seq_length_cv} must be >= 0")
     # megatron-core exchanges the shapes of variable-length microbatches in one batched p2p
     # call, which at PP=2 with virtual stages swaps the activation's and the gradient's
     need(args.seq_length_cv == 0 or args.use_dpp or args.pipeline_model_parallel_size != 2
@@ -77,28 +79,28 @@ def _parse_blend(args, need):
 
 
 def add_variable_length_args(parser):
-    g = parser.add_argument_group("variable sequence lengths")
-    g.add_argument("--variable-seq-lengths", action="store_true",
-                   help="GPT: one document per sample (cut at --seq-length, never packed), "
-                        "each microbatch padded to its own longest sample, padding out of "
-                        "the loss; the loss is per token (calculate_per_token_loss)")
-    g.add_argument("--group-by-length", action="store_true",
-                   help="with --variable-seq-lengths: microbatches of samples of similar "
-                        "length within each global batch (the same samples, less padding; "
-                        "docs/variable_lengths.md)")
-    g.add_argument("--pad-to-multiple", type=int, default=None,
-                   help="with --variable-seq-lengths or --seq-length-cv: round each "
-                        "microbatch's length up to this multiple, so that few shapes (buckets) "
-                        f"occur (default {GPU_PAD_TO_MULTIPLE} on GPU, 1 on CPU; with "
-                        "--sequence-parallel also a multiple of the tensor-parallel size)")
-    g.add_argument("--microbatch-tokens", type=int, default=None,
-                   help="with --variable-seq-lengths: form microbatches by this budget of "
-                        "padded tokens (rows x length) instead of --micro-batch-size rows; "
-                        "the number of microbatches then varies between iterations")
-    g.add_argument("--microbatch-order", choices=("natural", "cost"), default=None,
-                   help="the order an iteration's microbatches run in: cost = by their token "
-                        "counts, cheap first and last (megatron-core's schedules too); "
-                        "default cost with --use-dpp, natural otherwise")
+    add_flags(parser.add_argument_group("variable sequence lengths"), {
+        "--variable-seq-lengths":
+            "GPT: one document per sample (cut at --seq-length, never packed), each "
+            "microbatch padded to its own longest sample, padding out of the loss; the loss "
+            "is per token (calculate_per_token_loss)",
+        "--group-by-length":
+            "with --variable-seq-lengths: microbatches of samples of similar length within "
+            "each global batch (the same samples, less padding; docs/variable_lengths.md)",
+        "--pad-to-multiple int":
+            "with --variable-seq-lengths or --seq-length-cv: round each microbatch's length "
+            "up to this multiple, so that few shapes (buckets) occur (default "
+            f"{GPU_PAD_TO_MULTIPLE} on GPU, 1 on CPU; with --sequence-parallel also a "
+            "multiple of the tensor-parallel size)",
+        "--microbatch-tokens int":
+            "with --variable-seq-lengths: form microbatches by this budget of padded tokens "
+            "(rows x length) instead of --micro-batch-size rows; the number of microbatches "
+            "then varies between iterations",
+        "--microbatch-order {natural,cost}":
+            "the order an iteration's microbatches run in: cost = by their token counts, "
+            "cheap first and last (megatron-core's schedules too); default cost with "
+            "--use-dpp, natural otherwise",
+    })
 
 
 def validate_variable_lengths(args, need):
@@ -121,9 +123,6 @@ def validate_variable_lengths(args, need):
         ):
             need(not bad, f"--variable-seq-lengths {why}")
     else:
-        for flag, given in (("--group-by-length", args.group_by_length),
-                            ("--microbatch-tokens", args.microbatch_tokens is not None)):
-            need(not given, f"{flag} needs --variable-seq-lengths")
         need(args.pad_to_multiple is None or args.seq_length_cv > 0,
              "--pad-to-multiple needs --variable-seq-lengths or --seq-length-cv")
     if args.pad_to_multiple is None:
@@ -172,29 +171,24 @@ def _default_tokenizer(args) -> str:
 
 def add_fim_args(g):
     """Megatron-LM's fill-in-the-middle data; megatron/trainer/data/fim.py does it."""
-    g.add_argument("--fim-data", action="store_true",
-                   help="GPT: fill-in-the-middle samples: a piece of text between end-of-"
-                        "document tokens becomes prefix/suffix/middle (docs/fim.md)")
-    g.add_argument("--fim-rate", type=float, default=None,
-                   help="probability that a piece becomes a FIM piece (default 0.5)")
-    g.add_argument("--fim-spm-rate", type=float, default=None,
-                   help="probability that a FIM piece is laid out suffix-prefix-middle instead "
-                        "of prefix-suffix-middle (default 0.5)")
-    g.add_argument("--fim-split-sample", default=None,
-                   help="a token (e.g. a file separator) at which a FIM piece is cut into "
-                        "fragments, each FIM'd with --fim-fragment-rate")
-    g.add_argument("--fim-fragment-rate", type=float, default=None,
-                   help="FIM probability of each fragment of --fim-split-sample")
-    g.add_argument("--fim-no-prefix", default=None,
-                   help="pieces whose text starts with this string are left as they are")
-    for name, default in (("prefix", "<fim_prefix>"), ("middle", "<fim_middle>"),
-                          ("suffix", "<fim_suffix>"), ("pad", "<fim_pad>")):
-        g.add_argument(f"--fim-{name}-token", default=default,
-                       help=f"the FIM {name} token (default {default}; GPT-2 BPE and HF "
-                            "tokenizers get it added when their files lack it)")
-    g.add_argument("--fim-eod-token", default=None,
-                   help="the token between documents (default: the tokenizer's end-of-document "
-                        "token, <|endoftext|> for GPT-2 BPE)")
+    add_flags(g, {
+        "--fim-data": "GPT: fill-in-the-middle samples: a piece of text between end-of-"
+                      "document tokens becomes prefix/suffix/middle (docs/fim.md)",
+        "--fim-rate float": "probability that a piece becomes a FIM piece (default 0.5)",
+        "--fim-spm-rate float": "probability that a FIM piece is laid out suffix-prefix-middle "
+                                "instead of prefix-suffix-middle (default 0.5)",
+        "--fim-split-sample str": "a token (e.g. a file separator) at which a FIM piece is cut "
+                                  "into fragments, each FIM'd with --fim-fragment-rate",
+        "--fim-fragment-rate float": "FIM probability of each fragment of --fim-split-sample",
+        "--fim-no-prefix str": "pieces whose text starts with this string are left as they are",
+        **{f"--fim-{name}-token str = {default}":
+           f"the FIM {name} token (default {default}; GPT-2 BPE and HF tokenizers get it added "
+           "when their files lack it)"
+           for name, default in (("prefix", "<fim_prefix>"), ("middle", "<fim_middle>"),
+                                 ("suffix", "<fim_suffix>"), ("pad", "<fim_pad>"))},
+        "--fim-eod-token str": "the token between documents (default: the tokenizer's end-of-"
+                               "document token, <|endoftext|> for GPT-2 BPE)",
+    })
 
 
 def validate_fim(args, need):

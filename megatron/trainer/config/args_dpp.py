@@ -6,52 +6,58 @@ import argparse
 import os
 
 from megatron.trainer.config.addresses import is_ip_address
-from megatron.trainer.config.args_common import cuda_available
+from megatron.trainer.config.args_common import add_flags, cuda_available
+from megatron.trainer.config.configs import FastPathConfig, ScheduleConfig
 
 
 def dpp_args(g):
-    g.add_argument("--use-dpp", action="store_true",
-                   help="dynamic pipeline schedule instead of megatron-core's static one")
-    g.add_argument("--dpp-max-inflight", type=int, default=None,
-                   help="extra microbatches in flight beyond the static schedule's count")
-    g.add_argument("--dpp-transport", default="auto", choices=["auto", "torch", "shm", "rdma"])
-    g.add_argument("--dpp-timeout", type=float, default=60.0,
-                   help="seconds a stage waits for a pipeline peer before raising")
-    g.add_argument("--dpp-split-backward", action=argparse.BooleanOptionalAction, default=None,
-                   help="split each backward into input gradients (B) and deferred weight "
-                        "gradients (W): with --use-dpp the dynamic schedule places the W "
-                        "tasks; at PP=1 each W runs right after its B (default: on with "
-                        "--use-dpp on GPUs where the layers allow it, fast_path.py)")
-    g.add_argument("--dpp-static", action=argparse.BooleanOptionalAction, default=None,
-                   help="with --use-dpp: run the DPP plan (1F1B, interleaved, ZB-H1 with the "
-                        "split) in order, never deviating: the static schedule on the same "
-                        "runtime (default: on for one model chunk of uniform lengths on GPUs, "
-                        "where it measured faster; fast_path.py)")
-    g.add_argument("--multi-node", action="store_true",
-                   help="the job spans nodes: checked against torchrun's WORLD_SIZE and "
-                        "LOCAL_WORLD_SIZE at start-up")
-    g.add_argument("--node-ips", nargs="+", default=None,
-                   help="one address per node, in node-rank order; checked against the node "
-                        "count and MASTER_ADDR (node 0)")
-    g.add_argument("--workload", type=int, default=None, help=argparse.SUPPRESS)
-    g.add_argument("--num-gpus", type=int, default=None, help=argparse.SUPPRESS)
+    add_flags(g, {
+        "--use-dpp": "dynamic pipeline schedule instead of megatron-core's static one",
+        "--dpp-max-inflight int":
+            "extra microbatches in flight beyond the static schedule's count",
+        "--dpp-transport {auto,torch,shm,rdma} = auto": None,
+        "--dpp-timeout float = 60.0":
+            "seconds a stage waits for a pipeline peer before raising",
+        "--dpp-split-backward": dict(
+            action=argparse.BooleanOptionalAction, default=None,
+            help="split each backward into input gradients (B) and deferred weight gradients "
+                 "(W): with --use-dpp the dynamic schedule places the W tasks; at PP=1 each W "
+                 "runs right after its B (default: on with --use-dpp on GPUs where the layers "
+                 "allow it, fast_path.py)"),
+        "--dpp-static": dict(
+            action=argparse.BooleanOptionalAction, default=None,
+            help="with --use-dpp: run the DPP plan (1F1B, interleaved, ZB-H1 with the split) "
+                 "in order, never deviating: the static schedule on the same runtime "
+                 "(default: on for one model chunk of uniform lengths on GPUs, where it "
+                 "measured faster; fast_path.py)"),
+        "--multi-node": "the job spans nodes: checked against torchrun's WORLD_SIZE and "
+                        "LOCAL_WORLD_SIZE at start-up",
+        "--node-ips str": dict(nargs="+", help="one address per node, in node-rank order; "
+                               "checked against the node count and MASTER_ADDR (node 0)"),
+        # retired flags, named in the error that refuses them
+        "--workload int": argparse.SUPPRESS,
+        "--num-gpus int": argparse.SUPPRESS,
+    })
 
 
 def fast_path_args(g):
-    g.add_argument("--no-cross-entropy-loss-fusion", dest="cross_entropy_loss_fusion",
-                   action="store_false", default=None,
-                   help="megatron-core's unfused cross-entropy even where the fused one is "
-                        "the default")
-    g.add_argument("--no-triton-fusions", dest="triton_fusions", action="store_false",
-                   default=None,
-                   help="torch's layer norm and megatron-core's torch.compile'd "
-                        "bias-dropout-add and bias-GeLU, not the project's Triton kernels "
-                        "(the default on a GPU with Triton; fast_path.py)")
-    g.add_argument("--no-gelu-gemm-epilogue", dest="gelu_gemm_epilogue", action="store_false",
-                   default=None,
-                   help="fc1's GEMM then a separate bias-GeLU kernel, not cuBLASLt's "
-                        "bias-GeLU epilogue (the default on a GPU for the local layers' MLP; "
-                        "fast_path.py)")
+    """The fast path's features are on by default where they apply; these turn them off."""
+    off = dict(action="store_false", default=None)
+    add_flags(g, {
+        "--no-cross-entropy-loss-fusion": dict(
+            off, dest="cross_entropy_loss_fusion",
+            help="megatron-core's unfused cross-entropy even where the fused one is the "
+                 "default"),
+        "--no-triton-fusions": dict(
+            off, dest="triton_fusions",
+            help="torch's layer norm and megatron-core's torch.compile'd bias-dropout-add and "
+                 "bias-GeLU, not the project's Triton kernels (the default on a GPU with "
+                 "Triton; fast_path.py)"),
+        "--no-gelu-gemm-epilogue": dict(
+            off, dest="gelu_gemm_epilogue",
+            help="fc1's GEMM then a separate bias-GeLU kernel, not cuBLASLt's bias-GeLU "
+                 "epilogue (the default on a GPU for the local layers' MLP; fast_path.py)"),
+    })
 
 
 def validate_dpp(args, need):
@@ -61,10 +67,7 @@ def validate_dpp(args, need):
     if args.num_gpus is not None:
         need(False, f"--num-gpus {args.num_gpus}: no longer used; torchrun's --nproc_per_node "
              "sets the GPUs per node")
-    if args.dpp_max_inflight is not None:
-        need(args.dpp_max_inflight >= 0,
-             f"--dpp-max-inflight {args.dpp_max_inflight} must be >= 0")
-    need(not args.dpp_static or args.use_dpp, "--dpp-static needs --use-dpp")
+    ScheduleConfig.rules(args, need)
     if args.use_dpp:
         need(args.pipeline_model_parallel_size > 1,
              "--use-dpp needs --pipeline-model-parallel-size > 1 (nothing to schedule otherwise)")
@@ -106,8 +109,9 @@ def validate_cuda_graphs(args, need):
             "manager / Transformer Engine helper), which this trainer does not run") +
             "; use --cuda-graph-impl block")
     limit = args.cuda_graph_memory_limit
-    need(limit is None or (impl == "block" and limit >= 0),
-         f"--cuda-graph-memory-limit {limit} needs --cuda-graph-impl block and a bound >= 0")
+    need(limit is None or impl == "block",
+         f"--cuda-graph-memory-limit {limit} needs --cuda-graph-impl block")
+    FastPathConfig.rules(args, need)
     if impl != "block":
         return
     # by default only where fast_path.Machine found CUDA

@@ -4,56 +4,51 @@ from __future__ import annotations
 
 import os
 
-from megatron.trainer.config.args_common import cuda_available
+from megatron.trainer.config.args_common import add_flags, cuda_available
 from megatron.trainer.core_compat.reruns import INJECTION_TYPES, MODES
 
 
 def add_megatron_lm_args(g):
     """Model, loss, data, optimizer and layout flags of Megatron-LM's scripts."""
-    g.add_argument("--deterministic-mode", action="store_true",
-                   help="bitwise-reproducible runs: torch's deterministic algorithms, a fixed "
-                        "NCCL algorithm (NCCL_ALGO, default Ring), cuBLAS workspace "
-                        "(CUBLAS_WORKSPACE_CONFIG, default :4096:8), deterministic TE attention")
-    g.add_argument("--calculate-per-token-loss", action="store_true",
-                   help="normalise the loss by the tokens of the whole global batch instead of "
-                        "averaging per-microbatch means")
-    g.add_argument("--apply-query-key-layer-scaling", action="store_true",
-                   help="scale Q K^T by 1 / layer number before the (fp32) softmax and back "
-                        "inside it: keeps fp16 scores in range")
-    g.add_argument("--apply-layernorm-1p", action="store_true",
-                   help="norm weights stored as offsets from 1 (zero-centred gamma)")
-    g.add_argument("--no-rope-fusion", action="store_true",
-                   help="unfused rotary embeddings (the fused kernel, Transformer Engine's, is "
-                        "used on GPU when importable)")
-    g.add_argument("--rotary-interleaved", action="store_true",
-                   help="rotate interleaved pairs of each head's channels instead of its halves")
-    g.add_argument("--squared-relu", action="store_true", help="relu(x)^2 as MLP activation")
-    g.add_argument("--no-persist-layer-norm", action="store_true",
-                   help="no apex persistent layer-norm kernel (none is used here: the norms "
-                        "are torch's or Transformer Engine's)")
-    g.add_argument("--use-legacy-models", action="store_true",
-                   help="refused: only megatron-core's models exist here")
-    g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
-                   dest="create_attention_mask_in_dataloader",
-                   help="GPT: the dataset makes no [s, s] attention mask per sample (the "
-                        "causal mask is implicit in attention)")
-    g.add_argument("--no-mmap-bin-files", action="store_false", dest="mmap_bin_files",
-                   help="read the .bin token files with file reads instead of memory maps")
-    g.add_argument("--decoupled-lr", type=float, default=None,
-                   help="learning rate of the input embedding and the output layer")
-    g.add_argument("--decoupled-min-lr", type=float, default=None,
-                   help="their minimum learning rate (needs --decoupled-lr)")
-    g.add_argument("--use-tp-pp-dp-mapping", action="store_true",
-                   help="ranks ordered tensor, then pipeline, then data parallel (default: "
-                        "tensor, data, pipeline)")
-    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
-                   help="the same as --virtual-pipeline-model-parallel-size")
-    g.add_argument("--ddp-average-in-collective", action="store_true",
-                   help="average the gradients over data-parallel ranks inside the reduction "
-                        "instead of scaling them before it")
-    g.add_argument("--spec", nargs="+", default=None,
-                   help="'local': megatron-core's local layer spec, the same as "
-                        "--transformer-impl local (other module specs are refused)")
+    add_flags(g, {
+        "--deterministic-mode":
+            "bitwise-reproducible runs: torch's deterministic algorithms, a fixed NCCL "
+            "algorithm (NCCL_ALGO, default Ring), cuBLAS workspace (CUBLAS_WORKSPACE_CONFIG, "
+            "default :4096:8), deterministic TE attention",
+        "--calculate-per-token-loss":
+            "normalise the loss by the tokens of the whole global batch instead of averaging "
+            "per-microbatch means",
+        "--apply-query-key-layer-scaling":
+            "scale Q K^T by 1 / layer number before the (fp32) softmax and back inside it: "
+            "keeps fp16 scores in range",
+        "--apply-layernorm-1p": "norm weights stored as offsets from 1 (zero-centred gamma)",
+        "--no-rope-fusion": "unfused rotary embeddings (the fused kernel, Transformer Engine's, "
+                            "is used on GPU when importable)",
+        "--rotary-interleaved":
+            "rotate interleaved pairs of each head's channels instead of its halves",
+        "--squared-relu": "relu(x)^2 as MLP activation",
+        "--no-persist-layer-norm": "no apex persistent layer-norm kernel (none is used here: "
+                                   "the norms are torch's or Transformer Engine's)",
+        "--use-legacy-models": "refused: only megatron-core's models exist here",
+        "--no-create-attention-mask-in-dataloader": dict(
+            action="store_false", dest="create_attention_mask_in_dataloader",
+            help="GPT: the dataset makes no [s, s] attention mask per sample (the causal mask "
+                 "is implicit in attention)"),
+        "--no-mmap-bin-files": dict(
+            action="store_false", dest="mmap_bin_files",
+            help="read the .bin token files with file reads instead of memory maps"),
+        "--decoupled-lr float": "learning rate of the input embedding and the output layer",
+        "--decoupled-min-lr float": "their minimum learning rate (needs --decoupled-lr)",
+        "--use-tp-pp-dp-mapping": "ranks ordered tensor, then pipeline, then data parallel "
+                                  "(default: tensor, data, pipeline)",
+        "--num-virtual-stages-per-pipeline-rank int":
+            "the same as --virtual-pipeline-model-parallel-size",
+        "--ddp-average-in-collective":
+            "average the gradients over data-parallel ranks inside the reduction instead of "
+            "scaling them before it",
+        "--spec str": dict(nargs="+", help="'local': megatron-core's local layer spec, the same "
+                           "as --transformer-impl local (other module specs are refused)"),
+    })
 
 
 # NCCL_ALGO values that Megatron-LM accepts in --deterministic-mode (NVLS reduces in switches)
@@ -93,10 +88,6 @@ def validate_megatron_lm_flags(args, need):
     for flag, value in (("--decoupled-lr", args.decoupled_lr),
                         ("--decoupled-min-lr", args.decoupled_min_lr)):
         need(value is None or value >= 0, f"{flag} {value} must be >= 0")
-    need(not args.rotary_interleaved or args.position_embedding_type == "rope",
-         "--rotary-interleaved needs --position-embedding-type rope")
-    need(not (args.squared_relu and args.swiglu), "--squared-relu and --swiglu are mutually "
-         "exclusive (two MLP activations)")
     # megatron-core's BERT head builds its own norm, which without apex or TE is torch's
     need(not (args.apply_layernorm_1p and args.model == "bert"
               and args.transformer_impl == "local"),
@@ -111,9 +102,6 @@ def validate_megatron_lm_flags(args, need):
         need(args.model != "gpt" or not middle, "--reset-attention-mask with more than two "
              "pipeline stages (virtual ones included): the middle stages read no batch and "
              "would not see the document boundaries")
-    need(args.num_workers == 0 or args.seq_length_cv == 0,
-         f"--num-workers {args.num_workers} with --seq-length-cv: the microbatches are cut "
-         "to their lengths in the training process; use --num-workers 0")
     if args.use_flash_attn:
         need(args.attention_backend in ("auto", "flash"),
              f"--use-flash-attn contradicts --attention-backend {args.attention_backend}")
@@ -146,27 +134,30 @@ def _validate_deterministic_mode(args, need):
 
 
 def add_rerun_args(g):
-    g.add_argument("--rerun-mode", default="disabled", choices=MODES,
-                   help="megatron-core's rerun state machine "
-                        "(megatron/trainer/core_compat/reruns.py): "
-                        "validate_results checks losses and gradient norms and re-runs an "
-                        "iteration whose result is rejected, to tell a transient fault (exit "
-                        "17) from a reproducible result (checkpoint, exit 16); report_stats runs "
-                        "every iteration twice and logs how much the results differ")
-    g.add_argument("--error-injection-rate", type=int, default=0,
-                   help="validate_results: reject one in this many validated results on "
-                        "purpose (0: never), to exercise the re-runs")
-    g.add_argument("--error-injection-type", default="transient_error", choices=INJECTION_TYPES,
-                   help="how the re-run of an injected rejection behaves: transient_error (not "
-                        "reproduced), persistent_error or correct_result (reproduced)")
-    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
-                   dest="check_for_nan_in_loss_and_grad",
-                   help="train on through NaN/Inf losses and gradient norms: without it a "
-                        "non-finite one stops the run (and --rerun-mode validate_results|"
-                        "report_stats also re-runs the iteration)")
-    g.add_argument("--check-for-spiky-loss", action="store_true",
-                   help="with --rerun-mode validate_results|report_stats: also reject a loss "
-                        "ten times the largest of the first 100 (not fatal)")
+    add_flags(g, {
+        "--rerun-mode str = disabled": dict(
+            choices=MODES,
+            help="megatron-core's rerun state machine (megatron/trainer/core_compat/reruns.py): "
+                 "validate_results checks losses and gradient norms and re-runs an iteration "
+                 "whose result is rejected, to tell a transient fault (exit 17) from a "
+                 "reproducible result (checkpoint, exit 16); report_stats runs every iteration "
+                 "twice and logs how much the results differ"),
+        "--error-injection-rate int = 0":
+            "validate_results: reject one in this many validated results on purpose (0: "
+            "never), to exercise the re-runs",
+        "--error-injection-type str = transient_error": dict(
+            choices=INJECTION_TYPES,
+            help="how the re-run of an injected rejection behaves: transient_error (not "
+                 "reproduced), persistent_error or correct_result (reproduced)"),
+        "--no-check-for-nan-in-loss-and-grad": dict(
+            action="store_false", dest="check_for_nan_in_loss_and_grad",
+            help="train on through NaN/Inf losses and gradient norms: without it a non-finite "
+                 "one stops the run (and --rerun-mode validate_results|report_stats also "
+                 "re-runs the iteration)"),
+        "--check-for-spiky-loss":
+            "with --rerun-mode validate_results|report_stats: also reject a loss ten times the "
+            "largest of the first 100 (not fatal)",
+    })
 
 
 def validate_reruns(args, need):

@@ -4,81 +4,78 @@ from __future__ import annotations
 
 import importlib.util
 
+from megatron.trainer.config.args_common import add_flags
+from megatron.trainer.config.configs import PrecisionConfig
+
 
 def model_args(g):
-    g.add_argument("--num-layers", type=int, default=None)
-    g.add_argument("--hidden-size", type=int, default=None)
-    g.add_argument("--ffn-hidden-size", type=int, default=None)
-    g.add_argument("--num-attention-heads", type=int, default=None)
-    g.add_argument("--kv-channels", type=int, default=None)
-    g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=int, default=None)
-    g.add_argument("--seq-length", type=int, default=None)
-    g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument(
-        "--position-embedding-type", default="learned_absolute",
-        choices=["learned_absolute", "rope", "none"],
-    )
-    g.add_argument("--use-rotary-position-embeddings", action="store_true")
-    g.add_argument("--rotary-percent", type=float, default=1.0)
-    g.add_argument("--rotary-base", type=int, default=10000)
-    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
-    g.add_argument("--swiglu", action="store_true")
-    g.add_argument("--disable-bias-linear", action="store_true")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--apply-residual-connection-post-layernorm", action="store_true")
-    g.add_argument("--attention-softmax-in-fp32", action="store_true")
-    g.add_argument("--no-masked-softmax-fusion", action="store_true")
-    g.add_argument("--no-bias-gelu-fusion", action="store_true")
-    g.add_argument("--no-bias-dropout-fusion", action="store_true")
-    g.add_argument("--cross-entropy-loss-fusion", action="store_true", default=None,
-                   help="fused cross-entropy; which one: --cross-entropy-fusion-impl (default: "
-                        "on with triton on a GPU with Triton, see fast_path.py)")
-    g.add_argument("--cross-entropy-fusion-impl", default=None,
-                   choices=["native", "te", "triton"],
-                   help="native: megatron-core's torch.compile'd version (--bf16 only); te: "
-                        "Transformer Engine's; triton: the project's one pass forward, one "
-                        "pass backward (Triton kernels on GPU, torch ops elsewhere; any dtype). "
-                        "Default: native with --cross-entropy-loss-fusion, else triton")
-    g.add_argument("--use-flash-attn", action="store_true",
-                   help="FlashAttention: Transformer Engine's flash backend, or torch's flash "
-                        "SDPA kernel with the local layers (CUDA only)")
-    g.add_argument(
-        "--attention-backend", default="auto",
-        choices=["auto", "flash", "fused", "unfused", "local"],
-    )
-    g.add_argument(
-        "--transformer-impl", default="auto", choices=["auto", "local", "transformer_engine"],
-        help="auto: Transformer Engine on GPU when importable, else the project's SDPA spec",
-    )
-    g.add_argument("--use-mcore-models", action="store_true",
-                   help="megatron-core's models, the only ones here (deprecated in Megatron-LM, "
-                        "where they are the default); contradicts --use-legacy-models")
-    g.add_argument("--bert-no-binary-head", action="store_true")
-    g.add_argument("--num-tokentypes", type=int, default=2)
-    g.add_argument("--mask-prob", type=float, default=0.15)
-    g.add_argument("--short-seq-prob", type=float, default=0.1)
+    add_flags(g, {
+        "--num-layers int": None,
+        "--hidden-size int": None,
+        "--ffn-hidden-size int": None,
+        "--num-attention-heads int": None,
+        "--kv-channels int": None,
+        "--group-query-attention": None,
+        "--num-query-groups int": None,
+        "--seq-length int": None,
+        "--max-position-embeddings int": None,
+        "--position-embedding-type {learned_absolute,rope,none} = learned_absolute": None,
+        "--use-rotary-position-embeddings": None,
+        "--rotary-percent float = 1.0": None,
+        "--rotary-base int = 10000": None,
+        "--normalization {LayerNorm,RMSNorm} = LayerNorm": None,
+        "--norm-epsilon float = 1e-5": None,
+        "--swiglu": None,
+        "--disable-bias-linear": None,
+        "--untie-embeddings-and-output-weights": None,
+        "--hidden-dropout float = 0.1": None,
+        "--attention-dropout float = 0.1": None,
+        "--init-method-std float = 0.02": None,
+        "--make-vocab-size-divisible-by int = 128": None,
+        "--apply-residual-connection-post-layernorm": None,
+        "--attention-softmax-in-fp32": None,
+        "--no-masked-softmax-fusion": None,
+        "--no-bias-gelu-fusion": None,
+        "--no-bias-dropout-fusion": None,
+        "--cross-entropy-loss-fusion": dict(
+            default=None, help="fused cross-entropy; which one: --cross-entropy-fusion-impl "
+            "(default: on with triton on a GPU with Triton, see fast_path.py)"),
+        "--cross-entropy-fusion-impl {native,te,triton}":
+            "native: megatron-core's torch.compile'd version (--bf16 only); te: Transformer "
+            "Engine's; triton: the project's one pass forward, one pass backward (Triton "
+            "kernels on GPU, torch ops elsewhere; any dtype). Default: native with "
+            "--cross-entropy-loss-fusion, else triton",
+        "--use-flash-attn": "FlashAttention: Transformer Engine's flash backend, or torch's "
+                            "flash SDPA kernel with the local layers (CUDA only)",
+        "--attention-backend {auto,flash,fused,unfused,local} = auto": None,
+        "--transformer-impl {auto,local,transformer_engine} = auto":
+            "auto: Transformer Engine on GPU when importable, else the project's SDPA spec",
+        "--use-mcore-models": "megatron-core's models, the only ones here (deprecated in "
+                              "Megatron-LM, where they are the default); contradicts "
+                              "--use-legacy-models",
+        "--bert-no-binary-head": None,
+        "--num-tokentypes int = 2": None,
+        "--mask-prob float = 0.15": None,
+        "--short-seq-prob float = 0.1": None,
+    })
 
 
 def precision_args(g):
-    g.add_argument("--fp16", action="store_true")
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--loss-scale", type=float, default=None)
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
-    g.add_argument("--loss-scale-window", type=float, default=1000)
-    g.add_argument("--hysteresis", type=int, default=2)
-    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
-    g.add_argument("--fp32-residual-connection", action="store_true")
+    add_flags(g, {
+        "--fp16": None,
+        "--bf16": None,
+        "--loss-scale float": None,
+        "--initial-loss-scale float = 4294967296.0": None,  # 2**32
+        "--min-loss-scale float = 1.0": None,
+        "--loss-scale-window float = 1000": None,
+        "--hysteresis int = 2": None,
+        "--accumulate-allreduce-grads-in-fp32": None,
+        "--fp32-residual-connection": None,
+    })
 
 
 def validate_precision(args, need):
-    need(not (args.fp16 and args.bf16), "--fp16 and --bf16 are mutually exclusive")
+    PrecisionConfig.rules(args, need)
     import torch
 
     args.params_dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
@@ -96,12 +93,14 @@ def validate_precision(args, need):
 
 
 def add_embedding_wgrad_args(g):
-    g.add_argument("--defer-embedding-wgrad-compute", action="store_true",
-                   help="the last stage's output layer defers its weight-gradient GEMMs to the "
-                        "end of the iteration (the pipeline flush) instead of each backward")
-    g.add_argument("--wgrad-deferral-limit", type=int, default=None,
-                   help="defer the output layer's weight gradient of this many microbatches "
-                        "per iteration; the later ones run in their backward (default 0: all)")
+    add_flags(g, {
+        "--defer-embedding-wgrad-compute":
+            "the last stage's output layer defers its weight-gradient GEMMs to the end of the "
+            "iteration (the pipeline flush) instead of each backward",
+        "--wgrad-deferral-limit int":
+            "defer the output layer's weight gradient of this many microbatches per "
+            "iteration; the later ones run in their backward (default 0: all)",
+    })
 
 
 def validate_embedding_wgrad(args, need):
@@ -141,27 +140,24 @@ def validate_embedding_wgrad(args, need):
 
 
 def add_mla_args(g):
-    g.add_argument("--multi-latent-attention", action="store_true",
-                   help="multi-latent attention (DeepSeek-V2): queries, keys and values "
-                        "projected through low-rank latents (megatron-core's MLA, GPT only)")
-    g.add_argument("--q-lora-rank", type=int, default=None,
-                   help="rank of the queries' latent (default: no query compression)")
-    g.add_argument("--kv-lora-rank", type=int, default=32,
-                   help="rank of the keys' and values' latent")
-    g.add_argument("--qk-head-dim", type=int, default=128,
-                   help="query/key head dim without position embedding (q/k heads are "
-                        "qk-head-dim + qk-pos-emb-head-dim)")
-    g.add_argument("--qk-pos-emb-head-dim", type=int, default=64,
-                   help="query/key head channels that carry the rotary position embedding")
-    g.add_argument("--v-head-dim", type=int, default=128, help="value head dim")
-    g.add_argument("--rope-type", default=None, choices=["rope", "yarn"],
-                   help="MLA's rotary embedding (default yarn, as Megatron-LM)")
-    g.add_argument("--rotary-scaling-factor", type=float, default=None,
-                   help="YaRN: context extension factor of MLA's rotary embedding (default 1)")
-    g.add_argument("--mscale", type=float, default=None,
-                   help="YaRN: attention scale coefficient of MLA (default 1)")
-    g.add_argument("--mscale-all-dim", type=float, default=None,
-                   help="YaRN: the same over all dims, divides the scale (default 0: off)")
+    add_flags(g, {
+        "--multi-latent-attention":
+            "multi-latent attention (DeepSeek-V2): queries, keys and values projected "
+            "through low-rank latents (megatron-core's MLA, GPT only)",
+        "--q-lora-rank int": "rank of the queries' latent (default: no query compression)",
+        "--kv-lora-rank int = 32": "rank of the keys' and values' latent",
+        "--qk-head-dim int = 128": "query/key head dim without position embedding (q/k heads "
+                                   "are qk-head-dim + qk-pos-emb-head-dim)",
+        "--qk-pos-emb-head-dim int = 64":
+            "query/key head channels that carry the rotary position embedding",
+        "--v-head-dim int = 128": "value head dim",
+        "--rope-type {rope,yarn}": "MLA's rotary embedding (default yarn, as Megatron-LM)",
+        "--rotary-scaling-factor float":
+            "YaRN: context extension factor of MLA's rotary embedding (default 1)",
+        "--mscale float": "YaRN: attention scale coefficient of MLA (default 1)",
+        "--mscale-all-dim float":
+            "YaRN: the same over all dims, divides the scale (default 0: off)",
+    })
 
 
 def validate_mla(args, need):

@@ -2,37 +2,40 @@
 
 from __future__ import annotations
 
+from megatron.trainer.config.args_common import add_flags
+
 
 def parallel_args(g):
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None)
-    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
-                   help="transformer layers on the first pipeline stage; the others share "
-                        "the rest evenly (default: even split over all stages)")
-    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
-                   help="transformer layers on the last pipeline stage; the others share "
-                        "the rest evenly (default: even split over all stages)")
-    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
-                   help="count the embedding as one layer when splitting layers over stages")
-    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
-                   help="count the output layer and loss as one layer when splitting layers "
-                        "over stages")
-    g.add_argument("--context-parallel-size", type=int, default=1)
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--overlap-grad-reduce", action="store_true")
-    g.add_argument("--overlap-param-gather", action="store_true")
-    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"])
-    g.add_argument("--distributed-timeout-minutes", type=float, default=10)
-    g.add_argument("--local-rank", "--local_rank", type=int, default=None)
-    g.add_argument("--no-batch-p2p-comm", action="store_true",
-                   help="megatron-core schedules: unbatched p2p (chosen automatically at PP=2 with "
-                        "virtual stages, where batched p2p gives wrong gradients)")
-    g.add_argument("--batch-p2p-sync", action="store_true",
-                   help="megatron-core schedules: synchronise the device after each batched "
-                        "p2p exchange (an old PyTorch workaround; it stalls the host each time)")
+    add_flags(g, {
+        "--tensor-model-parallel-size int = 1": None,
+        "--pipeline-model-parallel-size int = 1": None,
+        "--num-layers-per-virtual-pipeline-stage int": None,
+        "--virtual-pipeline-model-parallel-size int": None,
+        "--decoder-first-pipeline-num-layers int":
+            "transformer layers on the first pipeline stage; the others share the rest evenly "
+            "(default: even split over all stages)",
+        "--decoder-last-pipeline-num-layers int":
+            "transformer layers on the last pipeline stage; the others share the rest evenly "
+            "(default: even split over all stages)",
+        "--account-for-embedding-in-pipeline-split":
+            "count the embedding as one layer when splitting layers over stages",
+        "--account-for-loss-in-pipeline-split":
+            "count the output layer and loss as one layer when splitting layers over stages",
+        "--context-parallel-size int = 1": None,
+        "--sequence-parallel": None,
+        "--use-distributed-optimizer": None,
+        "--overlap-grad-reduce": None,
+        "--overlap-param-gather": None,
+        "--distributed-backend {nccl,gloo}": None,
+        "--distributed-timeout-minutes float = 10": None,
+        "--local-rank --local_rank int": None,
+        "--no-batch-p2p-comm":
+            "megatron-core schedules: unbatched p2p (chosen automatically at PP=2 with virtual "
+            "stages, where batched p2p gives wrong gradients)",
+        "--batch-p2p-sync":
+            "megatron-core schedules: synchronise the device after each batched p2p exchange "
+            "(an old PyTorch workaround; it stalls the host each time)",
+    })
 
 
 def validate_virtual_pipeline(args, need):
@@ -125,40 +128,39 @@ def _validate_uneven_split(args, need, uneven: dict, vpp):
 
 
 def add_core_extras_args(g):
-    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
-                   help="every N iterations compare a hash of the weights across data-parallel "
-                        "replicas; stop naming the ranks if they differ")
-    g.add_argument("--overlap-param-gather-with-optimizer-step", action="store_true",
-                   help="start the first model chunk's parameter all-gather in the optimizer "
-                        "step (distributed optimizer, --overlap-param-gather, virtual stages)")
-    g.add_argument("--ckpt-assume-constant-structure", action="store_true",
-                   help="torch_dist saves reuse the first save's plan and metadata (the model "
-                        "and optimizer structure must not change during the run)")
-    g.add_argument("--trust-checkpoint", action="store_true",
-                   help="load a checkpoint that is world-writable or another user's, and legacy "
-                        "files holding classes beyond the allowed ones (loading unpickles: a "
-                        "crafted checkpoint runs code; megatron/trainer/checkpoint/checkpoint_trust.py)")
-    g.add_argument("--verify-integrity", action="store_true",
-                   help="write a SHA-256 manifest of each saved checkpoint and check the "
-                        "loaded checkpoint against it")
-    g.add_argument("--async-strategy", default="mcore", choices=["mcore", "nvrx"],
-                   help="writer of --async-save: megatron-core's own (mcore)")
-    g.add_argument("--qk-layernorm", action="store_true",
-                   help="normalize queries and keys per head before the attention scores")
-    g.add_argument("--test-mode", action="store_true",
-                   help="megatron-core's real-time checks: every attention forward compares the "
-                        "q/k norm weights across data- and tensor-parallel ranks")
-    g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int, default=None,
-                   help="megatron-core's interleaved schedule runs this many consecutive "
-                        "microbatches on each virtual stage (default: the pipeline size)")
-    g.add_argument("--overlap-p2p-communication-warmup-flush", action="store_true",
-                   help="megatron-core's interleaved schedule overlaps its p2p with compute "
-                        "in warm-up and flush too (unbatched p2p)")
-    g.add_argument("--disable-gloo-process-groups", action="store_true",
-                   help="create no gloo twins of megatron-core's process groups")
-    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
-                   help="split the data-parallel ranks into this many groups, each sharding "
-                        "a whole copy of the optimizer state (megatron-core)")
+    add_flags(g, {
+        "--check-weight-hash-across-dp-replicas-interval int":
+            "every N iterations compare a hash of the weights across data-parallel replicas; "
+            "stop naming the ranks if they differ",
+        "--overlap-param-gather-with-optimizer-step":
+            "start the first model chunk's parameter all-gather in the optimizer step "
+            "(distributed optimizer, --overlap-param-gather, virtual stages)",
+        "--ckpt-assume-constant-structure":
+            "torch_dist saves reuse the first save's plan and metadata (the model and "
+            "optimizer structure must not change during the run)",
+        "--trust-checkpoint":
+            "load a checkpoint that is world-writable or another user's, and legacy files "
+            "holding classes beyond the allowed ones (loading unpickles: a crafted checkpoint "
+            "runs code; megatron/trainer/checkpoint/checkpoint_trust.py)",
+        "--verify-integrity": "write a SHA-256 manifest of each saved checkpoint and check the "
+                              "loaded checkpoint against it",
+        "--async-strategy {mcore,nvrx} = mcore":
+            "writer of --async-save: megatron-core's own (mcore)",
+        "--qk-layernorm": "normalize queries and keys per head before the attention scores",
+        "--test-mode": "megatron-core's real-time checks: every attention forward compares "
+                       "the q/k norm weights across data- and tensor-parallel ranks",
+        "--microbatch-group-size-per-virtual-pipeline-stage int":
+            "megatron-core's interleaved schedule runs this many consecutive microbatches on "
+            "each virtual stage (default: the pipeline size)",
+        "--overlap-p2p-communication-warmup-flush":
+            "megatron-core's interleaved schedule overlaps its p2p with compute in warm-up "
+            "and flush too (unbatched p2p)",
+        "--disable-gloo-process-groups":
+            "create no gloo twins of megatron-core's process groups",
+        "--num-distributed-optimizer-instances int = 1":
+            "split the data-parallel ranks into this many groups, each sharding a whole copy "
+            "of the optimizer state (megatron-core)",
+    })
 
 
 def validate_core_extras(args, need):
@@ -198,15 +200,6 @@ def validate_core_extras(args, need):
     need(not args.ckpt_assume_constant_structure or args.ckpt_format == "torch_dist",
          f"--ckpt-assume-constant-structure caches megatron-core's torch_dist save plan; "
          f"--ckpt-format {args.ckpt_format} has none")
-    instances, dp = args.num_distributed_optimizer_instances, args.data_parallel_size
-    if instances != 1:
-        need(instances >= 1, f"--num-distributed-optimizer-instances {instances} must be >= 1")
-        need(args.use_distributed_optimizer,
-             f"--num-distributed-optimizer-instances {instances} needs "
-             "--use-distributed-optimizer")
-        need(instances < 1 or dp % instances == 0,
-             f"--num-distributed-optimizer-instances {instances} does not divide the "
-             f"data-parallel size {dp}")
 
 
 def _validate_interleaved_schedule_tuning(args, need):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from megatron.trainer.config.args_common import add_flags
 from megatron.trainer.config.args_parallel import interleaved_group_problem
 from megatron.trainer.data.batch_schedule import (
     BatchScheduleError,
@@ -11,58 +12,54 @@ from megatron.trainer.data.batch_schedule import (
 
 
 def batch_and_schedule_args(g):
-    g.add_argument("--micro-batch-size", type=int, default=1)
-    g.add_argument("--global-batch-size", type=int, default=None)
-    g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
-                   metavar=("START", "INCREMENT", "SAMPLES"))
-    g.add_argument("--train-iters", type=int, default=None)
-    g.add_argument("--train-samples", type=int, default=None)
-    g.add_argument("--exit-interval", type=int, default=None)
-    g.add_argument("--optimizer", default="adam", choices=["adam", "sgd"])
-    g.add_argument("--lr", type=float, default=None)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument(
-        "--lr-decay-style", default="linear",
-        choices=["constant", "linear", "cosine", "inverse-square-root"],
-    )
-    g.add_argument("--lr-decay-iters", type=int, default=None)
-    g.add_argument("--lr-decay-samples", type=int, default=None)
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-warmup-fraction", type=float, default=None)
-    g.add_argument("--lr-warmup-samples", type=int, default=0)
-    g.add_argument("--lr-warmup-init", type=float, default=0.0)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--start-weight-decay", type=float, default=None)
-    g.add_argument("--end-weight-decay", type=float, default=None)
-    g.add_argument("--weight-decay-incr-style", default="constant",
-                   choices=["constant", "linear", "cosine"])
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--megatron-optimizer-fallbacks", action="store_true",
-                   help="keep megatron-core's no-apex grad-norm/scale loops and foreach Adam "
-                        "(default: torch foreach norm/scale, fused Adam on GPU)")
-    g.add_argument("--sgd-momentum", type=float, default=0.9)
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--recompute-activations", action="store_true")
-    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
-    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
-    g.add_argument("--recompute-num-layers", type=int, default=None)
-    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
-                   action="store_false",
-                   help="add each weight gradient to main_grad in a second kernel instead of "
-                        "in the GEMM (the fusion runs on GPU only)")
-    g.add_argument("--cuda-graph-impl", default="auto",
-                   choices=["auto", "none", "block", "local", "transformer_engine"],
-                   help="block: CUDA graphs of each chunk's transformer block, one pair per "
-                        "microbatch in flight, replayed in any order (also with --use-dpp); "
-                        "megatron-core's local / transformer_engine graphs are not supported. "
-                        "auto (default): block where the run allows it, else none")
-    g.add_argument("--cuda-graph-memory-limit", type=float, default=None, metavar="GIB",
-                   help="--cuda-graph-impl block with variable lengths: the GiB one rank's "
-                        "graph recordings (one set of slots per length bucket) may hold; a "
-                        "bucket past it runs eagerly, with one log line (default: no bound)")
+    add_flags(g, {
+        "--micro-batch-size int = 1": None,
+        "--global-batch-size int": None,
+        "--rampup-batch-size int": dict(nargs=3, metavar=("START", "INCREMENT", "SAMPLES")),
+        "--train-iters int": None,
+        "--train-samples int": None,
+        "--exit-interval int": None,
+        "--optimizer {adam,sgd} = adam": None,
+        "--lr float": None,
+        "--min-lr float = 0.0": None,
+        "--lr-decay-style {constant,linear,cosine,inverse-square-root} = linear": None,
+        "--lr-decay-iters int": None,
+        "--lr-decay-samples int": None,
+        "--lr-warmup-iters int = 0": None,
+        "--lr-warmup-fraction float": None,
+        "--lr-warmup-samples int = 0": None,
+        "--lr-warmup-init float = 0.0": None,
+        "--weight-decay float = 0.01": None,
+        "--start-weight-decay float": None,
+        "--end-weight-decay float": None,
+        "--weight-decay-incr-style {constant,linear,cosine} = constant": None,
+        "--clip-grad float = 1.0": None,
+        "--adam-beta1 float = 0.9": None,
+        "--adam-beta2 float = 0.999": None,
+        "--adam-eps float = 1e-8": None,
+        "--megatron-optimizer-fallbacks":
+            "keep megatron-core's no-apex grad-norm/scale loops and foreach Adam (default: "
+            "torch foreach norm/scale, fused Adam on GPU)",
+        "--sgd-momentum float = 0.9": None,
+        "--seed int = 1234": None,
+        "--recompute-activations": None,
+        "--recompute-granularity {full,selective}": None,
+        "--recompute-method {uniform,block}": None,
+        "--recompute-num-layers int": None,
+        "--no-gradient-accumulation-fusion": dict(
+            dest="gradient_accumulation_fusion", action="store_false",
+            help="add each weight gradient to main_grad in a second kernel instead of in the "
+                 "GEMM (the fusion runs on GPU only)"),
+        "--cuda-graph-impl {auto,none,block,local,transformer_engine} = auto":
+            "block: CUDA graphs of each chunk's transformer block, one pair per microbatch in "
+            "flight, replayed in any order (also with --use-dpp); megatron-core's local / "
+            "transformer_engine graphs are not supported. auto (default): block where the run "
+            "allows it, else none",
+        "--cuda-graph-memory-limit float": dict(
+            metavar="GIB", help="--cuda-graph-impl block with variable lengths: the GiB one "
+            "rank's graph recordings (one set of slots per length bucket) may hold; a bucket "
+            "past it runs eagerly, with one log line (default: no bound)"),
+    })
 
 
 def validate_batch(args, need) -> bool:
@@ -157,10 +154,12 @@ def validate_schedule(args, need):
 
 
 def add_batch_schedule_args(g):
-    g.add_argument("--step-batch-size-schedule", default=None,
-                   help='Megatron-LM\'s step schedule "THRESHOLD:SIZE ...": the global batch '
-                        "size of the last threshold reached, thresholds in tokens (K, M, B, T "
-                        "suffixes), e.g. \"0:16 2.4B:320\"")
+    add_flags(g, {
+        "--step-batch-size-schedule str":
+            'Megatron-LM\'s step schedule "THRESHOLD:SIZE ...": the global batch size of the '
+            "last threshold reached, thresholds in tokens (K, M, B, T suffixes), e.g. "
+            '"0:16 2.4B:320"',
+    })
 
 
 def resolve_step_batch_schedule(args, need):

@@ -34,12 +34,7 @@ from megatron.trainer.config.args_dpp import (
     validate_cuda_graphs,
     validate_dpp,
 )
-from megatron.trainer.config.args_logging import (
-    add_logging_args,
-    io_args,
-    validate_logging,
-    validate_trace,
-)
+from megatron.trainer.config.args_logging import add_logging_args, io_args, validate_trace
 from megatron.trainer.config.args_megatron_lm import (
     add_megatron_lm_args,
     add_rerun_args,
@@ -71,6 +66,7 @@ from megatron.trainer.config.args_training import (
     validate_schedule,
     validate_step_batch_schedule,
 )
+from megatron.trainer.config.configs import LoggingConfig, ModelConfig, ParallelConfig
 
 
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
@@ -131,20 +127,13 @@ def validate_args(args, world_size: int, model: str = "gpt") -> None:
 
     tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                   args.context_parallel_size)
-    need(cp == 1, f"--context-parallel-size {cp}: only 1 is supported")
-    model_parallel = tp * pp * cp
-    need(world_size % model_parallel == 0,
-         f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-         f"--pipeline-model-parallel-size {pp}")
     args.world_size = world_size
-    args.data_parallel_size = max(1, world_size // model_parallel)
+    args.data_parallel_size = max(1, world_size // (tp * pp * cp))
+    ParallelConfig.rules(args, need)
 
     need(args.num_attention_heads % tp == 0,
          f"--tensor-model-parallel-size {tp} does not divide --num-attention-heads "
          f"{args.num_attention_heads}")
-    need(args.hidden_size % args.num_attention_heads == 0,
-         f"--num-attention-heads {args.num_attention_heads} does not divide --hidden-size "
-         f"{args.hidden_size}")
     if args.num_query_groups is None or not args.group_query_attention:
         args.num_query_groups = args.num_attention_heads
     need(args.num_attention_heads % args.num_query_groups == 0 and args.num_query_groups % tp == 0,
@@ -160,10 +149,7 @@ def validate_args(args, world_size: int, model: str = "gpt") -> None:
         args.max_position_embeddings = args.seq_length
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
-    need(args.position_embedding_type != "learned_absolute"
-         or args.seq_length <= args.max_position_embeddings,
-         f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
-         f"{args.max_position_embeddings}")
+    ModelConfig.rules(args, need)
 
     resolve_megatron_lm_aliases(args, need)
     validate_virtual_pipeline(args, need)
@@ -176,7 +162,7 @@ def validate_args(args, world_size: int, model: str = "gpt") -> None:
         validate_microbatches(args, need)
     validate_data(args, need)
     validate_megatron_lm_flags(args, need)
-    validate_logging(args, need)
+    LoggingConfig.rules(args, need)
     validate_core_extras(args, need)
     validate_reruns(args, need)
     validate_embedding_wgrad(args, need)

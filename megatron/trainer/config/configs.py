@@ -1,16 +1,250 @@
-"""Typed, frozen configurations of the trainer's components, built once from the parsed
-flags (`from_args`); a component reads its own configuration, not the argparse Namespace.
+"""Typed, frozen configurations of the trainer's topics, built once from the parsed flags
+(`from_args`); a component reads its own configuration, not the argparse Namespace, which
+stays the surface megatron-core and Megatron-LM's conventions need.
 
-So far: logging (TensorBoard, W&B, timers) and the tokenizer.
+A topic's fields are named as the Namespace's attributes (Megatron-LM's flags with "-" as
+"_", and the values validation derives, such as data_parallel_size), so `from_args` reads
+each by its name. Each topic states its own rules (`rules`): validation (arguments.py) runs
+them on the Namespace with every other check, so that one message names all problems, and
+a configuration built any other way is checked by the same rules.
+
+The topics: model, parallelism, data, schedule (batches, iterations, DPP), precision, the
+fast path, logging; the checkpoint's is megatron/trainer/checkpoint/checkpoint_config.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from megatron.trainer.checkpoint.checkpoint_config import CheckpointConfig
+from megatron.trainer.config.args_common import ArgumentError, one_line
+
 log = logging.getLogger(__name__)
+
+Need = Callable[[bool, str], None]  # need(ok, message): records the message unless ok
+
+
+class FlagConfig:
+    """The base of the topics' frozen dataclasses (see the module's docstring)."""
+
+    @staticmethod
+    def rules(values, need: Need) -> None:
+        """need(ok, message) for each rule of the topic; `values` is a configuration of the
+        topic or the parsed Namespace (the same attribute names). None: no rule."""
+
+    def __post_init__(self):
+        problems: list[str] = []
+        self.rules(self, lambda ok, message: ok or problems.append(message))
+        if problems:
+            raise ArgumentError(one_line(problems))
+
+    @classmethod
+    def flag_values(cls, args) -> dict:
+        """Each field's value in `args`; lists become tuples (the configuration is frozen)."""
+        values = {}
+        for field in dataclasses.fields(cls):
+            value = getattr(args, field.name)
+            values[field.name] = tuple(value) if isinstance(value, list) else value
+        return values
+
+    @classmethod
+    def from_args(cls, args):
+        return cls(**cls.flag_values(args))
+
+
+@dataclass(frozen=True)
+class ModelConfig(FlagConfig):
+    """The model's shape and layers (the family: `model`, "gpt" or "bert")."""
+
+    model: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    kv_channels: int
+    group_query_attention: bool
+    num_query_groups: int
+    seq_length: int
+    max_position_embeddings: int
+    position_embedding_type: str
+    rotary_percent: float
+    rotary_base: int
+    rotary_interleaved: bool
+    normalization: str
+    norm_epsilon: float
+    swiglu: bool
+    squared_relu: bool
+    disable_bias_linear: bool
+    untie_embeddings_and_output_weights: bool
+    hidden_dropout: float
+    attention_dropout: float
+    init_method_std: float
+    make_vocab_size_divisible_by: int
+    multi_latent_attention: bool
+    transformer_impl: str
+
+    @staticmethod
+    def rules(values, need: Need) -> None:
+        heads, hidden = values.num_attention_heads, values.hidden_size
+        need(heads >= 1 and hidden % heads == 0,
+             f"--num-attention-heads {heads} does not divide --hidden-size {hidden}")
+        need(values.position_embedding_type != "learned_absolute"
+             or values.seq_length <= values.max_position_embeddings,
+             f"--seq-length {values.seq_length} exceeds --max-position-embeddings "
+             f"{values.max_position_embeddings}")
+        need(not values.rotary_interleaved or values.position_embedding_type == "rope",
+             "--rotary-interleaved needs --position-embedding-type rope")
+        need(not (values.squared_relu and values.swiglu), "--squared-relu and --swiglu are "
+             "mutually exclusive (two MLP activations)")
+
+
+@dataclass(frozen=True)
+class ParallelConfig(FlagConfig):
+    """How the ranks divide the model and the data, and how they reduce gradients."""
+
+    world_size: int
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    virtual_pipeline_model_parallel_size: int | None  # None: one model chunk per stage
+    context_parallel_size: int
+    data_parallel_size: int
+    sequence_parallel: bool
+    use_distributed_optimizer: bool
+    num_distributed_optimizer_instances: int
+    overlap_grad_reduce: bool
+    overlap_param_gather: bool
+    distributed_backend: str | None  # None until validation picks nccl or gloo
+    distributed_timeout_minutes: float
+
+    @property
+    def model_parallel_size(self) -> int:
+        return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                * self.context_parallel_size)
+
+    @staticmethod
+    def rules(values, need: Need) -> None:
+        tp, pp, cp = (values.tensor_model_parallel_size, values.pipeline_model_parallel_size,
+                      values.context_parallel_size)
+        need(cp == 1, f"--context-parallel-size {cp}: only 1 is supported")
+        need(tp * pp * cp >= 1 and values.world_size % (tp * pp * cp) == 0,
+             f"world size {values.world_size} is not divisible by --tensor-model-parallel-size "
+             f"{tp} x --pipeline-model-parallel-size {pp}")
+        instances, dp = values.num_distributed_optimizer_instances, values.data_parallel_size
+        if instances != 1:
+            flag = f"--num-distributed-optimizer-instances {instances}"
+            need(instances >= 1, f"{flag} must be >= 1")
+            need(values.use_distributed_optimizer, f"{flag} needs --use-distributed-optimizer")
+            need(instances < 1 or dp % instances == 0,
+                 f"{flag} does not divide the data-parallel size {dp}")
+
+
+@dataclass(frozen=True)
+class DataConfig(FlagConfig):
+    """Where the samples come from and how their lengths are made."""
+
+    data_path: tuple[str, ...] | None
+    mock_data: bool
+    split: str
+    data_cache_path: str | None
+    num_workers: int
+    tokenizer_type: str | None  # None until validation picks the model's default
+    seq_length_cv: float
+    variable_seq_lengths: bool
+    group_by_length: bool
+    pad_to_multiple: int | None  # None until validation picks the machine's default
+    microbatch_tokens: int | None
+    reset_position_ids: bool
+    reset_attention_mask: bool
+    eod_mask_loss: bool
+
+    @staticmethod
+    def rules(values, need: Need) -> None:
+        need(values.mock_data or values.data_path,
+             "no data: give --data-path PREFIX [...] or --mock-data")
+        need(not (values.mock_data and values.data_path),
+             "--mock-data and --data-path are mutually exclusive")
+        cv = values.seq_length_cv
+        need(cv >= 0, f"--seq-length-cv {cv} must be >= 0")
+        need(values.num_workers == 0 or cv == 0,
+             f"--num-workers {values.num_workers} with --seq-length-cv: the microbatches are "
+             "cut to their lengths in the training process; use --num-workers 0")
+        if not values.variable_seq_lengths:
+            for flag, given in (("--group-by-length", values.group_by_length),
+                                ("--microbatch-tokens", values.microbatch_tokens is not None)):
+                need(not given, f"{flag} needs --variable-seq-lengths")
+
+
+@dataclass(frozen=True)
+class ScheduleConfig(FlagConfig):
+    """The iterations: batch sizes, microbatches and their order, evaluation, and the
+    pipeline schedule (megatron-core's, or DPP's with --use-dpp)."""
+
+    micro_batch_size: int
+    global_batch_size: int | None  # None until validation derives it
+    num_microbatches: int | None  # per iteration at the full global batch size (validation)
+    rampup_batch_size: tuple[int, int, int] | None
+    step_batch_size_schedule: str | None
+    train_iters: int | None  # None until validation derives it from --train-samples
+    exit_interval: int | None
+    eval_interval: int
+    eval_iters: int
+    eval_global_batch_size: int | None
+    microbatch_order: str | None  # None until validation picks natural or cost
+    use_dpp: bool
+    dpp_max_inflight: int | None
+    dpp_transport: str
+    dpp_timeout: float
+    dpp_split_backward: bool | None  # None until the fast path decides
+    dpp_static: bool | None
+
+    @staticmethod
+    def rules(values, need: Need) -> None:
+        slack = values.dpp_max_inflight
+        need(slack is None or slack >= 0, f"--dpp-max-inflight {slack} must be >= 0")
+        need(not values.dpp_static or values.use_dpp, "--dpp-static needs --use-dpp")
+
+
+@dataclass(frozen=True)
+class PrecisionConfig(FlagConfig):
+    """The parameters' dtype and fp16's loss scaling."""
+
+    fp16: bool
+    bf16: bool
+    params_dtype: object | None  # torch.dtype; None until validation derives it
+    loss_scale: float | None  # None: dynamic loss scaling (fp16)
+    initial_loss_scale: float
+    min_loss_scale: float
+    loss_scale_window: float
+    hysteresis: int
+    accumulate_allreduce_grads_in_fp32: bool
+    fp32_residual_connection: bool
+
+    @staticmethod
+    def rules(values, need: Need) -> None:
+        need(not (values.fp16 and values.bf16), "--fp16 and --bf16 are mutually exclusive")
+
+
+@dataclass(frozen=True)
+class FastPathConfig(FlagConfig):
+    """The speed features as the fast path settled them for this machine (fast_path.py)."""
+
+    cuda_graph_impl: str
+    cuda_graph_memory_limit: float | None  # GiB; None: no bound
+    cross_entropy_loss_fusion: bool | None  # None until the fast path decides
+    cross_entropy_fusion_impl: str | None
+    gradient_accumulation_fusion: bool
+    triton_fusions: bool | None
+    gelu_gemm_epilogue: bool | None
+    megatron_optimizer_fallbacks: bool
+
+    @staticmethod
+    def rules(values, need: Need) -> None:
+        limit = values.cuda_graph_memory_limit
+        need(limit is None or limit >= 0, f"--cuda-graph-memory-limit {limit} must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -22,19 +256,29 @@ class WandbConfig:
 
 
 @dataclass(frozen=True)
-class LoggingConfig:
+class LoggingConfig(FlagConfig):
     """What the reporting rank writes at each log interval and after each validation."""
 
-    interval: int
+    log_interval: int
     tensorboard_dir: str | None
-    throughput: bool
-    timing_level: int  # timers recorded: 0 iteration time, 1 + phases, 2 + per-microbatch
-    timers_to_tensorboard: bool
-    memory_to_tensorboard: bool
-    num_zeros_in_grad: bool
-    params_norm: bool
-    validation_ppl: bool
-    wandb: WandbConfig | None
+    log_throughput: bool
+    timing_log_level: int  # timers recorded: 0 iteration time, 1 + phases, 2 + per-microbatch
+    log_timers_to_tensorboard: bool
+    log_memory_to_tensorboard: bool
+    log_num_zeros_in_grad: bool
+    log_params_norm: bool
+    log_validation_ppl_to_tensorboard: bool
+    wandb_project: str | None
+    wandb_exp_name: str | None
+    wandb_entity: str | None
+    wandb_save_dir: str | None  # from_args: Megatron-LM's default, --save/wandb else wandb
+
+    @property
+    def wandb(self) -> WandbConfig | None:
+        if not self.wandb_project:
+            return None
+        return WandbConfig(self.wandb_project, self.wandb_exp_name, self.wandb_entity,
+                           self.wandb_save_dir or "wandb")
 
     @property
     def writes_scalars(self) -> bool:
@@ -42,25 +286,28 @@ class LoggingConfig:
 
     @classmethod
     def from_args(cls, args) -> LoggingConfig:
-        wandb = None
-        if args.wandb_project:
-            # Megatron-LM's default place for W&B's files
-            save_dir = args.wandb_save_dir or (
-                os.path.join(args.save, "wandb") if args.save else "wandb")
-            wandb = WandbConfig(args.wandb_project, args.wandb_exp_name, args.wandb_entity,
-                                save_dir)
-        return cls(
-            interval=args.log_interval,
-            tensorboard_dir=args.tensorboard_dir,
-            throughput=args.log_throughput,
-            timing_level=args.timing_log_level,
-            timers_to_tensorboard=args.log_timers_to_tensorboard,
-            memory_to_tensorboard=args.log_memory_to_tensorboard,
-            num_zeros_in_grad=args.log_num_zeros_in_grad,
-            params_norm=args.log_params_norm,
-            validation_ppl=args.log_validation_ppl_to_tensorboard,
-            wandb=wandb,
-        )
+        values = cls.flag_values(args)
+        if args.wandb_project and args.wandb_save_dir is None and args.save:
+            values["wandb_save_dir"] = os.path.join(args.save, "wandb")
+        return cls(**values)
+
+    @staticmethod
+    def rules(values, need: Need) -> None:
+        board_flags = [flag for flag, on in (
+            ("--log-timers-to-tensorboard", values.log_timers_to_tensorboard),
+            ("--log-memory-to-tensorboard", values.log_memory_to_tensorboard),
+            ("--log-validation-ppl-to-tensorboard", values.log_validation_ppl_to_tensorboard),
+        ) if on]
+        need(not board_flags or values.tensorboard_dir or values.wandb_project,
+             f"{' '.join(board_flags)} need --tensorboard-dir DIR (or --wandb-project)")
+        wandb_flags = [flag for flag, value in (
+            ("--wandb-exp-name", values.wandb_exp_name), ("--wandb-entity", values.wandb_entity),
+            ("--wandb-save-dir", values.wandb_save_dir)) if value is not None]
+        if values.wandb_project is None:
+            need(not wandb_flags, f"{' '.join(wandb_flags)} need --wandb-project")
+        else:
+            need(bool(values.wandb_exp_name), f"--wandb-project {values.wandb_project} needs "
+                 "--wandb-exp-name NAME")
 
 
 @dataclass(frozen=True)
@@ -98,3 +345,25 @@ class TokenizerConfig:
                 "tokenizer: added %s as ids %s (vocabulary size %d)", " ".join(added),
                 " ".join(str(tokenizer.vocab[token]) for token in added), tokenizer.vocab_size)
         return tokenizer
+
+
+@dataclass(frozen=True)
+class TrainerConfigs:
+    """Every topic's configuration of one run, built once from the validated flags (after
+    the fast path has settled for the model)."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    data: DataConfig
+    schedule: ScheduleConfig
+    precision: PrecisionConfig
+    fast_path: FastPathConfig
+    checkpoint: CheckpointConfig
+    logging: LoggingConfig
+
+    @classmethod
+    def from_args(cls, args) -> TrainerConfigs:
+        return cls(ModelConfig.from_args(args), ParallelConfig.from_args(args),
+                   DataConfig.from_args(args), ScheduleConfig.from_args(args),
+                   PrecisionConfig.from_args(args), FastPathConfig.from_args(args),
+                   CheckpointConfig.from_args(args), LoggingConfig.from_args(args))

@@ -141,25 +141,27 @@ def split_sizes(args) -> SplitSizes:
     )
 
 
+def _dataset_config_kwargs(args, tokenizer) -> dict:
+    """The fields of megatron-core's dataset configs that GPT and BERT set alike."""
+    return dict(random_seed=args.seed, sequence_length=args.seq_length,
+                blend=None if args.mock_data else args.data_blend, split=args.split,
+                path_to_cache=args.data_cache_path, tokenizer=tokenizer,
+                mmap_bin_files=args.mmap_bin_files)
+
+
 def build_gpt_datasets(args, tokenizer):
     if args.variable_seq_lengths:
         return build_gpt_document_datasets(args, tokenizer)
     fim = FimConfig.from_args(args)  # --fim-data: fill-in-the-middle samples (fim.py)
     config_class = GPTDatasetConfig if fim is None else FimGPTDatasetConfig
     config = config_class(
-        random_seed=args.seed,
-        sequence_length=args.seq_length,
-        blend=None if args.mock_data else args.data_blend,
-        split=args.split,
-        path_to_cache=args.data_cache_path,
-        tokenizer=tokenizer,
+        **_dataset_config_kwargs(args, tokenizer),
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss,
         # a causal mask is implicit in attention: a mask is only made where it holds the
         # document boundaries
         create_attention_mask=args.reset_attention_mask and args.create_attention_mask_in_dataloader,
-        mmap_bin_files=args.mmap_bin_files,
         **({} if fim is None else {"fim": fim}),
     )
     dataset_class = MockGPTDataset if args.mock_data else GPTDataset
@@ -192,12 +194,7 @@ def build_bert_datasets(args, tokenizer):
             for i, n in enumerate((sizes.train, sizes.valid, sizes.test))
         )
     config = BERTMaskedWordPieceDatasetConfig(
-        random_seed=args.seed,
-        sequence_length=args.seq_length,
-        blend=args.data_blend,
-        split=args.split,
-        path_to_cache=args.data_cache_path,
-        tokenizer=tokenizer,
+        **_dataset_config_kwargs(args, tokenizer),
         masking_probability=args.mask_prob,
         short_sequence_probability=args.short_seq_prob,
         masking_max_ngram=3,
@@ -206,7 +203,6 @@ def build_bert_datasets(args, tokenizer):
         masking_use_longer_ngrams=False,
         masking_use_geometric_distribution=False,
         classification_head=not args.bert_no_binary_head,
-        mmap_bin_files=args.mmap_bin_files,
     )
     return _build(BERTMaskedWordPieceDataset, config, split_sizes(args))
 

@@ -14,15 +14,7 @@ from collections import OrderedDict
 
 from megatron.core.tokenizers import MegatronTokenizerBase
 
-TOKENIZER_TYPES = (
-    "GPT2BPETokenizer",
-    "BertWordPieceLowerCase",
-    "BertWordPieceCase",
-    "HuggingFaceTokenizer",
-    "SentencePieceTokenizer",
-    "GPTSentencePieceTokenizer",
-    "NullTokenizer",
-)
+from megatron.trainer.data.tokenizer_record import TOKENIZER_TYPES
 
 GPT2_EOD_TOKEN = "<|endoftext|>"
 # GPT-2's pre-tokenization, the same as HF tokenizers' ByteLevel(use_regex=True).

@@ -12,6 +12,17 @@ import hashlib
 import json
 import os
 
+# --tokenizer-type's choices (here, in a module of the standard library only, so that
+# tools/preprocess_data.py --help imports no megatron.core)
+TOKENIZER_TYPES = (
+    "GPT2BPETokenizer",
+    "BertWordPieceLowerCase",
+    "BertWordPieceCase",
+    "HuggingFaceTokenizer",
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "NullTokenizer",
+)
 SUFFIX = ".tokenizer.json"
 # the tokenizer flag of each recorded file
 FILE_FLAGS = {"vocab_file": "--vocab-file", "merge_file": "--merge-file",

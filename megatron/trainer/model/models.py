@@ -59,6 +59,21 @@ def use_transformer_engine(args) -> bool:
     return args.transformer_impl == "auto" and transformer_engine_available()
 
 
+# TransformerConfig's fields that take the flag of the same name as it is
+_FIELDS_NAMED_AS_FLAGS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+    "kv_channels", "hidden_dropout", "attention_dropout", "init_method_std", "normalization",
+    "apply_residual_connection_post_layernorm", "attention_softmax_in_fp32",
+    "apply_query_key_layer_scaling", "rotary_interleaved", "deterministic_mode",
+    "qk_layernorm", "test_mode", "fp32_residual_connection", "tensor_model_parallel_size",
+    "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+    "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+    "sequence_parallel", "fp16", "bf16", "params_dtype", "recompute_granularity",
+    "recompute_method", "recompute_num_layers", "batch_p2p_sync", "cross_entropy_loss_fusion",
+    "defer_embedding_wgrad_compute",
+)
+
+
 def transformer_config_from_args(args) -> TransformerConfig:
     te = use_transformer_engine(args)
     if te and args.dpp_split_backward:
@@ -70,16 +85,7 @@ def transformer_config_from_args(args) -> TransformerConfig:
                  "stages: unbatched p2p (as --no-batch-p2p-comm); batched p2p to the one "
                  "neighbour would swap activations and gradients")
     kwargs = dict(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        kv_channels=args.kv_channels,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std,
-        normalization=args.normalization,
+        {name: getattr(args, name) for name in _FIELDS_NAMED_AS_FLAGS},
         layernorm_epsilon=args.norm_epsilon,
         add_bias_linear=not args.disable_bias_linear,
         gated_linear_unit=args.swiglu,
@@ -92,43 +98,21 @@ def transformer_config_from_args(args) -> TransformerConfig:
                                 and (args.swiglu or not args.disable_bias_linear)),
         bias_dropout_fusion=not args.no_bias_dropout_fusion and on_gpu,
         masked_softmax_fusion=not args.no_masked_softmax_fusion and _fused_softmax_available(),
-        apply_residual_connection_post_layernorm=args.apply_residual_connection_post_layernorm,
-        attention_softmax_in_fp32=args.attention_softmax_in_fp32,
-        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,
-        rotary_interleaved=args.rotary_interleaved,
         apply_rope_fusion=rope_fusion(args),
         # documents of different lengths: each token weighs the same in the gradient
         # (megatron-core's per-microbatch mean would weigh a short document's tokens more)
         calculate_per_token_loss=args.calculate_per_token_loss or args.variable_seq_lengths,
-        deterministic_mode=args.deterministic_mode,
-        qk_layernorm=args.qk_layernorm,
-        test_mode=args.test_mode,
-        fp32_residual_connection=args.fp32_residual_connection,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
-        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
-        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
-        sequence_parallel=args.sequence_parallel,
-        fp16=args.fp16,
-        bf16=args.bf16,
-        params_dtype=args.params_dtype,
         pipeline_dtype=args.params_dtype,
         autocast_dtype=args.params_dtype,
-        recompute_granularity=args.recompute_granularity,
-        recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers,
         batch_p2p_comm=batch_p2p_comm(args) and not args.overlap_p2p_communication_warmup_flush,
         # the interleaved schedule's overlapped p2p, also in warm-up and flush (megatron-core
         # allows the warm-up/flush overlap only on top of it, unbatched)
         overlap_p2p_comm=args.overlap_p2p_communication_warmup_flush,
         overlap_p2p_comm_warmup_flush=args.overlap_p2p_communication_warmup_flush,
         microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_virtual_pipeline_stage,
-        batch_p2p_sync=args.batch_p2p_sync,
-        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
         # megatron-core knows native and te; the project's triton passes replace its loss
         # function instead (LanguageModelLoss below)
         cross_entropy_fusion_impl="te" if args.cross_entropy_fusion_impl == "te" else "native",
@@ -145,7 +129,6 @@ def transformer_config_from_args(args) -> TransformerConfig:
         # layer needs the path: they defer exactly those GEMMs (megatron/dpp/weight_grad.py)
         gradient_accumulation_fusion=args.gradient_accumulation_fusion and (
             on_gpu or args.dpp_split_backward or args.defer_embedding_wgrad_compute),
-        defer_embedding_wgrad_compute=args.defer_embedding_wgrad_compute,
         wgrad_deferral_limit=args.wgrad_deferral_limit or 0,
     )
     if args.seq_length_cv > 0 or args.variable_seq_lengths:
@@ -159,14 +142,11 @@ def transformer_config_from_args(args) -> TransformerConfig:
 def _mla_config(args) -> dict:
     """MLATransformerConfig's own fields. The norm stays --normalization (Megatron-LM passes
     it too; MLA's default would be RMSNorm)."""
-    return dict(
-        q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank,
-        qk_head_dim=args.qk_head_dim, qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
-        v_head_dim=args.v_head_dim, rope_type=args.rope_type, rotary_base=args.rotary_base,
-        rotary_percent=args.rotary_percent, rotary_scaling_factor=args.rotary_scaling_factor,
-        mscale=args.mscale, mscale_all_dim=args.mscale_all_dim,
-        apply_rope_fusion=_mla_rope_fusion(args),
-    )
+    names = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+             "rope_type", "rotary_base", "rotary_percent", "rotary_scaling_factor", "mscale",
+             "mscale_all_dim")
+    return {**{name: getattr(args, name) for name in names},
+            "apply_rope_fusion": _mla_rope_fusion(args)}
 
 
 def _mla_rope_fusion(args) -> bool:
@@ -412,18 +392,9 @@ def _defer_only_in_output_layer(model, config) -> None:
 def build_gpt_stage(args, config, pre_process, post_process, vp_stage=None):
     with _mla_without_transformer_engine(args):
         model = ProjectGPTModel(
-            config=config,
             transformer_layer_spec=_gpt_block_spec(args, config, vp_stage),
-            vocab_size=args.padded_vocab_size,
-            max_sequence_length=args.max_position_embeddings,
-            pre_process=pre_process,
-            post_process=post_process,
-            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type=args.position_embedding_type,
-            rotary_percent=args.rotary_percent,
-            rotary_base=args.rotary_base,
-            vp_stage=vp_stage,
-        )
+            rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+            **_stage_kwargs(args, config, pre_process, post_process, vp_stage))
     return _finish_stage(model, args, config)
 
 
@@ -442,19 +413,21 @@ def build_bert_stage(args, config, pre_process, post_process, vp_stage=None):
     stock = use_transformer_engine(args) or _stock_attention(args)
     model_class = ProjectBertModel if stock else SDPABertModel
     model = model_class(
-        config=config,
-        num_tokentypes=args.num_tokentypes if not args.bert_no_binary_head else 0,
         transformer_layer_spec=bert_layer_spec(args),
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=pre_process,
+        num_tokentypes=args.num_tokentypes if not args.bert_no_binary_head else 0,
+        add_binary_head=not args.bert_no_binary_head,
+        **_stage_kwargs(args, config, pre_process, post_process, vp_stage))
+    return _finish_stage(model, args, config)
+
+
+def _stage_kwargs(args, config, pre_process, post_process, vp_stage) -> dict:
+    """What megatron-core's GPT and BERT language models are both built with."""
+    return dict(
+        config=config, vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        add_binary_head=not args.bert_no_binary_head,
-        vp_stage=vp_stage,
-    )
-    return _finish_stage(model, args, config)
+        position_embedding_type=args.position_embedding_type, vp_stage=vp_stage)
 
 
 def build_model_chunks(args, config, build_stage) -> list[torch.nn.Module]:

@@ -16,15 +16,14 @@ def wrap_model_chunks(chunks, args, config, device) -> list[torch.nn.Module]:
     contiguous gradient buffers, also at data-parallel size 1)."""
     wrapped = []
     ddp_config = DistributedDataParallelConfig(
+        **{name: getattr(args, name) for name in (
+            "overlap_grad_reduce", "overlap_param_gather", "use_distributed_optimizer",
+            "num_distributed_optimizer_instances")},
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        overlap_param_gather=args.overlap_param_gather,
-        use_distributed_optimizer=args.use_distributed_optimizer,
         average_in_collective=args.ddp_average_in_collective,
         # through the rerun state machine of --rerun-mode (reruns.py)
         check_for_nan_in_grad=RerunConfig.from_args(args).checks_gradients,
         bucket_size=None,
-        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
     )
     for index, chunk in enumerate(chunks):
         chunk.to(device)
@@ -42,35 +41,21 @@ def wrap_model_chunks(chunks, args, config, device) -> list[torch.nn.Module]:
     return wrapped
 
 
+# OptimizerConfig's fields that take the flag of the same name as it is (decoupled_lr /
+# decoupled_min_lr: the embedding's and the output layer's own lr, megatron-core's param groups)
+_OPTIMIZER_FLAGS = (
+    "optimizer", "lr", "min_lr", "decoupled_lr", "decoupled_min_lr", "log_num_zeros_in_grad",
+    "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum", "fp16", "bf16",
+    "params_dtype", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
+    "hysteresis", "clip_grad", "use_distributed_optimizer", "overlap_param_gather",
+    "overlap_param_gather_with_optimizer_step",
+)
+
+
 def build_optimizer(model_chunks, args, timers=None):
     """`timers`: megatron-core's optimizer times its phases at level 1 (timers.py)."""
-    config = OptimizerConfig(
-        optimizer=args.optimizer,
-        lr=args.lr,
-        min_lr=args.min_lr,
-        # the embedding's and the output layer's own lr (megatron-core's param groups)
-        decoupled_lr=args.decoupled_lr,
-        decoupled_min_lr=args.decoupled_min_lr,
-        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
-        timers=timers,
-        weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        sgd_momentum=args.sgd_momentum,
-        fp16=args.fp16,
-        bf16=args.bf16,
-        params_dtype=args.params_dtype,
-        loss_scale=args.loss_scale,
-        initial_loss_scale=args.initial_loss_scale,
-        min_loss_scale=args.min_loss_scale,
-        loss_scale_window=args.loss_scale_window,
-        hysteresis=args.hysteresis,
-        clip_grad=args.clip_grad,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        overlap_param_gather=args.overlap_param_gather,
-        overlap_param_gather_with_optimizer_step=args.overlap_param_gather_with_optimizer_step,
-    )
+    config = OptimizerConfig(**{name: getattr(args, name) for name in _OPTIMIZER_FLAGS},
+                             timers=timers)
     optimizer = get_megatron_optimizer(
         config, model_chunks, use_gloo_process_groups=not args.disable_gloo_process_groups)
     if args.decoupled_lr is not None:

@@ -26,11 +26,10 @@ from megatron.dpp.config import DppOptions
 from megatron.dpp.weight_grad import SplitBackwardNoPipelining, WeightGradStore
 from megatron.dpp.weight_grad_accumulation import weight_grad_accumulation_fusion
 from megatron.trainer.checkpoint import checkpointing
-from megatron.trainer.checkpoint.checkpoint_config import CheckpointConfig
 from megatron.trainer.checkpoint.save_directory import claim_save_directory
 from megatron.trainer.config import fast_path
 from megatron.trainer.config.arguments import ArgumentError, parse_args
-from megatron.trainer.config.configs import LoggingConfig, TokenizerConfig
+from megatron.trainer.config.configs import LoggingConfig, TokenizerConfig, TrainerConfigs
 from megatron.trainer.core_compat import core_overrides, no_apex
 from megatron.trainer.core_compat.reruns import (
     RerunConfig,
@@ -98,7 +97,7 @@ class Trainer:
     state: checkpointing.TrainingState
     schedule: Callable
     rng: ForwardRng
-    logging: LoggingConfig
+    configs: TrainerConfigs  # the flags by topic; `args` stays for megatron-core's API
     timers: Timers
     tracer: object = field(default_factory=tracing.NullTracer)  # --trace: see start_tracing
     collector: ManualGC = field(default_factory=lambda: ManualGC(enabled=False))
@@ -136,61 +135,61 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
                             "not single documents")
     check_data_paths(args)  # before the job starts: every rank reads its own files
     check_splits(args, by_document=task.splits_by_document)
-    metrics.require_wandb(LoggingConfig.from_args(args))
-    _require_optimizer_instance_support(args)
-    # before the job starts too: a missing or wrong tokenizer file is one line per rank
-    tokenizer = TokenizerConfig.from_args(args).build()
-    with StallWatch("joining the job", f"waiting for all {args.world_size} ranks at "
-                    f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-                    " (a rank that has not started or has failed?)"):
-        device = initialize_distributed(args, stack)
-    setup_logging(dist.get_rank(), dist.get_world_size())
-    if args.save:  # checked and locked before anything is built
-        claim_save_directory(args.save, args.load is not None, stack)
     try:
         model_fallbacks = fast_path.resolve_for_model(args, task.masked_attention)
     except fast_path.GraphsRefused as refusal:
         raise ArgumentError(str(refusal)) from None
+    configs = TrainerConfigs.from_args(args)  # the flags are settled from here on
+    metrics.require_wandb(configs.logging)
+    _require_optimizer_instance_support(args)
+    # before the job starts too: a missing or wrong tokenizer file is one line per rank
+    tokenizer = TokenizerConfig.from_args(args).build()
+    with StallWatch("joining the job", f"waiting for all {configs.parallel.world_size} ranks at "
+                    f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+                    " (a rank that has not started or has failed?)"):
+        device = initialize_distributed(args, stack)
+    setup_logging(dist.get_rank(), dist.get_world_size())
+    checkpoint = configs.checkpoint
+    if checkpoint.save:  # checked and locked before anything is built
+        claim_save_directory(checkpoint.save, checkpoint.load is not None, stack)
     fast_path.log_fallbacks(args.fast_path_fallbacks + model_fallbacks)
-    logging_config = LoggingConfig.from_args(args)
     args.padded_vocab_size = _padded_vocab_size(tokenizer.vocab_size, args)
     config = transformer_config_from_args(args)
     if config.gradient_accumulation_fusion:
         stack.enter_context(weight_grad_accumulation_fusion())
-    if args.triton_fusions and config.bias_activation_fusion:
+    if configs.fast_path.triton_fusions and config.bias_activation_fusion:
         stack.enter_context(triton_gelu.installed())
     chunks = build_model_chunks(args, config, task.build_stage)
     model = wrap_model_chunks(chunks, args, config, device)
     # --dpp-split-backward: the schedule's B/W split, which the CUDA-graph blocks follow
-    weight_grads = WeightGradStore() if args.dpp_split_backward else None
-    if args.cuda_graph_impl == "block":
+    weight_grads = WeightGradStore() if configs.schedule.dpp_split_backward else None
+    if configs.fast_path.cuda_graph_impl == "block":
         # a graph per part of W, so the schedule decides between the parts
         install_block_graphs(model, args, device, weight_grads,
                              DppOptions.from_args(args).weight_slices)
-    if not args.megatron_optimizer_fallbacks:
+    if not configs.fast_path.megatron_optimizer_fallbacks:
         stack.enter_context(no_apex.foreach_multi_tensor_ops())
-    timers = Timers(logging_config.timing_level, synchronize=device.type == "cuda")
+    timers = Timers(configs.logging.timing_log_level, synchronize=device.type == "cuda")
     optimizer = build_optimizer(model, args, timers if timers.level >= 1 else None)
     scheduler = build_scheduler(optimizer, args)
-    _install_schedule_hooks(config, model, optimizer, args)
+    _install_schedule_hooks(config, model, optimizer, configs)
     state = checkpointing.TrainingState()
     checkpointer = None
-    if args.save or args.load:
-        checkpointer = checkpointing.Checkpointer(CheckpointConfig.from_args(args),
-                                                  use_gpu=device.type == "cuda")
+    if checkpoint.save or checkpoint.load:
+        checkpointer = checkpointing.Checkpointer(checkpoint, use_gpu=device.type == "cuda")
         # after an error an asynchronous save in flight is stopped, never published
         stack.push(lambda exc_type, exc, traceback: checkpointer.close(failed=exc_type is not None))
-    if args.load:
-        with StallWatch("loading the checkpoint", f"reading --load {args.load} (every rank "
+    if checkpoint.load:
+        with StallWatch("loading the checkpoint", f"reading --load {checkpoint.load} (every rank "
                         "reads its shards, then they agree on the iteration)"):
             state = checkpointer.load(model, optimizer, scheduler)
-    if not args.megatron_optimizer_fallbacks:
+    if not configs.fast_path.megatron_optimizer_fallbacks:
         no_apex.use_fused_adam(optimizer)
     with _dataset_watch(args):
         datasets = task.build_datasets(args, tokenizer)
     log.info("%s: %d parameters on this rank, %d model chunk(s), schedule %s, layers %s",
              task.name, sum(p.numel() for c in model for p in c.parameters()), len(model),
-             ("DPP" if args.use_dpp else "megatron-core") + (
+             ("DPP" if configs.schedule.use_dpp else "megatron-core") + (
                  ", each backward split into B and W" if weight_grads is not None else ""),
              "Transformer Engine" if use_transformer_engine(args) else "megatron.core + SDPA")
     schedule = forward_backward_func(args, weight_grads)
@@ -201,8 +200,8 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     collector = stack.enter_context(
         ManualGC(args.manual_gc, args.manual_gc_interval, args.manual_gc_eval))
     return Trainer(args, task, device, model, optimizer, scheduler, config,
-                   _batch_calculator(args), datasets, state, schedule,
-                   ForwardRng(args.seed, device), logging_config, timers, collector=collector,
+                   _batch_calculator(configs), datasets, state, schedule,
+                   ForwardRng(args.seed, device), configs, timers, collector=collector,
                    checkpointer=checkpointer, reruns=reruns)
 
 
@@ -235,13 +234,14 @@ def _padded_vocab_size(vocab_size: int, args) -> int:
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
-def _batch_calculator(args):
-    return batch_size_schedule(args.global_batch_size, args.micro_batch_size,
-                               args.data_parallel_size, args.rampup_batch_size,
-                               args.step_batch_size_schedule, args.seq_length)
+def _batch_calculator(configs: TrainerConfigs):
+    schedule = configs.schedule
+    return batch_size_schedule(schedule.global_batch_size, schedule.micro_batch_size,
+                               configs.parallel.data_parallel_size, schedule.rampup_batch_size,
+                               schedule.step_batch_size_schedule, configs.model.seq_length)
 
 
-def _install_schedule_hooks(config, model, optimizer, args) -> None:
+def _install_schedule_hooks(config, model, optimizer, configs: TrainerConfigs) -> None:
     """The callbacks megatron.core's schedules (and DPP's) expect on the config."""
     no_sync = [chunk.no_sync for chunk in model]
     config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
@@ -249,7 +249,9 @@ def _install_schedule_hooks(config, model, optimizer, args) -> None:
     # last backward. With the B/W split the hooks run during B, before W completes the
     # gradients: the WeightGradStore starts each chunk's reduction with it after the
     # chunk's last W
-    if args.overlap_grad_reduce and (not args.use_dpp or args.dpp_split_backward):
+    schedule = configs.schedule
+    if configs.parallel.overlap_grad_reduce and (not schedule.use_dpp
+                                                 or schedule.dpp_split_backward):
         sync = [chunk.start_grad_sync for chunk in model]
         config.grad_sync_func = sync[0] if len(sync) == 1 else sync
     config.finalize_model_grads_func = finalize_model_grads
@@ -272,7 +274,7 @@ def forward_backward_func(args, weight_grads: WeightGradStore | None = None):
 def data_iterators(trainer: Trainer, dataset, consumed_samples: int):
     """One iterator per local model chunk; None where the chunk needs no data (neither the
     first nor the last virtual stage reads the batch)."""
-    args = trainer.args
+    args, configs = trainer.args, trainer.configs
     iterators = []
     for vp_stage in range(len(trainer.model)):
         vp = vp_stage if len(trainer.model) > 1 else None
@@ -281,23 +283,25 @@ def data_iterators(trainer: Trainer, dataset, consumed_samples: int):
         ) or parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
         if not needs_data:
             iterators.append(None)
-        elif args.variable_seq_lengths:
+        elif configs.data.variable_seq_lengths:
             iterators.append(DocumentMicrobatches(
-                dataset, batch_layout(args), parallel_state.get_data_parallel_rank(),
+                dataset, batch_layout(configs), parallel_state.get_data_parallel_rank(),
                 consumed_samples))
         else:
-            iterators.append(MicroBatchIterator(dataset, args.micro_batch_size, consumed_samples,
-                                                seq_length_cv=args.seq_length_cv,
-                                                seed=args.seed, num_workers=args.num_workers,
-                                                pad_to_multiple=args.pad_to_multiple,
-                                                vocab_size=args.padded_vocab_size))
+            data = configs.data
+            iterators.append(MicroBatchIterator(
+                dataset, configs.schedule.micro_batch_size, consumed_samples,
+                seq_length_cv=data.seq_length_cv, seed=args.seed, num_workers=data.num_workers,
+                pad_to_multiple=data.pad_to_multiple, vocab_size=args.padded_vocab_size))
     return iterators if len(iterators) > 1 else iterators[0]
 
 
-def batch_layout(args) -> BatchLayout:
+def batch_layout(configs: TrainerConfigs) -> BatchLayout:
     """How --variable-seq-lengths makes a global batch's microbatches (microbatches.py)."""
-    return BatchLayout(args.micro_batch_size, args.global_batch_size, args.data_parallel_size,
-                       args.group_by_length, args.pad_to_multiple, args.microbatch_tokens)
+    schedule, data = configs.schedule, configs.data
+    return BatchLayout(schedule.micro_batch_size, schedule.global_batch_size,
+                       configs.parallel.data_parallel_size, data.group_by_length,
+                       data.pad_to_multiple, data.microbatch_tokens)
 
 
 def iteration_lengths(trainer: Trainer, consumed_samples: int, global_batch: int):
@@ -306,19 +310,20 @@ def iteration_lengths(trainer: Trainer, consumed_samples: int, global_batch: int
     which the cost order and DPP's memory cap use, and whose number is the iteration's
     microbatch count under --microbatch-tokens; sequences, (padded length, rows, real
     tokens) of every microbatch of every data-parallel rank, for the throughput line."""
-    args = trainer.args
-    if args.variable_seq_lengths:
-        plan = plan_global_batch(trainer.datasets[0], consumed_samples, batch_layout(args))
+    configs, data = trainer.configs, trainer.configs.data
+    if data.variable_seq_lengths:
+        plan = plan_global_batch(trainer.datasets[0], consumed_samples, batch_layout(configs))
         sequences = [(length, len(samples), real) for samples_of_rank, lengths_of_rank,
                      real_of_rank in zip(plan.samples, plan.lengths, plan.real_tokens,
                                          strict=True)
                      for samples, length, real in zip(samples_of_rank, lengths_of_rank,
                                                       real_of_rank, strict=True)]
         return plan.token_counts(parallel_state.get_data_parallel_rank()), sequences
-    lengths = microbatch_lengths(args, consumed_samples, global_batch)
-    padded = [padded_length(length, args.pad_to_multiple, args.seq_length) for length in lengths]
-    rows = args.micro_batch_size * args.data_parallel_size
-    costs = padded if args.seq_length_cv > 0 else None
+    lengths = microbatch_lengths(trainer.args, consumed_samples, global_batch)
+    padded = [padded_length(length, data.pad_to_multiple, configs.model.seq_length)
+              for length in lengths]
+    rows = configs.schedule.micro_batch_size * configs.parallel.data_parallel_size
+    costs = padded if data.seq_length_cv > 0 else None
     return costs, [(width, rows, length * rows) for width, length
                    in zip(padded, lengths, strict=True)]
 
@@ -326,7 +331,7 @@ def iteration_lengths(trainer: Trainer, consumed_samples: int, global_batch: int
 def microbatch_count(trainer: Trainer, costs) -> int:
     """This iteration's number of microbatches: the token budget's cut (one cost per
     microbatch) under --microbatch-tokens, else the batch-size schedule's."""
-    if trainer.args.microbatch_tokens is not None:
+    if trainer.configs.data.microbatch_tokens is not None:
         return len(costs)
     return trainer.batch_calculator.get()
 
@@ -335,7 +340,7 @@ def start_tracing(trainer: Trainer) -> None:
     """--trace: a Tracer for this rank, fed by the DPP schedule itself or, for megatron.core's
     schedules, through config.timers (which also reports the grad sync under DPP)."""
     trainer.tracer = tracing.open_tracer(trainer.args, trainer.device, len(trainer.model))
-    traced = trainer.tracer.megatron_timers(label_compute=not trainer.args.use_dpp)
+    traced = trainer.tracer.megatron_timers(label_compute=not trainer.configs.schedule.use_dpp)
     # megatron-core's timers go to --timing-log-level's Timers, which pass them on to the
     # tracer's
     trainer.timers.inner = traced
@@ -346,7 +351,7 @@ def start_tracing(trainer: Trainer) -> None:
 
 
 def train_step(trainer: Trainer, iterator) -> dict:
-    args = trainer.args
+    schedule = trainer.configs.schedule
     iteration = trainer.state.iteration + 1
     batch = trainer.batch_calculator.get_current_global_batch_size()
     costs, sequences = iteration_lengths(trainer, trainer.state.consumed_samples, batch)
@@ -364,10 +369,11 @@ def train_step(trainer: Trainer, iterator) -> dict:
         # caps the tokens a stage holds); megatron-core's schedule gets the same order by
         # reading the microbatches in it
         schedule_iterator = iterator
-        if costs is not None and args.use_dpp:
-            trainer.schedule.set_microbatch_costs(costs, reorder=args.microbatch_order == "cost")
-        elif costs is not None and args.microbatch_order == "cost":
-            order = cost_ordered(costs, args.pipeline_model_parallel_size)
+        if costs is not None and schedule.use_dpp:
+            trainer.schedule.set_microbatch_costs(costs,
+                                                  reorder=schedule.microbatch_order == "cost")
+        elif costs is not None and schedule.microbatch_order == "cost":
+            order = cost_ordered(costs, trainer.configs.parallel.pipeline_model_parallel_size)
             schedule_iterator = reorder_data_iterators(iterator, order)
         losses = _run_schedule(
             trainer, trainer.reruns.checked(trainer.forward_step_func(iteration)),
@@ -404,7 +410,7 @@ def _stop_on_verdict(trainer: Trainer, verdict) -> None:
     """End the run as the rerun state machine decided, with the checkpoint it asks for (of
     the last completed iteration: this one's optimizer step has not run)."""
     saved = ""
-    if verdict.checkpoint and trainer.checkpointer is not None and trainer.args.save:
+    if verdict.checkpoint and trainer.checkpointer is not None and trainer.configs.checkpoint.save:
         path = trainer.checkpointer.save(trainer.model, trainer.optimizer, trainer.scheduler,
                                          trainer.state)
         trainer.checkpointer.wait()
@@ -428,20 +434,20 @@ def reduce_losses(losses: list[dict], names) -> dict[str, float]:
 
 
 def evaluate(trainer: Trainer, dataset, consumed: int) -> dict[str, float]:
-    args = trainer.args
+    schedule = trainer.configs.schedule
     for chunk in trainer.model:
         chunk.eval()
     iterator = data_iterators(trainer, dataset, consumed)
     # --eval-global-batch-size: its own number of microbatches; else the training step's
-    num_microbatches = (
-        args.eval_global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-        if args.eval_global_batch_size else trainer.batch_calculator.get())
+    rows = schedule.micro_batch_size * trainer.configs.parallel.data_parallel_size
+    num_microbatches = (schedule.eval_global_batch_size // rows
+                        if schedule.eval_global_batch_size else trainer.batch_calculator.get())
     gathered: list[dict] = []
     with torch.no_grad():
-        for step in range(args.eval_iters):
-            if args.microbatch_tokens is not None:  # the token budget's cut of this batch
-                plan = plan_global_batch(dataset, consumed + step * args.global_batch_size,
-                                         batch_layout(args))
+        for step in range(schedule.eval_iters):
+            if trainer.configs.data.microbatch_tokens is not None:  # the budget's cut
+                plan = plan_global_batch(dataset, consumed + step * schedule.global_batch_size,
+                                         batch_layout(trainer.configs))
                 num_microbatches = len(plan.samples[parallel_state.get_data_parallel_rank()])
             gathered += _run_schedule(
                 trainer, trainer.forward_step_func(trainer.state.iteration), iterator,
@@ -453,10 +459,10 @@ def evaluate(trainer: Trainer, dataset, consumed: int) -> dict[str, float]:
 
 def train(trainer: Trainer) -> None:
     args, state = trainer.args, trainer.state
+    schedule, logging_config = trainer.configs.schedule, trainer.configs.logging
     train_set, valid_set, _ = trainer.datasets
     iterator = trainer.reruns.data_iterators(
         data_iterators(trainer, train_set, state.consumed_samples))
-    logging_config = trainer.logging
     board = metrics.ScalarLog(logging_config, trainer.reporting, _run_config(args))
     peak = metrics.peak_tflops(torch.cuda.get_device_name() if torch.cuda.is_available() else "")
     for chunk in trainer.model:
@@ -466,7 +472,7 @@ def train(trainer: Trainer) -> None:
     nan_iterations = 0
     interval_start, interval_tokens, interval_flops, interval_iters = time.perf_counter(), 0, 0.0, 0
     interval_real_tokens = 0
-    while state.iteration < args.train_iters:
+    while state.iteration < schedule.train_iters:
         trainer.batch_calculator.update(state.consumed_samples, True)
         profiler.step_begin(state.iteration + 1)
         result = train_step(trainer, iterator)
@@ -482,20 +488,22 @@ def train(trainer: Trainer) -> None:
         losses = result["losses"]
         if any(not math.isfinite(v) for v in losses.values()):
             nan_iterations += 1
-        if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
+        if (state.iteration % logging_config.log_interval == 0
+                or state.iteration == schedule.train_iters):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             elapsed = (time.perf_counter() - interval_start) / interval_iters
             # per-rank memory: one tiny all-gather per log interval, only when asked for
-            peaks = tracing.gather_peak_memory(trainer.device) if args.log_throughput else None
+            peaks = (tracing.gather_peak_memory(trainer.device)
+                     if logging_config.log_throughput else None)
             # collectives of the model-parallel group: every rank takes part
             norm = (metrics.params_norm(trainer.model, trainer.device)
-                    if logging_config.params_norm else None)
+                    if logging_config.log_params_norm else None)
             timed = {name: 1000.0 * seconds / interval_iters
                      for name, seconds in trainer.timers.take().items()}
             if trainer.reporting:
                 stats = metrics.IterationStats(
-                    iteration=state.iteration, train_iters=args.train_iters,
+                    iteration=state.iteration, train_iters=schedule.train_iters,
                     consumed_samples=state.consumed_samples, elapsed_ms=elapsed * 1000.0,
                     lr=trainer.scheduler.get_lr(trainer.optimizer.param_groups[0]),
                     global_batch_size=result["batch"], losses=losses,
@@ -508,7 +516,7 @@ def train(trainer: Trainer) -> None:
                     num_zeros=None if result["num_zeros"] is None else int(result["num_zeros"]),
                     params_norm=norm,
                 )
-                log.info(stats.line(args.log_throughput))
+                log.info(stats.line(logging_config.log_throughput))
                 if peaks is not None:
                     log.info(tracing.memory_line(peaks, trainer.device))
                 if timed:
@@ -519,11 +527,11 @@ def train(trainer: Trainer) -> None:
             interval_start, interval_tokens, interval_flops, interval_iters = (
                 time.perf_counter(), 0, 0.0, 0)
             interval_real_tokens = 0
-        if args.eval_interval and args.eval_iters and valid_set is not None and (
-            state.iteration % args.eval_interval == 0
+        if schedule.eval_interval and schedule.eval_iters and valid_set is not None and (
+            state.iteration % schedule.eval_interval == 0
         ):
-            consumed = (state.iteration // args.eval_interval - 1) * args.eval_iters * (
-                args.eval_global_batch_size or args.global_batch_size)
+            consumed = (state.iteration // schedule.eval_interval - 1) * schedule.eval_iters * (
+                schedule.eval_global_batch_size or schedule.global_batch_size)
             with trainer.collector.evaluation():
                 results = evaluate(trainer, valid_set, consumed)
             if trainer.reporting and results:
@@ -533,13 +541,16 @@ def train(trainer: Trainer) -> None:
                 board.scalars(state.iteration, _validation_scalars(logging_config, results))
         interval = args.check_weight_hash_across_dp_replicas_interval
         if interval and state.iteration % interval == 0:
+            parallel = trainer.configs.parallel
             replica_check.check_replicas_agree(
                 trainer.model, state.iteration,
-                args.use_distributed_optimizer and args.overlap_param_gather)
+                parallel.use_distributed_optimizer and parallel.overlap_param_gather)
         _checkpoint(trainer)
-        if args.exit_interval and state.iteration % args.exit_interval == 0:
+        if schedule.exit_interval and state.iteration % schedule.exit_interval == 0:
             break
-    if args.save and (not args.save_interval or state.iteration % args.save_interval != 0):
+    checkpoint = trainer.configs.checkpoint
+    if checkpoint.save and (not checkpoint.save_interval
+                            or state.iteration % checkpoint.save_interval != 0):
         trainer.checkpointer.save(trainer.model, trainer.optimizer, trainer.scheduler, state)
     if trainer.checkpointer is not None:
         trainer.checkpointer.wait()
@@ -576,10 +587,10 @@ def _interval_scalars(config: LoggingConfig, stats: metrics.IterationStats,
     ones its --log-* flags add."""
     values = {**{f"train/{k}": v for k, v in stats.losses.items()}, "train/lr": stats.lr,
               "train/ms_per_iter": stats.elapsed_ms}
-    if config.timers_to_tensorboard:
+    if config.log_timers_to_tensorboard:
         values["iteration-time"] = stats.elapsed_ms
         values.update({f"{name}-time": ms for name, ms in timed.items()})
-    if config.memory_to_tensorboard:
+    if config.log_memory_to_tensorboard:
         values.update(metrics.memory_scalars(device))
     if stats.num_zeros is not None:
         values["num-zeros"] = stats.num_zeros
@@ -590,7 +601,7 @@ def _interval_scalars(config: LoggingConfig, stats: metrics.IterationStats,
 
 def _validation_scalars(config: LoggingConfig, results: dict[str, float]) -> dict[str, float]:
     values = {f"valid/{k}": v for k, v in results.items()}
-    if config.validation_ppl:
+    if config.log_validation_ppl_to_tensorboard:
         # as the log line: exp of the loss, capped at exp(20)
         values.update({f"valid/{k} ppl": math.exp(min(v, 20.0)) for k, v in results.items()})
     return values
@@ -599,14 +610,14 @@ def _validation_scalars(config: LoggingConfig, results: dict[str, float]) -> dic
 def _run_schedule(trainer, forward_step_func, data_iterator, num_microbatches: int,
                   forward_only: bool) -> list[dict]:
     """One pass of the pipeline schedule (megatron-core's or DPP's) over the microbatches."""
-    args = trainer.args
+    seq_length = trainer.configs.model.seq_length
     return trainer.schedule(
         forward_step_func=forward_step_func,
         data_iterator=data_iterator,
         model=trainer.model,
         num_microbatches=num_microbatches,
-        seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size,
-        decoder_seq_length=args.seq_length,
+        seq_length=seq_length,
+        micro_batch_size=trainer.configs.schedule.micro_batch_size,
+        decoder_seq_length=seq_length,
         forward_only=forward_only,
     )
