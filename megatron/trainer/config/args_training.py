@@ -57,8 +57,9 @@ def batch_and_schedule_args(g):
             "allows it, else none",
         "--cuda-graph-memory-limit float": dict(
             metavar="GIB", help="--cuda-graph-impl block with variable lengths: the GiB one "
-            "rank's graph recordings (one set of slots per length bucket) may hold; a bucket "
-            "past it runs eagerly, with one log line (default: no bound)"),
+            "rank's graph recordings (a memory pool per microbatch in flight, holding every "
+            "length bucket) may hold; a bucket past it runs eagerly, with one log line "
+            "(default: no bound)"),
     })
 
 
