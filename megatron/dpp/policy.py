@@ -456,16 +456,20 @@ class GreedyPolicy:
         there is none."""
         if not self._split:
             return None
-        best, best_pos = None, self._length
-        for chunk in range(self.stage.num_chunks):
-            w = self._next_weight[chunk]
-            if w < self._next_backward[chunk]:
-                pos = self._weight_position[chunk][w]
-                if pos < best_pos:
-                    best, best_pos = self._weights[chunk][w], pos
-        if best is not None:
-            self._running, self._running_pos = best, best_pos
-        return best
+        found = [w for chunk in range(self.stage.num_chunks)
+                 if (w := self._weight_ready(chunk)) is not None]
+        if not found:
+            return None
+        self._running, self._running_pos = min(found, key=lambda w: w[1])
+        return self._running
+
+    def _weight_ready(self, chunk: int) -> tuple[Task, int] | None:
+        """The chunk's next W and its plan position when its B ran (a W's input is local:
+        it is then ready); None otherwise."""
+        w = self._next_weight[chunk]
+        if w < self._next_backward[chunk]:
+            return self._weights[chunk][w], self._weight_position[chunk][w]
+        return None
 
     def _past_weights(self, arrived) -> Task | None:
         """The first F or B of the plan not done after the planned W (and the W tasks that
@@ -503,12 +507,9 @@ class GreedyPolicy:
         m = self.stage.num_microbatches
         for chunk in range(self.stage.num_chunks):
             k = next_backward[chunk]
-            if split:
-                w = self._next_weight[chunk]
-                if w < k:  # a W whose B ran: always ready
-                    pos = self._weight_position[chunk][w]
-                    if pos < best_pos:
-                        best, best_pos = self._weights[chunk][w], pos
+            if split and (weight := self._weight_ready(chunk)) is not None \
+                    and weight[1] < best_pos:
+                best, best_pos = weight
             if self._backward_ahead and k < next_forward[chunk]:
                 pos = self._backward_position[chunk][k]
                 if pos < best_pos:
