@@ -184,6 +184,11 @@ for suffix, graph_flags in GRAPH_CHOICES.items():
     for schedule, schedule_flags in VARIABLE_SCHEDULES.items():
         CONFIGS[f"docs-{schedule}{suffix}"] = ["--corpus", "--variable-seq-lengths",
                                                *schedule_flags, *graph_flags]
+        # a global batch's documents sorted by length into microbatches: 8.4 % padding on
+        # the corpus against 29.7 % in Megatron's order (docs/variable_lengths.md)
+        CONFIGS[f"docs-grouped-{schedule}{suffix}"] = [
+            "--corpus", "--variable-seq-lengths", "--group-by-length", *schedule_flags,
+            *graph_flags]
         CONFIGS[f"cv-{schedule}{suffix}"] = [*VARIABLE, *schedule_flags, *graph_flags]
 # "--corpus" in a configuration: its data are --corpus's documents (data_flags)
 CORPUS_MARK = "--corpus"
@@ -220,7 +225,7 @@ RATIOS = (
     ("one-gpu-default", "one-default"), ("one-gpu-cudnn", "one-gpu-flash"),
     ("one-gpu-default", "one-gpu-flash"), ("one-gpu-default", "one-gpu-torch-kernels"),
     ("one-gpu-default", "one-gpu-no-gelu-epilogue"),
-    *((f"{source}-{a}{graphs}", f"{source}-{b}{graphs}") for source in ("docs", "cv")
+    *((f"{source}-{a}{graphs}", f"{source}-{b}{graphs}") for source in ("docs", "docs-grouped", "cv")
       for graphs in GRAPH_CHOICES for a, b in (
           ("dpp", "1f1b"), ("dpp", "1f1b-cost"), ("dpp", "dpp-static"),
           ("dpp-nosplit", "1f1b-cost"), ("dpp", "dpp-nosplit"), ("1f1b-cost", "1f1b"))),
@@ -230,7 +235,8 @@ RATIOS = (
 # variable lengths: ratios of real (non-pad) tokens/s, where padding is what differs
 REAL_RATIOS = tuple((a, b) for a, b in RATIOS if a.startswith(("docs-", "cv-")))
 REAL_RATIOS += tuple((f"{v}{graphs}", f"fixed-1024{graphs}") for graphs in GRAPH_CHOICES
-                     for v in ("docs-dpp", "docs-1f1b", "cv-dpp", "cv-1f1b"))
+                     for v in ("docs-dpp", "docs-1f1b", "docs-grouped-dpp", "docs-grouped-1f1b",
+                               "cv-dpp", "cv-1f1b"))
 
 # TFLOP/s and MFU are logged only on a GPU whose peak the trainer knows (metrics.py)
 LINE = re.compile(
