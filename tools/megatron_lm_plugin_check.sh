@@ -14,12 +14,14 @@
 #   mkdir -p .megatron-lm && git --git-dir /work/.mirror/NVIDIA+Megatron-LM/repo archive \
 #     core_r0.19.0 pretrain_gpt.py gpt_builders.py model_provider.py | tar -x -C .megatron-lm
 # SITE (default /tmp/site-mcore019): the pip --target folder; PYTHON (default python3).
+# INSTALL=0: no install; what `bash prerequisite.sh` installed runs (its megatron-core wheel
+# from .whl/ and this checkout, editable), which saves about a minute of a GPU call.
 # RUNS: a comma-separated subset of the check's runs (default: all seven); EXTRA: flags added
 # to every run (e.g. what a Megatron-LM release's validate_args asks for).
 set -uo pipefail
 
 if [ $# -lt 1 ]; then
-  sed -n '2,18p' "$0" >&2
+  sed -n '2,20p' "$0" >&2
   exit 2
 fi
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -33,13 +35,15 @@ cd "$ROOT" || exit 1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 OMP_NUM_THREADS=1
 
 # what runs is this checkout as installed (about a minute: the native extension is built)
-rm -rf "$SITE"
-if ! "$PY" -m pip install --no-index --no-deps --no-build-isolation --target "$SITE" \
-    .whl019/*.whl . > "$OUT/install.log" 2>&1; then
-  echo "install failed: $OUT/install.log" >&2
-  exit 1
+if [ "${INSTALL:-1}" != 0 ]; then
+  rm -rf "$SITE"
+  if ! "$PY" -m pip install --no-index --no-deps --no-build-isolation --target "$SITE" \
+      .whl019/*.whl . > "$OUT/install.log" 2>&1; then
+    echo "install failed: $OUT/install.log" >&2
+    exit 1
+  fi
+  export PYTHONPATH=$SITE
 fi
-export PYTHONPATH=$SITE
 cd /tmp || exit 1  # outside the checkout: what runs is what was installed
 "$PY" "$ROOT/profiling/megatron_lm_plugin_check.py" --megatron-lm "$ROOT/.megatron-lm" \
   --out "$OUT" --pp "$PP" --gpus "$GPUS" ${RUNS:+--runs "$RUNS"} ${EXTRA:+--extra "$EXTRA"}
