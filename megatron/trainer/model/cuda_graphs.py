@@ -370,8 +370,8 @@ MAX_WARM_BUCKETS = 64  # beyond this many lengths, a shape is recorded on its fi
 def bucket_shapes(args) -> tuple[tuple[int, ...], ...]:
     """The block input shapes [s, b, h] a run of variable lengths can meet, when they are
     known in advance: every multiple of --pad-to-multiple up to --seq-length at
-    --micro-batch-size rows (sequence parallelism splits s). None for a token budget (its
-    row counts vary) or where there are more than MAX_WARM_BUCKETS lengths."""
+    --micro-batch-size rows (sequence parallelism splits s). None (empty) for a token budget
+    (its row counts vary) or where there are more than MAX_WARM_BUCKETS lengths."""
     multiple = args.pad_to_multiple or 1
     if args.microbatch_tokens is not None or args.seq_length / multiple > MAX_WARM_BUCKETS:
         return ()

@@ -78,9 +78,6 @@ class Lane:
         self.busy = False
         self.capacity_tokens = 0  # the largest shape recorded in the pool
 
-    def holds(self, slot: object) -> bool:
-        return any(held is slot for held in self.slots.values())
-
 
 class ShapeSlots:
     """One block's lanes. `record(shape, pool, lane_index)` records a slot for microbatch
