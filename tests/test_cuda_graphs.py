@@ -155,7 +155,8 @@ def _eager_vs_bucket_graphs(rank, lengths, limits):
                 model.zero_grad_buffer()
             results[limit] = {"steps": steps, "slots": [
                 sorted((shape[0], len(slots)) for shape, slots in g.slots.recorded.items())
-                for g in installed]}
+                for g in installed], "budgets": [
+                (g.slots.budget.used_bytes, g.slots.budget.bytes_per_token) for g in installed]}
     return results
 
 
@@ -171,6 +172,10 @@ def test_graphs_per_length_bucket_equal_eager_within_the_memory_limit():
     eager = results["eager"]
     assert results[None]["slots"] == [[(8, 6), (16, 6), (24, 6), (32, 6)]]
     assert results[0]["slots"] == [[(32, 1)]]
+    # a lane's smaller buckets reuse the pool its largest one sized: the six lanes hold
+    # little more than six recordings of 32 x 2 tokens, not the 2.5x of 8 + 16 + 24 + 32
+    ((used_bytes, bytes_per_token),) = results[None]["budgets"]
+    assert 0 < used_bytes <= 1.5 * 6 * bytes_per_token * 32 * 2, (used_bytes, bytes_per_token)
     for limit in (None, 0):
         for (eager_losses, eager_grads), (losses, grads) in zip(
                 eager["steps"], results[limit]["steps"], strict=True):

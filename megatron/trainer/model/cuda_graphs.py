@@ -124,6 +124,10 @@ class BlockGraphs:
                                  f"buffers; the block's {missing[0]} has none")
         self.slots = ShapeSlots(self._record, budget, torch.cuda.graph_pool_handle,
                                 warm_shapes if lengths_vary else ())
+        # every recording on one stream: the caching allocator reuses a pool's free blocks
+        # only for the stream that freed them, so a capture on a fresh stream would not
+        # reuse the memory that the lane's earlier recordings freed
+        self._capture_stream: torch.cuda.Stream | None = None
 
     def forward(self, hidden_states, attention_mask, *args, **kwargs):
         block = self.block
@@ -193,7 +197,9 @@ class BlockGraphs:
     def _record_slot(self, sample: torch.Tensor, pool) -> tuple[_Slot, int]:
         """The slot and what the caching allocator reserved during its captures: the pool's
         growth (the eager warm-up pass before them reserves memory the eager steps reuse)."""
-        side = torch.cuda.Stream()
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream()
+        side = self._capture_stream
         side.wait_stream(torch.cuda.current_stream())
         forward_graph, backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with torch.cuda.stream(side):
