@@ -60,8 +60,12 @@ def _check_resumed(results, whole, parts):
     # same processes, same thread count: bit-identical
     assert _losses(resumed) == _losses(uninterrupted)[SAVE_AT:]
     assert resumed["grad_norms"] == uninterrupted["grad_norms"][SAVE_AT:]
-    assert resumed["state"] == {"iteration": ITERS, "consumed_samples": ITERS * BATCH,
-                                "skipped_iterations": 0}
+    state = dict(resumed["state"])
+    # the FLOP count continues from the checkpoint's, adding the same numbers in order
+    assert state.pop("floating_point_operations") == \
+        uninterrupted["state"]["floating_point_operations"] > 0
+    assert state == {"iteration": ITERS, "consumed_samples": ITERS * BATCH,
+                     "skipped_iterations": 0}
     for root in (whole, parts):
         assert sorted(os.listdir(root)) == [
             "iter_0000002", "iter_0000004", checkpointing.POINTER]

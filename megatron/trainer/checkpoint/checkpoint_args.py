@@ -10,8 +10,10 @@ flags before they are validated, so before anything is built from them:
   --use-mp-args-from-checkpoint-args, PARALLEL: replaced as well.
 Each value that changes is logged. --load without any checkpoint keeps the command line's
 values (with a warning, as Megatron-LM); a checkpoint that holds no arguments is an error
-naming it. Our checkpoints hold the flags under "args" as a dict of plain values
-(checkpoint_config.plain_args); Megatron-LM's argparse Namespace there is read too.
+naming it. The flags are saved under "args": in our checkpoints, a dict of plain values
+(checkpoint_config.plain_args) before megatron_lm_format.py, an argparse.Namespace of them
+since; in Megatron-LM's, its Namespace. torch_dist's common state is read safely
+(checkpoint_trust.load_common_state: argparse.Namespace is allowed, not arbitrary classes).
 """
 
 from __future__ import annotations
@@ -20,8 +22,6 @@ import argparse
 import logging
 import os
 
-from megatron.core import dist_checkpointing
-
 from megatron.trainer.checkpoint import torch_checkpoint
 from megatron.trainer.checkpoint.checkpoint_config import CheckpointConfig
 from megatron.trainer.checkpoint.checkpoint_publish import (
@@ -29,7 +29,11 @@ from megatron.trainer.checkpoint.checkpoint_publish import (
     checkpoint_dir,
     latest_iteration,
 )
-from megatron.trainer.checkpoint.checkpoint_trust import untrusted_problem
+from megatron.trainer.checkpoint.checkpoint_trust import (
+    CommonStateRefused,
+    load_common_state,
+    untrusted_problem,
+)
 from megatron.trainer.checkpoint.checkpointing import checkpoint_format, load_root
 
 log = logging.getLogger(__name__)
@@ -92,9 +96,11 @@ def read_checkpoint_args(args) -> tuple[str, dict] | None:
         if checkpoint_format(path, config) == "torch":
             state = torch_checkpoint.load_first_rank_file(path, config.trust)
         else:
-            state = dist_checkpointing.load_common_state_dict(path)
+            state = load_common_state(path)
     except CheckpointError:
         raise
+    except CommonStateRefused as error:
+        raise CheckpointError(f"--use-checkpoint-args: {error}") from error
     except Exception as error:
         raise CheckpointError(f"--use-checkpoint-args: reading {path} failed: "
                               f"{type(error).__name__}: {error}") from error

@@ -1,11 +1,17 @@
 """What loading a checkpoint trusts, and what it refuses without --trust-checkpoint.
 
 Loading unpickles: torch.distributed.checkpoint reads a torch_dist checkpoint's `.metadata`
-with pickle and megatron.core its `common.pt` with torch.load(weights_only=False), so a
-crafted file there runs code on every rank. Those readers cannot be restricted, so their
-files are trusted only when no one but this user could have written them: `untrusted_problem`
-refuses a checkpoint (the --load directory, the iteration's directory, or any file or
-directory in it) that is world-writable or owned by another user.
+and its ShardedObjects (the RNG states) with pickle, so a crafted file there runs code on
+every rank. Those readers cannot be restricted, so their files are trusted only when no one
+but this user could have written them: `untrusted_problem` refuses a checkpoint (the --load
+directory, the iteration's directory, or any file or directory in it) that is
+world-writable or owned by another user.
+
+A torch_dist checkpoint's common state (`common.pt`: the flags, counters, schedule) is read
+by `load_common_state` with torch.load(weights_only=True), always: beyond tensors and plain
+values it builds only `legacy_safe_globals` (argparse.Namespace, the Namespace Megatron-LM's
+trainer saves its flags in) and what megatron.core registers with torch for its own
+checkpoints; anything else is refused by name, --trust-checkpoint or not.
 
 The legacy `--ckpt-format torch` files are read with torch.load(weights_only=True), allowing
 by name only what Megatron-LM's checkpoints hold beyond tensors and plain values (numpy's
@@ -20,11 +26,14 @@ import argparse
 import contextlib
 import importlib
 import os
+import pickle
 import re
 import stat
 
 import numpy as np
 import torch
+
+from megatron.trainer.checkpoint.checkpoint_files import COMMON_FILE
 
 TRUST_FLAG = "--trust-checkpoint"
 
@@ -94,10 +103,43 @@ def refused_global(error: BaseException) -> str | None:
     return match.group(1) if match else None
 
 
+def load_common_state(path: str) -> dict:
+    """The common state of the torch_dist checkpoint at `path`, read as the module says;
+    CommonStateRefused names a class it holds that loading does not build."""
+    filename = os.path.join(path, COMMON_FILE)
+    try:
+        with _allowed(legacy_safe_globals()):
+            state = torch.load(filename, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        refused = refused_global(error)
+        if refused is None:
+            raise
+        raise CommonStateRefused(
+            f"{filename} holds {refused}, which loading does not build: a checkpoint's common "
+            "state (the flags, argparse.Namespace included, and counters) holds plain values; "
+            "a crafted pickle runs code") from error
+    if not isinstance(state, dict):
+        raise CommonStateRefused(f"{filename} holds a {type(state).__name__}, not the dict "
+                                 "of a checkpoint's common state")
+    return state
+
+
+class CommonStateRefused(ValueError):
+    """A checkpoint's common state that loading does not read."""
+
+
 def load_legacy_file(filename: str, trusted: bool, mmap: bool = False) -> dict:
     """torch.load of a legacy checkpoint file: restricted to `legacy_safe_globals` unless
     `trusted`."""
     if trusted:
         return torch.load(filename, map_location="cpu", weights_only=False, mmap=mmap)
-    with torch.serialization.safe_globals(legacy_safe_globals()):
+    with _allowed(legacy_safe_globals()):
         return torch.load(filename, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+def _allowed(extra: list):
+    """torch's safe_globals context for what `extra` adds to the process's allowed globals.
+    (On leaving, torch's context removes every global it was given, also those registered
+    before, such as megatron.core's own: so it is given only the missing ones.)"""
+    present = torch.serialization.get_safe_globals()
+    return torch.serialization.safe_globals([item for item in extra if item not in present])

@@ -50,7 +50,12 @@ from megatron.core.utils import unwrap_model
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.dpp.transport.channel import brief
-from megatron.trainer.checkpoint import checkpoint_files, checkpoint_trust, torch_checkpoint
+from megatron.trainer.checkpoint import (
+    checkpoint_files,
+    checkpoint_trust,
+    megatron_lm_format,
+    torch_checkpoint,
+)
 from megatron.trainer.checkpoint.checkpoint_config import CheckpointConfig
 from megatron.trainer.checkpoint.checkpoint_publish import (
     POINTER,
@@ -89,6 +94,8 @@ class TrainingState:
     iteration: int = 0
     consumed_samples: int = 0
     skipped_iterations: int = 0
+    # the model's FLOPs so far (Megatron-LM's num_floating_point_operations_so_far)
+    floating_point_operations: float = 0.0
 
 
 def _optimizer_metadata(config: CheckpointConfig) -> dict:
@@ -101,8 +108,13 @@ def _chunk_keys(model) -> list[str]:
     return ["model"] if len(model) == 1 else [f"model{index}" for index in range(len(model))]
 
 
+# how a torch_dist checkpoint holds its RNG states (megatron_lm_format.py)
+RNG_MEGATRON_LM = "megatron-lm"  # Megatron-LM's layout, which ours writes
+RNG_PER_RANK = "per-rank"  # ours before: each rank's dict at (pipeline, tensor, data)
+
+
 def _sharded_state(model, optimizer, scheduler, state, metadata: dict, loading: bool,
-                   with_rng: bool = True) -> dict:
+                   rng: str | None = RNG_MEGATRON_LM) -> dict:
     # the bare models (no DDP / Float16Module wrapper): their keys are what load_state_dict
     # expects and do not change with the precision
     model = unwrap_model(model)
@@ -118,10 +130,12 @@ def _sharded_state(model, optimizer, scheduler, state, metadata: dict, loading: 
         )
     if scheduler is not None:
         sharded["opt_param_scheduler"] = scheduler.state_dict()
-    if with_rng:
-        sharded["rng_state"] = _rng_sharded_object()
+    if rng == RNG_MEGATRON_LM:
+        sharded["rng_state"] = megatron_lm_format.rng_sharded_object(
+            None if loading else _rng_state())
+    elif rng == RNG_PER_RANK:
+        sharded["rng_state"] = _rng_per_rank_object()
     sharded["training_state"] = vars(state).copy()
-    sharded["checkpoint_version"] = 1
     return sharded
 
 
@@ -143,32 +157,39 @@ def _rng_layout() -> tuple[int, int, int]:
 
 
 def _layout_text(layout: tuple[int, ...] | None) -> str:
-    return "no layout" if layout is None else "PP {} x TP {} x DP {}".format(*layout)
+    if layout is None:
+        return "no layout"
+    return "PP {} x TP {} x DP {}".format(*("?" if size is None else size for size in layout))
 
 
-def _rng_sharded_object() -> ShardedObject:
-    """Each rank's RNG state, keyed by its (pipeline, tensor, data) coordinates."""
+def _rng_per_rank_object() -> ShardedObject:
+    """The request for our earlier layout: each rank's RNG state at its (pipeline, tensor,
+    data) coordinates."""
     coords = (
         parallel_state.get_pipeline_model_parallel_rank(),
         parallel_state.get_tensor_model_parallel_rank(),
         parallel_state.get_data_parallel_rank(with_context_parallel=True),
     )
-    return ShardedObject(checkpoint_files.RNG_KEY, _rng_state(), _rng_layout(), coords, replica_id=0)
+    return ShardedObject(checkpoint_files.RNG_KEY, None, _rng_layout(), coords, replica_id=0)
 
 
-def _rng_restorable(path: str, config: CheckpointConfig) -> bool:
-    """Whether to load the RNG states: asked for, and saved in this run's parallel layout
-    (each rank's own state; at another layout there is none that belongs to a rank, and the
-    run goes on with its own seeds, as Megatron-LM's)."""
+def _rng_to_restore(path: str, common: dict, config: CheckpointConfig) -> str | None:
+    """How to load the RNG states (RNG_MEGATRON_LM, RNG_PER_RANK), or None: when asked for,
+    and saved in this run's parallel layout (each rank's own state; at another layout there
+    is none that belongs to a rank, and the run goes on with its own seeds, as
+    Megatron-LM's, which also skips them)."""
     if not config.load_rng or config.finetune:
-        return False
+        return None
     saved = checkpoint_files.saved_rng_layout(path)
+    kind = RNG_PER_RANK
+    if saved is not None and len(saved) == 2:  # Megatron-LM's (PP, TP); DP from its flags
+        kind, saved = RNG_MEGATRON_LM, (*saved, megatron_lm_format.saved_data_parallel_size(common))
     current = _rng_layout()
     if saved == current:
-        return True
+        return kind
     log.info("%s: its RNG states are not restored: saved at %s, this run is %s (the seeds of "
              "--seed continue instead)", path, _layout_text(saved), _layout_text(current))
-    return False
+    return None
 
 
 @dataclass(frozen=True)
@@ -382,8 +403,10 @@ def _save_torch_dist(staging: str, model, optimizer, scheduler, state: TrainingS
     `strategy`: one kept between saves (--ckpt-assume-constant-structure), else a new one."""
     metadata = _optimizer_metadata(config)
     sharded = _sharded_state(model, optimizer, scheduler, state, metadata, False)
-    if config.run_args is not None:
-        sharded["args"] = config.run_args  # common state: written once, by rank 0
+    # common state (written once, by rank 0): what Megatron-LM's trainer reads too
+    sharded.update(megatron_lm_format.common_entries(
+        state.iteration, state.consumed_samples, state.floating_point_operations,
+        config.run_args))
     strategy = strategy or _torch_dist_save_strategy(config)
     options = {}
     if asynchronous and "async_strategy" in _SAVE_PARAMETERS:
@@ -489,8 +512,11 @@ def load_checkpoint(root: str, model, optimizer, scheduler,
     if torch_format and config.load_rng and not config.finetune:
         _restore_rng(torch_checkpoint.rng_state_of_this_rank(loaded))
     elif "rng_state" in loaded:  # torch_dist: requested where its layout is this run's
-        _restore_rng(loaded["rng_state"])
-    state = TrainingState(**loaded["training_state"])
+        _restore_rng(megatron_lm_format.rng_of_this_rank(loaded["rng_state"]))
+    if torch_format or not megatron_lm_format.written_by_megatron_lm(loaded):
+        state = TrainingState(**loaded["training_state"])
+    else:
+        state = TrainingState(**megatron_lm_format.training_state(loaded, path))
     if config.finetune:
         state = TrainingState()
     log.info("loaded checkpoint %s (iteration %d)", path, iteration)
@@ -533,18 +559,18 @@ def _read_torch_dist(path: str, model, optimizer, scheduler,
     """megatron.core's load with the flags' strictness and strategy, and the distributed
     optimizer's layout. Its state is requested in the layout it was saved in (the
     checkpoint's content metadata), whatever --dist-ckpt-optim-fully-reshardable says now."""
-    try:
-        metadata = dist_checkpointing.load_content_metadata(path)
-    except Exception as error:
-        common = os.path.join(path, checkpoint_files.COMMON_FILE)
-        raise CheckpointError(f"{common} is unreadable: {type(error).__name__}: "
-                              f"{brief(error)}") from error
+    common = _read_common_state(path)
+    if megatron_lm_format.written_by_megatron_lm(common):
+        log.info("%s was written by Megatron-LM's trainer (checkpoint_version %s, its flags an "
+                 "argparse.Namespace): iteration %s and the data position are read from its "
+                 "common state", path, common.get("checkpoint_version"), common.get("iteration"))
+    metadata = dist_checkpointing.load_content_metadata(preloaded_state_dict=common)
     if metadata is None:  # written before the metadata was stored: the flags' layout
         metadata = _optimizer_metadata(config)
     if optimizer is not None and config.distributed_optimizer:
         _create_adam_states(optimizer)
     sharded = _sharded_state(model, optimizer, scheduler, TrainingState(), metadata, True,
-                             with_rng=_rng_restorable(path, config))
+                             rng=_rng_to_restore(path, common, config))
     strategy = TorchDistLoadShardedStrategy()
     if config.fully_parallel_load:
         strategy = FullyParallelLoadStrategyWrapper(
@@ -563,10 +589,22 @@ def _read_torch_dist(path: str, model, optimizer, scheduler,
     return loaded, metadata.get("distrib_optim_sharding_type")
 
 
+def _read_common_state(path: str) -> dict:
+    """The checkpoint's common state, read safely (checkpoint_trust.load_common_state)."""
+    try:
+        return checkpoint_trust.load_common_state(path)
+    except checkpoint_trust.CommonStateRefused as error:
+        raise CheckpointError(f"loading {path}: {error}") from error
+    except Exception as error:
+        common = os.path.join(path, checkpoint_files.COMMON_FILE)
+        raise CheckpointError(f"{common} is unreadable: {type(error).__name__}: "
+                              f"{brief(error)}") from error
+
+
 def _saved_args(path: str) -> dict | None:
     """The flags saved in the checkpoint's common state, where they can be read."""
     try:
-        saved = dist_checkpointing.load_common_state_dict(path).get("args")
+        saved = checkpoint_trust.load_common_state(path).get("args")
     except Exception:  # the load failed already: its error is the one reported
         return None
     return vars(saved) if hasattr(saved, "__dict__") else saved

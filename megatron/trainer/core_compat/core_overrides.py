@@ -157,7 +157,8 @@ SEQUENCE_PARALLEL_GRAD_SUM = Internal(
 # checkpointing.py, checkpoint_writers.py
 SHARDED_OBJECT = Internal(
     "megatron.core.dist_checkpointing.mapping:ShardedObject.__init__", "called",
-    "trainer/checkpoint/checkpointing.py _rng_sharded_object",
+    "trainer/checkpoint/checkpointing.py _rng_per_rank_object, "
+    "megatron_lm_format.py rng_sharded_object",
     positional=(("self", "key", "data", "global_shape", "global_offset"),),
     keywords=("replica_id",))
 DISTRIBUTED_OPTIMIZER_STATE = Internal(

@@ -480,7 +480,9 @@ def train(trainer: Trainer) -> None:
         for length, rows, real in result["sequences"]:
             interval_tokens += length * rows
             interval_real_tokens += real
-            interval_flops += length * rows * metrics.flops_per_token(args, length)
+            flops = length * rows * metrics.flops_per_token(args, length)
+            interval_flops += flops
+            state.floating_point_operations += flops
         state.iteration += 1
         trainer.collector.after_step(state.iteration)
         state.consumed_samples += result["batch"]
