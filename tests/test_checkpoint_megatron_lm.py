@@ -289,9 +289,11 @@ def test_megatron_lm_check_checkpoint_args_accepts_ours(tmp_path):
     assert len(_losses(results[0][0])) == SAVE_AT
     common = checkpoint_trust.load_common_state(checkpointing.checkpoint_dir(str(tmp_path),
                                                                              SAVE_AT))
-    current = argparse.Namespace(**vars(common["args"]), use_dist_ckpt=True, vocab_file=None,
-                                 data_parallel_random_init=False,
-                                 phase_transition_iterations=None)
+    # this run's flags: the checkpoint's, with what Megatron-LM's validate_args adds
+    flags = {**vars(common["args"]), "use_dist_ckpt": True, "vocab_file": None,
+             "data_parallel_random_init": False, "phase_transition_iterations": None}
+    flags.setdefault("add_position_embedding", True)
+    current = argparse.Namespace(**flags)
     global_vars.set_args(current)
     megatron_lm.set_checkpoint_version(common["checkpoint_version"])
     megatron_lm.check_checkpoint_args(common["args"])

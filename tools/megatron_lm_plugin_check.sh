@@ -18,10 +18,12 @@
 # from .whl/ and this checkout, editable), which saves about a minute of a GPU call.
 # RUNS: a comma-separated subset of the check's runs (default: all seven); EXTRA: flags added
 # to every run (e.g. what a Megatron-LM release's validate_args asks for).
+# Checkpoints between Megatron-LM's trainer and ours (acceptance 3):
+# tools/megatron_lm_checkpoint_check.sh OUT, after `bash prerequisite.sh`.
 set -uo pipefail
 
 if [ $# -lt 1 ]; then
-  sed -n '2,20p' "$0" >&2
+  sed -n '2,22p' "$0" >&2
   exit 2
 fi
 ROOT=$(cd "$(dirname "$0")/.." && pwd)

@@ -1,0 +1,136 @@
+"""The pure-Python parts of profiling/megatron_lm_checkpoint_check.py (the GPU check of
+checkpoints between Megatron-LM's trainer and ours): the runs' flags, the halfway copy of
+a checkpoint, reading both trainers' logs, the comparison, the checks of a resumed run,
+the timeout that ends a whole run, and a plan cut short by a failed run."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from megatron.trainer.run import metrics
+from profiling import megatron_lm_checkpoint_check as check
+
+# a line of Megatron-LM 0.19's training_log (megatron/training/training.py), as it prints it
+MEGATRON_LM_LINE = (
+    " [2026-11-27 12:00:00.000000] iteration        4/       6 | consumed samples:          128 |"
+    " elapsed time per iteration (ms): 412.3 | throughput per GPU (TFLOP/s/GPU): 51.2 |"
+    " learning rate: 5.000000E-05 | global batch size:    32 | lm loss: 1.081234E+01 |"
+    " loss scale: 1.0 | grad norm: 3.456 | number of skipped iterations:   0 |"
+    " number of nan iterations:   0 |")
+
+
+def _ours_line(iteration: int, loss: float) -> str:
+    """A line as our trainer logs it (metrics.IterationStats, what training.train builds)."""
+    stats = metrics.IterationStats(
+        iteration=iteration, train_iters=6, consumed_samples=32 * iteration, elapsed_ms=400.0,
+        lr=5e-5, global_batch_size=32, losses={"lm loss": loss}, loss_scale=1.0,
+        grad_norm=3.4, skipped=0, nan=0, tokens=32768, world_size=2, flops=1e12,
+        peak_tflops=None)
+    return f"[12:00:00 rank1] INFO megatron.trainer: {stats.line(True)}"
+
+
+def test_flags_of_each_run(tmp_path):
+    by_name = {run.name: run for run in check.PLAN}
+    saving = check.run_flags(by_name["ours-save"], 6, 2, tmp_path, [])
+    assert saving[saving.index("--save") + 1] == str(tmp_path / "ours")
+    assert saving[saving.index("--save-interval") + 1] == "3"
+    resuming = check.run_flags(by_name["mlm-resume-ours"], 6, 2, tmp_path, ["--seed", "7"])
+    assert resuming[resuming.index("--load") + 1] == str(tmp_path / "ours_at_3")
+    assert "--exit-on-missing-checkpoint" in resuming and "--save" not in resuming
+    assert resuming[-2:] == ["--seed", "7"]
+    for flag in ("--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion"):
+        assert flag in resuming  # Megatron-LM's local layers without apex
+    # ours parses its flags as they are built, the layout and model as asked
+    from megatron.trainer.config.arguments import parse_args
+
+    ours = check.run_flags(by_name["ours-resume-mlm"], 6, 2, tmp_path, [])
+    args = parse_args(ours, world_size=2)
+    assert (args.pipeline_model_parallel_size, args.train_iters) == (2, 6)
+    assert args.load == str(tmp_path / "mlm_at_3") and args.ckpt_format == "torch_dist"
+    assert (args.hidden_dropout, args.attention_dropout, args.fp16, args.bf16) == (0, 0, False,
+                                                                                     False)
+    # every run of a trainer has the same model and training flags, checkpoints aside
+    mlm = check.run_flags(by_name["mlm-save"], 6, 2, tmp_path, [])
+    assert mlm[:mlm.index("--save")] == resuming[:resuming.index("--load")]
+
+
+def test_halfway_root_holds_only_the_middle_checkpoint(tmp_path):
+    for iteration in (3, 6):
+        (tmp_path / "mlm" / f"iter_{iteration:07d}").mkdir(parents=True)
+        (tmp_path / "mlm" / f"iter_{iteration:07d}" / "common.pt").write_bytes(b"x")
+    root = check.make_halfway_root(tmp_path, "mlm", 6)
+    assert sorted(os.listdir(root)) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "3\n"
+    assert (root / "iter_0000003" / "common.pt").read_bytes() == b"x"
+    with pytest.raises(FileNotFoundError, match="ours-save did not save iteration 3"):
+        check.make_halfway_root(tmp_path, "ours", 6)
+
+
+def test_losses_of_both_trainers_logs():
+    text = "\n".join([MEGATRON_LM_LINE, "unrelated line", _ours_line(5, 10.5)])
+    assert check.losses_of(text) == {4: 10.81234, 5: 10.5}
+
+
+def test_compare_within_and_beyond_tolerance():
+    reference = {4: 10.0, 5: 9.0, 6: 8.0}
+    close = check.compare({4: 10.0, 5: 9.0 * (1 + 5e-6), 6: 8.0}, reference, 4, 6)
+    assert close["ok"] and close["worst"] == pytest.approx(5e-6)
+    off = check.compare({4: 10.0, 5: 9.0, 6: 8.0 * (1 + 3e-5)}, reference, 4, 6)
+    assert not off["ok"] and off["first_off"] == 6
+    short = check.compare({4: 10.0}, reference, 4, 6)
+    assert not short["ok"] and short["problem"] == "no loss logged for iterations [5, 6]"
+
+
+def test_resumed_run_must_report_the_other_trainers_checkpoint():
+    by_name = {run.name: run for run in check.PLAN}
+    ours = by_name["ours-resume-mlm"]
+    text = "... iter_0000003 was written by Megatron-LM's trainer (checkpoint_version 3.0 ..."
+    assert check.check_resumed(ours, text, {4: 1.0, 5: 1.0}, 6) == []
+    assert check.check_resumed(ours, "", {4: 1.0}, 6) == [
+        "its log lacks \"was written by Megatron-LM's trainer\""]
+    assert check.check_resumed(by_name["mlm-resume-ours"], "successfully loaded checkpoint "
+                               "from x", {1: 1.0}, 6) == ["it starts at iteration 1, not 4"]
+    # resuming its own checkpoint: no marker asked for
+    assert check.check_resumed(by_name["ours-resume-ours"], "", {4: 1.0}, 6) == []
+
+
+def test_timeout_ends_the_whole_run(tmp_path, monkeypatch):
+    """torchrun's ranks (in sessions of their own) go with it, not left holding the GPUs."""
+    child = tmp_path / "child.pid"
+    # a stand-in of torchrun: its rank in a session of its own, and deaf to SIGTERM
+    command = [sys.executable, "-c",
+               "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
+               "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+               "time.sleep(60)'], start_new_session=True); "
+               "open(sys.argv[1], 'w').write(str(p.pid)); time.sleep(60)", str(child)]
+    monkeypatch.setattr(check, "STOP_GRACE_S", 1)
+    started = time.monotonic()
+    assert check.launch(command, tmp_path, tmp_path / "run.log", timeout=3) == "timeout"
+    assert time.monotonic() - started < 15
+    pid = int(child.read_text())
+    for _ in range(50):  # the orphan is reaped by init shortly after the kill
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the rank process {pid} outlived the timeout")
+
+
+def test_failed_save_skips_what_depends_on_it(tmp_path):
+    results = {"mlm-save": {"ran": False, "ok": False, "problems": ["exit status 1"]}}
+    by_name = {run.name: run for run in check.PLAN}
+    skipped = check.execute(by_name["ours-resume-mlm"], 2, {}, tmp_path, None, tmp_path,
+                            results)
+    assert skipped == {"ran": False, "ok": False,
+                       "problems": ["not run: mlm-save, mlm-resume-mlm failed"]}
+    results["ours-resume-mlm"] = skipped
+    lines = check.summary(results, 6)
+    assert lines[0].startswith("losses of iterations 4-6 after resuming from iteration 3")
+    assert lines[-1].split() == ["ours-resume-mlm", "mlm-resume-mlm", "-", "FAILED:", "not",
+                                 "run:", "mlm-save,", "mlm-resume-mlm", "failed"]
