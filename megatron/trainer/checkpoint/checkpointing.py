@@ -561,6 +561,7 @@ def _read_torch_dist(path: str, model, optimizer, scheduler,
     checkpoint's content metadata), whatever --dist-ckpt-optim-fully-reshardable says now."""
     common = _read_common_state(path)
     if megatron_lm_format.written_by_megatron_lm(common):
+        megatron_lm_format.check_version(common, path)  # before anything is loaded
         log.info("%s was written by Megatron-LM's trainer (checkpoint_version %s, its flags an "
                  "argparse.Namespace): iteration %s and the data position are read from its "
                  "common state", path, common.get("checkpoint_version"), common.get("iteration"))

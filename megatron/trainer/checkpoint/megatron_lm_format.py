@@ -75,14 +75,19 @@ def written_by_megatron_lm(common: dict) -> bool:
     return "training_state" not in common and "iteration" in common
 
 
-def training_state(common: dict, path: str) -> dict:
-    """The counters of a Megatron-LM checkpoint, as our TrainingState's fields."""
+def check_version(common: dict, path: str) -> None:
+    """Refuse a Megatron-LM checkpoint older than its torch_dist ones."""
     version = common.get("checkpoint_version")
     if not isinstance(version, int | float) or version < CHECKPOINT_VERSION:
         raise CheckpointError(
             f"{path} was written by Megatron-LM with checkpoint_version {version!r}; only "
             f"{CHECKPOINT_VERSION} (Megatron-LM's torch_dist checkpoints) is read: older "
             "versions order the attention's query/key/value weights differently")
+
+
+def training_state(common: dict, path: str) -> dict:
+    """The counters of a Megatron-LM checkpoint, as our TrainingState's fields."""
+    check_version(common, path)
     args = common.get("args")
     return {"iteration": int(common["iteration"]),
             "consumed_samples": int(getattr(args, "consumed_train_samples", 0) or 0),
