@@ -56,10 +56,18 @@ log = logging.getLogger("megatron_lm_checkpoint_check")
 
 TOLERANCE = 1e-5  # relative, per iteration
 STOP_GRACE_S = 20  # after a timeout: how long torchrun has to stop its ranks
-# the training settings both trainers default to, spelled out so that neither can drift
+# the training settings both trainers default to, spelled out so that neither can drift,
+# and the same unfused kernels: the exact GeLU (Megatron-LM's bias-GeLU fusion is the tanh
+# one), the weight gradients added to main_grad after their GEMM, torch's softmax
 SAME_TRAINING = ["--weight-decay", "0.01", "--clip-grad", "1.0", "--adam-beta1", "0.9",
                  "--adam-beta2", "0.999", "--adam-eps", "1e-8", "--lr-decay-style", "linear",
-                 "--min-lr", "0", "--init-method-std", "0.02", "--ckpt-format", "torch_dist"]
+                 "--min-lr", "0", "--init-method-std", "0.02", "--ckpt-format", "torch_dist",
+                 "--no-bias-gelu-fusion", "--no-gradient-accumulation-fusion",
+                 "--no-masked-softmax-fusion"]
+# our fast path's GPU defaults off (fast_path.py): its Triton cross-entropy, norms and
+# bias-dropout-add, the GeLU GEMM epilogue and CUDA graphs are not Megatron-LM's kernels
+OURS_UNFUSED = ["--cuda-graph-impl", "none", "--no-cross-entropy-loss-fusion",
+                "--no-triton-fusions", "--no-gelu-gemm-epilogue"]
 # what each trainer logs when it has loaded a checkpoint of the other's
 LOADED_MARKERS = {"ours": "was written by Megatron-LM's trainer",
                   "megatron-lm": "successfully loaded checkpoint from"}
@@ -87,7 +95,7 @@ SAVED_BY = {run.save: run.name for run in PLAN if run.save}
 
 def run_flags(run: Run, iterations: int, pp: int, checkpoints: Path, extra: list[str]) -> list[str]:
     """The command line's flags of `run` (after the program)."""
-    plain = MEGATRON_LM_PLAIN if run.trainer == "megatron-lm" else OURS_PLAIN
+    plain = MEGATRON_LM_PLAIN if run.trainer == "megatron-lm" else [*OURS_PLAIN, *OURS_UNFUSED]
     flags = [*FP32_MODEL, *COMMON, *SAME_TRAINING, *plain, "--pipeline-model-parallel-size",
              str(pp), "--train-iters", str(iterations)]
     if run.save:

@@ -53,6 +53,10 @@ def test_flags_of_each_run(tmp_path):
     assert args.load == str(tmp_path / "mlm_at_3") and args.ckpt_format == "torch_dist"
     assert (args.hidden_dropout, args.attention_dropout, args.fp16, args.bf16) == (0, 0, False,
                                                                                      False)
+    # Megatron-LM's kernels: no fast-path fusion, no CUDA graphs, the exact GeLU
+    assert (args.triton_fusions, args.cross_entropy_loss_fusion, args.gelu_gemm_epilogue,
+            args.cuda_graph_impl, args.no_bias_gelu_fusion,
+            args.gradient_accumulation_fusion) == (False, False, False, "none", True, False)
     # every run of a trainer has the same model and training flags, checkpoints aside
     mlm = check.run_flags(by_name["mlm-save"], 6, 2, tmp_path, [])
     assert mlm[:mlm.index("--save")] == resuming[:resuming.index("--load")]
