@@ -8,6 +8,8 @@ megatron-core 0.19.2 ships it; docs/megatron_lm.md, "Checkpoints"), at the same 
   uninterrupted run's, and the counters and RNG states are Megatron-LM's.
 * Our checkpoint holds what Megatron-LM's load_checkpoint reads, and a request built as
   Megatron-LM builds it (model, optimizer, RNG in its layout) loads it with every key found.
+* A checkpoint in our layout before this (`args` a dict, `checkpoint_version` 1, each
+  rank's RNG states at (pipeline, tensor, data) coordinates) still resumes exactly.
 * A pickled class in `args` other than the allowed ones is refused by name.
 * Where megatron.training is importable (megatron-core >= 0.17), its own
   check_checkpoint_args accepts our checkpoint's flags.
@@ -36,6 +38,7 @@ BASE = with_flags(TINY, global_batch_size=BATCH, train_iters=ITERS)
 # a FLOP count and a Python RNG state that only the Megatron-LM checkpoint holds
 MEGATRON_LM_FLOPS = 1.5e12
 MEGATRON_LM_RANDOM = random.Random(99).getstate()
+BEFORE_RANDOM = random.Random(98).getstate()  # in our checkpoint of the earlier layout
 # what Megatron-LM's load_checkpoint and check_checkpoint_args read from `args`
 # (megatron/training/checkpointing.py of megatron-core 0.19.2; padded_vocab_size only for
 # checkpoints other than torch_dist)
@@ -109,6 +112,48 @@ def _save_as_megatron_lm(trainer, root: str) -> None:
     dist.barrier()
 
 
+def _save_as_before(trainer, root: str) -> None:
+    """The trainer's state in our torch_dist layout before megatron_lm_format.py."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    from megatron.core.utils import unwrap_model
+
+    from megatron.trainer.checkpoint.checkpoint_config import CheckpointConfig
+
+    config = CheckpointConfig.from_args(trainer.args)
+    metadata = checkpointing._optimizer_metadata(config)
+    chunks = unwrap_model(trainer.model)
+    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    saved = {key: chunk.sharded_state_dict() for key, chunk in zip(keys, chunks, strict=True)}
+    saved["optimizer"] = trainer.optimizer.sharded_state_dict(dict(saved), metadata=metadata)
+    saved["opt_param_scheduler"] = trainer.scheduler.state_dict()
+    rng = {**checkpointing._rng_state(), "random": BEFORE_RANDOM}
+    saved["rng_state"] = ShardedObject(
+        "rng_state", rng, checkpointing._rng_layout(),
+        (parallel_state.get_pipeline_model_parallel_rank(),
+         parallel_state.get_tensor_model_parallel_rank(),
+         parallel_state.get_data_parallel_rank(with_context_parallel=True)), replica_id=0)
+    state = trainer.state
+    saved["training_state"] = {"iteration": state.iteration,
+                               "consumed_samples": state.consumed_samples,
+                               "skipped_iterations": state.skipped_iterations}
+    saved["checkpoint_version"] = 1
+    saved["args"] = config.run_args
+    path = checkpointing.checkpoint_dir(root, state.iteration)
+    if dist.get_rank() == 0:
+        os.makedirs(path)
+    dist.barrier()
+    dist_checkpointing.save(saved, path, TorchDistSaveShardedStrategy("torch_dist", 1),
+                            content_metadata=metadata or None)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(root, POINTER), "w") as pointer:
+            pointer.write(f"{state.iteration}\n")
+    dist.barrier()
+
+
 def _load_as_megatron_lm(trainer, path: str) -> dict:
     """Load our checkpoint at `path` with the request Megatron-LM 0.19's load_checkpoint
     builds (generate_state_dict with the checkpoint's content metadata, its RNG layout),
@@ -143,10 +188,11 @@ def _load_as_megatron_lm(trainer, path: str) -> dict:
             "args_type": type(loaded["args"]).__name__}
 
 
-def _interchange(rank, flags, world_size, ours: str, theirs: str):
+def _interchange(rank, flags, world_size, ours: str, theirs: str, before: str):
     """Rank function: ours trains to SAVE_AT saving its checkpoint (`ours`), writes the
-    same state as Megatron-LM would (`theirs`) and loads its own checkpoint as Megatron-LM
-    would; then an uninterrupted run, and a run resumed from `theirs`."""
+    same state as Megatron-LM would (`theirs`) and as ours did before (`before`), and loads
+    its own checkpoint as Megatron-LM would; then an uninterrupted run, and runs resumed
+    from `theirs` and from `before`."""
     from megatron.trainer.config.arguments import parse_args
     from megatron.trainer.run import initialize, training
     from megatron.trainer.tasks.gpt import GPT_TASK
@@ -157,14 +203,15 @@ def _interchange(rank, flags, world_size, ours: str, theirs: str):
         trainer = training.setup(GPT_TASK, parse_args(saving, world_size=world_size), stack)
         training.train(trainer)
         _save_as_megatron_lm(trainer, theirs)
+        _save_as_before(trainer, before)
         read_back = _load_as_megatron_lm(trainer, checkpointing.checkpoint_dir(ours, SAVE_AT))
     restored = []
     original = checkpointing._restore_rng
     checkpointing._restore_rng = lambda state: (restored.append(state["random"]),
                                                 original(state))
     try:
-        runs = trainer_runs.train_runs(rank, [flags, with_flags(flags, load=theirs)],
-                                       world_size)
+        runs = trainer_runs.train_runs(rank, [flags, with_flags(flags, load=theirs),
+                                              with_flags(flags, load=before)], world_size)
     finally:
         checkpointing._restore_rng = original
     return {"runs": runs, "read_back": read_back, "restored_random": restored}
@@ -173,9 +220,9 @@ def _interchange(rank, flags, world_size, ours: str, theirs: str):
 @pytest.mark.parametrize("layout", [["--pipeline-model-parallel-size", "2"],
                                     ["--use-distributed-optimizer"]], ids=["pp2", "dp2-distopt"])
 def test_checkpoints_interchange_with_megatron_lm(tmp_path, layout):
-    ours, theirs = str(tmp_path / "ours"), str(tmp_path / "theirs")
-    results = run_ranks(2, _interchange, BASE + layout, 2, ours, theirs)
-    uninterrupted, resumed = results[-1]["runs"]
+    ours, theirs, before = (str(tmp_path / name) for name in ("ours", "theirs", "before"))
+    results = run_ranks(2, _interchange, BASE + layout, 2, ours, theirs, before)
+    uninterrupted, resumed, resumed_before = results[-1]["runs"]
     # (a) Megatron-LM's checkpoint resumes in ours: the same losses as without a stop
     assert len(_losses(uninterrupted)) == ITERS
     assert _losses(resumed) == _losses(uninterrupted)[SAVE_AT:]
@@ -184,8 +231,8 @@ def test_checkpoints_interchange_with_megatron_lm(tmp_path, layout):
     assert (state["iteration"], state["consumed_samples"]) == (ITERS, ITERS * BATCH)
     saving_flops = uninterrupted["state"]["floating_point_operations"] / ITERS * SAVE_AT
     assert state["floating_point_operations"] == pytest.approx(MEGATRON_LM_FLOPS + saving_flops)
-    for rank in results:
-        assert rank["restored_random"] == [MEGATRON_LM_RANDOM]  # its RNG states, restored
+    for rank in results:  # the RNG states of each checkpoint, restored
+        assert rank["restored_random"] == [MEGATRON_LM_RANDOM, BEFORE_RANDOM]
     logs = [message for _, message in results[0]["runs"][1]["logs"]]
     assert any(f"{theirs}/iter_0000002 was written by Megatron-LM's trainer" in message
                for message in logs), logs
@@ -196,6 +243,10 @@ def test_checkpoints_interchange_with_megatron_lm(tmp_path, layout):
             "args_type": "Namespace",
             "rng_entries": 2 if "--use-distributed-optimizer" in layout else 1}
     _check_common_state(checkpointing.checkpoint_dir(ours, SAVE_AT), layout)
+    # our checkpoints of the earlier layout still resume exactly
+    assert _losses(resumed_before) == _losses(uninterrupted)[SAVE_AT:]
+    assert resumed_before["grad_norms"] == uninterrupted["grad_norms"][SAVE_AT:]
+    assert resumed_before["state"]["consumed_samples"] == ITERS * BATCH
 
 
 def _check_common_state(path: str, layout: list[str]) -> None:
