@@ -15,7 +15,8 @@ Megatron-LM's meaning of each flag, as implemented in megatron/trainer/checkpoin
 * `--use-checkpoint-opt_param-scheduler` / `--override-opt_param-scheduler`: the lr / weight
   decay schedule comes from the checkpoint / from the flags; with neither, the two must agree.
 * Every checkpoint holds the run's flags (`args`, plain values) for `--use-checkpoint-args`
-  (megatron/trainer/checkpoint/checkpoint_args.py).
+  (megatron/trainer/checkpoint/checkpoint_args.py); torch_dist ones as an argparse.Namespace
+  with Megatron-LM's counters, as its trainer saves and reads them (megatron_lm_format.py).
 * `--auto-detect-ckpt-format`: with `--ckpt-format torch`, --load reads a torch_dist
   checkpoint too (without it only torch-format ones, as in Megatron-LM).
 * `--async-ckpt-use-cpu-shm`: an asynchronous save copies its tensors into CPU shared memory

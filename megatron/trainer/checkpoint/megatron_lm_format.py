@@ -5,10 +5,11 @@ trainer resumes in the other at the same parallel layout.
 The sharded part is the same on both sides: each model chunk's `sharded_state_dict()`
 under `model` (or `model0`, `model1`, ...), the optimizer's under `optimizer`, each
 trainer loading with the content metadata the checkpoint holds (Megatron-LM's adds
-`singleton_local_shards` False and `chained_optim_avoid_prefix` True, which ours reads as
-its values where they are absent). What differs, as read in
-Megatron-LM's checkpointing.py (generate_state_dict, save_checkpoint, load_checkpoint,
-check_checkpoint_args, get_rng_state):
+`singleton_local_shards` False and `chained_optim_avoid_prefix` True; ours has neither,
+so several chained optimizers' keys carry prefixes in ours and not in Megatron-LM's, and
+each request follows the checkpoint it reads). What differs, as
+read in Megatron-LM's checkpointing.py (generate_state_dict, save_checkpoint,
+load_checkpoint, check_checkpoint_args, get_rng_state):
 
 * Megatron-LM's common state holds `args` (its flags, an argparse.Namespace, with the data
   position in `consumed_train_samples`), `checkpoint_version` 3.0, `iteration`,
@@ -27,7 +28,6 @@ check_checkpoint_args, get_rng_state):
 from __future__ import annotations
 
 import argparse
-import logging
 
 import torch
 import torch.distributed as dist
@@ -36,8 +36,6 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron.trainer.checkpoint.checkpoint_files import RNG_KEY
 from megatron.trainer.checkpoint.checkpoint_publish import CheckpointError
-
-log = logging.getLogger(__name__)
 
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's since its query/key/value layout of 2020
 # our RNG state's names -> Megatron-LM's (its get_rng_state)
