@@ -22,7 +22,8 @@ loaded the other trainer's checkpoint and start at iteration N/2 + 1.
 
     python profiling/megatron_lm_checkpoint_check.py --megatron-lm .megatron-lm --out OUT
 
-Writes one log per run, results.json and summary.txt; exits 1 where a check fails.
+Writes one log per run, results.json and summary.txt to OUT (the checkpoints, about 2 GB
+each, go to a temporary folder or --checkpoints); exits 1 where a check fails.
 tools/megatron_lm_checkpoint_check.sh runs it as installed by `bash prerequisite.sh`.
 """
 
@@ -37,6 +38,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -199,22 +201,41 @@ def main(argv=None) -> int:
     parser.add_argument("--port", type=int, default=29561)
     parser.add_argument("--timeout", type=float, default=150, help="seconds per run")
     parser.add_argument("--extra", default="", help="flags added to every run")
+    parser.add_argument("--checkpoints", type=Path, default=None,
+                        help="where the runs save (about 2 GB a checkpoint; default: a "
+                             "temporary folder, deleted at the end)")
     args = parser.parse_args(argv)
     if args.iterations < 2 or args.iterations % 2:
         parser.error(f"--iterations {args.iterations}: an even number >= 2 is needed")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out = args.out.resolve()
-    checkpoints = out / "checkpoints"
-    shutil.rmtree(checkpoints, ignore_errors=True)
-    checkpoints.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
+    # not under OUT, which the device tool brings back: the checkpoints are large
+    if args.checkpoints is None:
+        with tempfile.TemporaryDirectory(prefix="megatron_lm_checkpoint_check.") as scratch:
+            return check(args, out, Path(scratch))
+    shutil.rmtree(args.checkpoints, ignore_errors=True)
+    args.checkpoints.mkdir(parents=True)
+    return check(args, out, args.checkpoints.resolve())
+
+
+def trainer_programs(megatron_lm: Path, out: Path) -> dict:
+    """trainer -> (what torchrun runs, its working folder): Megatron-LM's pretrain_gpt.py with
+    the plugin's two-line change, beside the modules it imports; ours, the installed
+    pretrain_gpt module, started in a folder of nothing importable."""
     script = out / "megatron_lm" / "pretrain_gpt_dpp.py"
-    shutil.copytree(args.megatron_lm, script.parent, dirs_exist_ok=True)
-    script.write_text(two_line_change((args.megatron_lm / "pretrain_gpt.py").read_text()))
-    # ours: the installed pretrain_gpt module, started in a folder of nothing importable
+    shutil.copytree(megatron_lm, script.parent, dirs_exist_ok=True)
+    script.write_text(two_line_change((megatron_lm / "pretrain_gpt.py").read_text()))
     ours_cwd = out / "ours_cwd"
     ours_cwd.mkdir(exist_ok=True)
-    programs = {"megatron-lm": ([str(script)], script.parent),
-                "ours": (["-m", "pretrain_gpt"], ours_cwd)}
+    return {"megatron-lm": ([str(script)], script.parent),
+            "ours": (["-m", "pretrain_gpt"], ours_cwd)}
+
+
+def check(args, out: Path, checkpoints: Path, programs: dict | None = None) -> int:
+    """The runs of PLAN (by `programs`, default trainer_programs), saving under
+    `checkpoints`; the summary and results under `out`. 0 where every check holds."""
+    programs = programs or trainer_programs(args.megatron_lm, out)
     results = {}
     for index, run in enumerate(PLAN):
         results[run.name] = execute(run, index, programs, checkpoints, args, out, results)

@@ -1,7 +1,8 @@
 """The pure-Python parts of profiling/megatron_lm_checkpoint_check.py (the GPU check of
 checkpoints between Megatron-LM's trainer and ours): the runs' flags, the halfway copy of
 a checkpoint, reading both trainers' logs, the comparison, the checks of a resumed run,
-the timeout that ends a whole run, and a plan cut short by a failed run."""
+the timeout that ends a whole run, a plan cut short by a failed run, and the whole plan
+under torchrun with a stand-in of both trainers."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 from megatron.trainer.run import metrics
 from profiling import megatron_lm_checkpoint_check as check
+from tests.distributed import free_port
 
 # a line of Megatron-LM 0.19's training_log (megatron/training/training.py), as it prints it
 MEGATRON_LM_LINE = (
@@ -138,3 +140,59 @@ def test_failed_save_skips_what_depends_on_it(tmp_path):
     assert lines[0].startswith("losses of iterations 4-6 after resuming from iteration 3")
     assert lines[-1].split() == ["ours-resume-mlm", "mlm-resume-mlm", "-", "FAILED:", "not",
                                  "run:", "mlm-save,", "mlm-resume-mlm", "failed"]
+
+
+# A stand-in of both trainers for the whole plan under torchrun: the last rank logs a loss
+# per iteration that depends only on the iteration (plus --offset), saves an iteration
+# directory at --save-interval, resumes from the pointer of --load and says so as the
+# trainer named by --trainer does.
+STAND_IN = '''
+import argparse, os, pathlib, sys
+parser = argparse.ArgumentParser()
+for flag in ("--save", "--load", "--trainer"):
+    parser.add_argument(flag)
+parser.add_argument("--train-iters", type=int)
+parser.add_argument("--save-interval", type=int)
+parser.add_argument("--offset", type=float, default=0.0)
+args, _ = parser.parse_known_args()
+if int(os.environ["RANK"]) != int(os.environ["WORLD_SIZE"]) - 1:
+    sys.exit(0)
+start = 0
+if args.load:
+    start = int(pathlib.Path(args.load, "latest_checkpointed_iteration.txt").read_text())
+    print({"ours": "CKPT was written by Megatron-LM's trainer (...)",
+           "megatron-lm": "successfully loaded checkpoint from CKPT"}[args.trainer])
+for iteration in range(start + 1, args.train_iters + 1):
+    loss = 10.0 - 0.1 * iteration + args.offset
+    print(f" iteration {iteration:8d}/{args.train_iters:8d} | lm loss: {loss:.6E} |")
+    if args.save and iteration % args.save_interval == 0:
+        os.makedirs(f"{args.save}/iter_{iteration:07d}")
+'''
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e-3], ids=["equal", "ours-off"])
+def test_whole_plan_under_torchrun(tmp_path, offset):
+    from argparse import Namespace
+
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    programs = {"megatron-lm": ([str(script), "--trainer", "megatron-lm"], tmp_path),
+                "ours": ([str(script), "--trainer", "ours", "--offset", str(offset)], tmp_path)}
+    args = Namespace(pp=2, iterations=4, port=free_port(), timeout=60.0, extra="")
+    out = tmp_path / "out"
+    out.mkdir()
+    status = check.check(args, out, tmp_path / "checkpoints", programs)
+    summary = (out / "summary.txt").read_text().splitlines()
+    rows = {line.split()[0]: line for line in summary[2:]}
+    assert list(rows) == [run.name for run in check.PLAN]
+    if offset == 0.0:
+        assert status == 0, summary
+        assert all(row.endswith("ok") for row in rows.values()), summary
+    else:  # ours is 1e-4 relative off: both comparisons across the trainers fail
+        assert status == 1
+        for name in ("ours-resume-mlm", "mlm-resume-ours"):
+            assert "FAILED: losses differ from the reference's from iteration 3 on" in rows[name]
+        for name in ("mlm-resume-mlm", "ours-resume-ours"):
+            assert rows[name].endswith("ok")
+    results = (out / "results.json").read_text()
+    assert '"status": 0' in results
