@@ -51,6 +51,7 @@ from profiling.megatron_lm_plugin_check import (  # noqa: E402
     FP32_MODEL,
     MEGATRON_LM_PLAIN,
     OURS_PLAIN,
+    make_shim,
     two_line_change,
 )
 
@@ -162,7 +163,8 @@ def check_resumed(run: Run, text: str, losses: dict[int, float], iterations: int
     return problems
 
 
-def launch(command: list[str], cwd: Path, log_path: Path, timeout: float) -> int | str:
+def launch(command: list[str], cwd: Path, log_path: Path, timeout: float,
+           env: dict | None = None) -> int | str:
     """Run torchrun; past `timeout` it is stopped with its ranks, which torchrun starts in
     sessions of their own (left alone they would hold the GPUs for the next run): SIGTERM
     first, which torchrun passes on to them, then SIGKILL to any that remain."""
@@ -170,7 +172,7 @@ def launch(command: list[str], cwd: Path, log_path: Path, timeout: float) -> int
 
     with open(log_path, "w") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, cwd=cwd,
-                                   start_new_session=True)
+                                   env=env, start_new_session=True)
         try:
             return process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -220,16 +222,19 @@ def main(argv=None) -> int:
 
 
 def trainer_programs(megatron_lm: Path, out: Path) -> dict:
-    """trainer -> (what torchrun runs, its working folder): Megatron-LM's pretrain_gpt.py with
-    the plugin's two-line change, beside the modules it imports; ours, the installed
-    pretrain_gpt module, started in a folder of nothing importable."""
+    """trainer -> (what torchrun runs, its working folder, its environment or None for
+    ours): Megatron-LM's pretrain_gpt.py with the plugin's two-line change, beside the
+    modules it imports, with the plugin check's `make` stand-in first on PATH (the wheel's
+    dataset helpers come built, without the Makefile Megatron-LM's start runs); ours, the
+    installed pretrain_gpt module, started in a folder of nothing importable."""
     script = out / "megatron_lm" / "pretrain_gpt_dpp.py"
     shutil.copytree(megatron_lm, script.parent, dirs_exist_ok=True)
     script.write_text(two_line_change((megatron_lm / "pretrain_gpt.py").read_text()))
+    path = f"{make_shim(out / 'bin')}{os.pathsep}{os.environ.get('PATH', '')}"
     ours_cwd = out / "ours_cwd"
     ours_cwd.mkdir(exist_ok=True)
-    return {"megatron-lm": ([str(script)], script.parent),
-            "ours": (["-m", "pretrain_gpt"], ours_cwd)}
+    return {"megatron-lm": ([str(script)], script.parent, {**os.environ, "PATH": path}),
+            "ours": (["-m", "pretrain_gpt"], ours_cwd, None)}
 
 
 def check(args, out: Path, checkpoints: Path, programs: dict | None = None) -> int:
@@ -258,13 +263,13 @@ def execute(run: Run, index: int, programs: dict, checkpoints: Path, args, out: 
             make_halfway_root(checkpoints, run.load, args.iterations)
         except FileNotFoundError as error:
             return {"ran": False, "ok": False, "problems": [str(error)]}
-    program, cwd = programs[run.trainer]
+    program, cwd, env = programs[run.trainer]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.pp),
                "--master_port", str(args.port + index), *program,
                *run_flags(run, args.iterations, args.pp, checkpoints, args.extra.split())]
     log.info("%s: %s", run.name, " ".join(command))
     log_path = out / f"{run.name}.log"
-    status = launch(command, cwd, log_path, args.timeout)
+    status = launch(command, cwd, log_path, args.timeout, env)
     text = log_path.read_text(errors="replace")
     losses = losses_of(text)
     result = {"status": status, "log": log_path.name, "losses": losses, "ran": status == 0,

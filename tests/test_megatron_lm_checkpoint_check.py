@@ -176,8 +176,9 @@ def test_whole_plan_under_torchrun(tmp_path, offset):
 
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN)
-    programs = {"megatron-lm": ([str(script), "--trainer", "megatron-lm"], tmp_path),
-                "ours": ([str(script), "--trainer", "ours", "--offset", str(offset)], tmp_path)}
+    programs = {"megatron-lm": ([str(script), "--trainer", "megatron-lm"], tmp_path, None),
+                "ours": ([str(script), "--trainer", "ours", "--offset", str(offset)], tmp_path,
+                         None)}
     args = Namespace(pp=2, iterations=4, port=free_port(), timeout=60.0, extra="")
     out = tmp_path / "out"
     out.mkdir()
@@ -196,3 +197,23 @@ def test_whole_plan_under_torchrun(tmp_path, offset):
             assert rows[name].endswith("ok")
     results = (out / "results.json").read_text()
     assert '"status": 0' in results
+
+
+def test_megatron_lm_runs_get_the_changed_script_and_the_make_stand_in(tmp_path):
+    from profiling import megatron_lm_plugin_check as plugin_check
+
+    checkout = tmp_path / "megatron-lm"
+    checkout.mkdir()
+    (checkout / "pretrain_gpt.py").write_text(
+        plugin_check.IMPORT_ANCHOR + "args = parse_and_validate_args(\n    "
+        + plugin_check.PROVIDER_ANCHOR + "\n)\n")
+    (checkout / "model_provider.py").write_text("")
+    programs = check.trainer_programs(checkout, tmp_path / "out")
+    program, cwd, env = programs["megatron-lm"]
+    script = tmp_path / "out" / "megatron_lm" / "pretrain_gpt_dpp.py"
+    assert program == [str(script)] and cwd == script.parent
+    assert "from megatron.dpp import megatron_lm" in script.read_text()
+    assert (cwd / "model_provider.py").exists()  # beside the modules it imports
+    assert env["PATH"].split(os.pathsep)[0] == str(tmp_path / "out" / "bin")
+    assert (tmp_path / "out" / "bin" / "make").exists()
+    assert programs["ours"][0] == ["-m", "pretrain_gpt"] and programs["ours"][2] is None
