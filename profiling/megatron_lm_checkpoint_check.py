@@ -30,13 +30,10 @@ tools/megatron_lm_checkpoint_check.sh runs it as installed by `bash prerequisite
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -51,6 +48,7 @@ from profiling.megatron_lm_plugin_check import (  # noqa: E402
     FP32_MODEL,
     MEGATRON_LM_PLAIN,
     OURS_PLAIN,
+    launch,
     make_shim,
     two_line_change,
 )
@@ -58,7 +56,6 @@ from profiling.megatron_lm_plugin_check import (  # noqa: E402
 log = logging.getLogger("megatron_lm_checkpoint_check")
 
 TOLERANCE = 1e-5  # relative, per iteration
-STOP_GRACE_S = 20  # after a timeout: how long torchrun has to stop its ranks
 # the training settings both trainers default to, spelled out so that neither can drift,
 # and the same unfused kernels: the exact GeLU (Megatron-LM's bias-GeLU fusion is the tanh
 # one), the weight gradients added to main_grad after their GEMM, torch's softmax
@@ -161,34 +158,6 @@ def check_resumed(run: Run, text: str, losses: dict[int, float], iterations: int
     if losses and min(losses) != iterations // 2 + 1:
         problems.append(f"it starts at iteration {min(losses)}, not {iterations // 2 + 1}")
     return problems
-
-
-def launch(command: list[str], cwd: Path, log_path: Path, timeout: float,
-           env: dict | None = None) -> int | str:
-    """Run torchrun; past `timeout` it is stopped with its ranks, which torchrun starts in
-    sessions of their own (left alone they would hold the GPUs for the next run): SIGTERM
-    first, which torchrun passes on to them, then SIGKILL to any that remain."""
-    import psutil
-
-    with open(log_path, "w") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, cwd=cwd,
-                                   env=env, start_new_session=True)
-        try:
-            return process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            try:
-                torchrun = psutil.Process(process.pid)
-                processes = [torchrun, *torchrun.children(recursive=True)]
-            except psutil.NoSuchProcess:  # it ended just now
-                processes = []
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-            _gone, alive = psutil.wait_procs(processes, timeout=STOP_GRACE_S)
-            for remaining in alive:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    remaining.kill()
-            process.wait()
-            return "timeout"
 
 
 def main(argv=None) -> int:

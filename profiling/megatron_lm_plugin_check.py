@@ -21,10 +21,12 @@ summary.txt. tools/megatron_lm_plugin_check.sh installs the wheels first and cal
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -35,6 +37,7 @@ from megatron.trainer.launch import read_iterations
 
 log = logging.getLogger("megatron_lm_plugin_check")
 ROOT = Path(__file__).resolve().parents[1]
+STOP_GRACE_S = 20  # after a timeout: how long torchrun has to stop its ranks
 
 IMPORT_ANCHOR = "from model_provider import model_provider\n"
 PROVIDER_ANCHOR = "extra_args_provider=add_modelopt_args if has_nvidia_modelopt else None,"
@@ -110,6 +113,34 @@ def make_shim(folder: Path) -> Path:
     return folder
 
 
+def launch(command: list[str], cwd: Path, log_path: Path, timeout: float,
+           env: dict | None = None) -> int | str:
+    """Run torchrun; past `timeout` it is stopped with its ranks, which torchrun starts in
+    sessions of their own (left alone they would hold the GPUs for the next run): SIGTERM
+    first, which torchrun passes on to them, then SIGKILL to any that remain."""
+    import psutil
+
+    with open(log_path, "w") as log_file:
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, cwd=cwd,
+                                   env=env, start_new_session=True)
+        try:
+            return process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                torchrun = psutil.Process(process.pid)
+                processes = [torchrun, *torchrun.children(recursive=True)]
+            except psutil.NoSuchProcess:  # it ended just now
+                processes = []
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+            _gone, alive = psutil.wait_procs(processes, timeout=STOP_GRACE_S)
+            for remaining in alive:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    remaining.kill()
+            process.wait()
+            return "timeout"
+
+
 def run(name: str, program: list[str], cwd: Path, flags: list[str], args, out: Path,
         env: dict | None = None) -> dict:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
@@ -117,12 +148,7 @@ def run(name: str, program: list[str], cwd: Path, flags: list[str], args, out: P
                "--pipeline-model-parallel-size", str(args.pp), *flags, *args.extra.split()]
     log_path = out / f"{name}.log"
     log.info("%s: %s", name, " ".join(command))
-    with open(log_path, "w") as log_file:
-        try:
-            status = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT,
-                                    timeout=args.timeout, cwd=cwd, env=env).returncode
-        except subprocess.TimeoutExpired:
-            status = "timeout"
+    status = launch(command, cwd, log_path, args.timeout, env)
     rows = read_iterations(log_path.read_text(errors="replace").splitlines())
     return {"status": status, "log": log_path.name,
             "losses": [row["lm loss"] for row in rows if "lm loss" in row],

@@ -1,11 +1,15 @@
 """profiling/megatron_lm_plugin_check.py's `make` stand-in: Megatron-LM's initialize runs make
 in megatron/core/datasets, which megatron-core's wheels ship built but without a Makefile;
-the stand-in succeeds only there and leaves every other call to the real make."""
+the stand-in succeeds only there and leaves every other call to the real make. A run past its
+timeout is stopped with its ranks."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
+import time
 
 import pytest
 
@@ -35,3 +39,28 @@ def test_make_stand_in_runs_the_real_make_where_a_makefile_is(tmp_path):
     assert (tmp_path / "built").exists()
     (tmp_path / "Makefile").write_text("all:\n\tfalse\n")
     assert _make(shim, tmp_path) != 0
+
+
+def test_timeout_ends_the_whole_run(tmp_path, monkeypatch):
+    """torchrun's ranks (in sessions of their own) go with it, not left holding the GPUs."""
+    child = tmp_path / "child.pid"
+    # a stand-in of torchrun: its rank in a session of its own, and deaf to SIGTERM
+    command = [sys.executable, "-c",
+               "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
+               "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+               "time.sleep(60)'], start_new_session=True); "
+               "open(sys.argv[1], 'w').write(str(p.pid)); time.sleep(60)", str(child)]
+    monkeypatch.setattr(megatron_lm_plugin_check, "STOP_GRACE_S", 1)
+    started = time.monotonic()
+    status = megatron_lm_plugin_check.launch(command, tmp_path, tmp_path / "run.log", timeout=3)
+    assert status == "timeout"
+    assert time.monotonic() - started < 15
+    pid = int(child.read_text())
+    for _ in range(50):  # the orphan is reaped by init shortly after the kill
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the rank process {pid} outlived the timeout")
