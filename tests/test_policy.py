@@ -597,3 +597,17 @@ def test_static_policy_runs_its_plan_in_order_under_any_arrivals(p, chunks, m, s
     dynamic = run_pipeline(topology, [GreedyPolicy(s) for s in stages], durations, record=True)
     assert any([t for rank, t, _, _ in dynamic.timeline if rank == r] != plans[r]
                for r in range(p)), "the durations never made the dynamic rule deviate"
+
+
+def test_baselines_steadiness_is_the_spread_of_time_per_unit_of_work():
+    """A seed is one iteration's batch: with nearly uniform costs every schedule's time per
+    unit of work is the same each iteration; with cost CV 0.5 the fill and drain make it
+    vary, and the column reports the largest deviation from the median."""
+    from megatron.dpp.baselines import SCHEDULES, largest_deviation, table
+
+    assert largest_deviation([1.0, 1.1, 0.9]) == pytest.approx(0.1)
+    (steady,) = table([4], cv=1e-4, slack=0, seeds=4)
+    (varied,) = table([4], cv=0.5, slack=0, seeds=8)
+    for name in SCHEDULES:
+        assert steady[f"{name} deviation"] < 0.01, name
+        assert varied[f"{name} deviation"] > 5 * steady[f"{name} deviation"], name

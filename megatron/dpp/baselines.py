@@ -11,8 +11,11 @@ iteration) runs:
 Memory is counted two ways per rank: microbatches held (F to B for 1F1B, F to W with the
 split) and their cost (the tokens they hold, every held microbatch counted whole until its
 release, so the split schedules' smaller W-pending memory is not credited). A table row
-gives the mean and minimum speed-ups, the largest per-rank microbatch count, and the
-largest per-rank token peak relative to plain 1F1B's (mean and max over the seeds).
+gives the mean and minimum speed-ups, the largest per-rank microbatch count, the
+largest per-rank token peak relative to plain 1F1B's (mean and max over the seeds), and
+how steady each schedule is: a seed stands for one iteration's batch, and the largest
+deviation of an iteration's makespan per unit of work (its time per real token) from the
+median over the seeds is what the pipeline's fill and drain alone make it vary by.
 
     python -m megatron.dpp.baselines --pp 2 4 8 --cv 0.5 --slack 0 --seeds 10
 """
@@ -20,6 +23,7 @@ largest per-rank token peak relative to plain 1F1B's (mean and max over the seed
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
 from megatron.dpp.actions import BACKWARD, FORWARD, WEIGHT
@@ -63,7 +67,9 @@ def compare_one(pp_size: int, cv: float, slack: int, seed: int) -> dict[str, dic
         "dpp": (simulate("dpp", pp_size, m, durations, slack=slack, microbatch_costs=costs,
                          microbatch_order=order, split_backward=True, record=True), True),
     }
+    work = sum(costs)
     return {name: {"makespan": result.makespan,
+                   "per_work": result.makespan / work,
                    "held": max(result.peak_in_flight),
                    "held_cost": max(held_cost_peaks(result, costs, split))}
             for name, (result, split) in runs.items()}
@@ -82,8 +88,15 @@ def table(pps, cv: float, slack: int, seeds: int) -> list[dict]:
             # the cost peak relative to what megatron's plain 1F1B holds on the same batch
             ratios = [c[name]["held_cost"] / c["1f1b plain"]["held_cost"] for c in cells]
             row[f"{name} cost"] = (sum(ratios) / len(ratios), max(ratios))
+            row[f"{name} deviation"] = largest_deviation([c[name]["per_work"] for c in cells])
         rows.append(row)
     return rows
+
+
+def largest_deviation(values: list[float]) -> float:
+    """The largest |value / median - 1| of `values`."""
+    middle = statistics.median(values)
+    return max(abs(value / middle - 1) for value in values)
 
 
 def format_table(rows: list[dict], cv: float, slack: int, seeds: int) -> str:
@@ -92,8 +105,10 @@ def format_table(rows: list[dict], cv: float, slack: int, seeds: int) -> str:
         "",
         "| p | m | DPP / 1F1B plain mean (min) | DPP / 1F1B ordered mean (min) "
         "| DPP / ZB-H1 ordered mean (min) | peak microbatches 1F1B / 1F1B ord. / ZB-H1 / DPP "
-        "| peak tokens / plain 1F1B's, mean (max): 1F1B ordered / ZB-H1 / DPP |",
-        "|---|---|---|---|---|---|---|",
+        "| peak tokens / plain 1F1B's, mean (max): 1F1B ordered / ZB-H1 / DPP "
+        "| largest deviation of time per unit of work from the seeds' median: "
+        "1F1B / 1F1B ord. / ZB-H1 / DPP |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ratios = " | ".join(f"{r[f'{b} mean']:.3f}x ({r[f'{b} min']:.3f}x)"
@@ -101,7 +116,9 @@ def format_table(rows: list[dict], cv: float, slack: int, seeds: int) -> str:
         held = " / ".join(str(r[f"{name} held"]) for name in SCHEDULES)
         cost = " / ".join(f"{r[f'{name} cost'][0]:.3f} ({r[f'{name} cost'][1]:.3f})"
                           for name in SCHEDULES[1:])
-        lines.append(f"| {r['pp']} | {r['microbatches']} | {ratios} | {held} | {cost} |")
+        deviation = " / ".join(f"{100 * r[f'{name} deviation']:.1f} %" for name in SCHEDULES)
+        lines.append(f"| {r['pp']} | {r['microbatches']} | {ratios} | {held} | {cost} "
+                     f"| {deviation} |")
     means = {b: sum(r[f"{b} mean"] for r in rows) / len(rows) for b in SCHEDULES[:-1]}
     lines += ["", "mean over the rows: " + ", ".join(
         f"DPP / {b} {value:.3f}x" for b, value in means.items())]
