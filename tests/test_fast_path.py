@@ -74,13 +74,19 @@ def test_conditions_that_need_a_gpu_to_train_name_their_reason(flags, machine, f
     assert reason in line
 
 
-def test_variable_lengths_fall_back_from_graphs():
-    """Documents of their own lengths (tests/test_variable_lengths.py trains them)."""
+def test_variable_lengths_keep_graphs_per_bucket_but_a_token_budget_falls_back():
+    """Buckets known in advance are graphed by default; a token budget's row counts are not
+    known in advance, so its run falls back with the reason named."""
     flags = [flag for flag in FLAGS if flag != "--mock-data"]
-    (line,) = _resolved([*flags, "--variable-seq-lengths", "--data-path", "documents"]
-                        ).fast_path_fallbacks
-    assert line.startswith(fast_path.CUDA_GRAPHS + " off: ") and "--variable-seq-lengths" in line
-    assert fast_path.BUCKET_GRAPHS_UNMEASURED in line
+    documents = [*flags, "--variable-seq-lengths", "--data-path", "documents"]
+    args = _resolved(documents)
+    assert args.cuda_graph_impl == "block" and args.fast_path_fallbacks == []
+    assert _resolved([*FLAGS, "--seq-length-cv", "0.5"]).cuda_graph_impl == "block"
+    args = _resolved([*documents, "--microbatch-tokens", "64"])
+    (line,) = args.fast_path_fallbacks
+    assert args.cuda_graph_impl == "none"
+    assert line.startswith(fast_path.CUDA_GRAPHS + " off: ")
+    assert fast_path.TOKEN_BUDGET_SHAPES in line
 
 
 PP2_DPP = [*FLAGS, "--use-dpp", "--pipeline-model-parallel-size", "2"]
@@ -175,7 +181,6 @@ FALLBACKS = [
       fast_path.GELU_EPILOGUE: "--tensor-model-parallel-size 2"}),
     ({}, ["--recompute-activations"], {fast_path.CUDA_GRAPHS: "activation recomputation"}),
     ({}, ["--overlap-grad-reduce"], {fast_path.CUDA_GRAPHS: "--overlap-grad-reduce"}),
-    ({}, ["--seq-length-cv", "0.5"], {fast_path.CUDA_GRAPHS: "--seq-length-cv 0.5"}),
     ({}, ["--cross-entropy-fusion-impl", "native", *NO_GRAPHS],
      {fast_path.CROSS_ENTROPY: "native needs --bf16"}),
     (dict(gemm_epilogues=False), NO_GRAPHS,

@@ -38,14 +38,18 @@ MEASURED_STATIC = ("with one model chunk and uniform lengths the plan in order m
                    "faster than the dynamic rule's deviations (289.3 against 300.5 ms an "
                    "iteration at PP=4)")
 MEASURED_CHUNKS = ("two model chunks per stage (--virtual-pipeline-model-parallel-size 2, "
-                   "where each stage's layers divide by 2) measured 1.08x megatron-core's "
-                   "1F1B at PP=4, one chunk 1.04x; chunks change the model's layout and its "
-                   "checkpoints, so they stay your choice")
+                   "where each stage's layers divide by 2) measured 1.10x megatron-core's "
+                   "1F1B at PP=4 (one chunk 1.07x), but 0.96x at PP=2, where one chunk with "
+                   "--dpp-max-inflight 1 measured 1.04x at 0.6 % more memory; chunks change "
+                   "the model's layout and its checkpoints, so they stay your choice")
 
-# Graphs per length bucket (graph_slots.py) are checked on the CPU with a fake recorder only:
-# off by default until measured on a GPU, on when asked for
-BUCKET_GRAPHS_UNMEASURED = ("graphs per length bucket are not yet measured on a GPU; "
-                            "--cuda-graph-impl block turns them on")
+# Graphs per length bucket (graph_slots.py) are on by default: the buckets are known before
+# the first step, so each lane records them once (4 x H200, PP=4, --seq-length-cv 0.5: 0.935x
+# the real tokens/s of fixed 1,024-token microbatches). A token budget's row counts are not
+# known in advance: each new shape would be recorded when it first comes, so not by default.
+TOKEN_BUDGET_SHAPES = ("--microbatch-tokens (its microbatches' row counts vary: each new "
+                       "shape would be recorded when it first comes; --cuda-graph-impl block "
+                       "turns them on)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,9 +212,7 @@ def _graph_conflicts(args, machine: Machine) -> list[str]:
          "per-parameter hooks)"),
         (args.overlap_param_gather, "--overlap-param-gather (its forward pre-hooks do not run "
          "inside a replay)"),
-        (args.seq_length_cv > 0,
-         f"--seq-length-cv {args.seq_length_cv} ({BUCKET_GRAPHS_UNMEASURED})"),
-        (args.variable_seq_lengths, f"--variable-seq-lengths ({BUCKET_GRAPHS_UNMEASURED})"),
+        (args.microbatch_tokens is not None, TOKEN_BUDGET_SHAPES),
         (_transformer_engine_layers(args, machine), "Transformer Engine layers (the graphs "
          "are checked with megatron.core's local layers)"),
         (args.attention_backend == "local", "--attention-backend local (megatron-core's "
