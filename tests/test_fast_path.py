@@ -87,6 +87,15 @@ def test_variable_lengths_keep_graphs_per_bucket_but_a_token_budget_falls_back()
     assert args.cuda_graph_impl == "none"
     assert line.startswith(fast_path.CUDA_GRAPHS + " off: ")
     assert fast_path.TOKEN_BUDGET_SHAPES in line
+    # lengths padded to 1 token at --seq-length 16: 16 shapes, still recorded in advance;
+    # at --seq-length 128, 128 of them are not
+    assert _resolved([*FLAGS, "--seq-length-cv", "0.5", "--pad-to-multiple", "1"]
+                     ).cuda_graph_impl == "block"
+    longer = [*with_flags(FLAGS, seq_length=128, max_position_embeddings=128),
+              "--seq-length-cv", "0.5", "--pad-to-multiple", "1"]
+    (line,) = _resolved(longer).fast_path_fallbacks
+    assert line.startswith(fast_path.CUDA_GRAPHS + " off: ")
+    assert "--pad-to-multiple 1 leaves more than 64 lengths up to --seq-length 128" in line
 
 
 PP2_DPP = [*FLAGS, "--use-dpp", "--pipeline-model-parallel-size", "2"]

@@ -24,6 +24,8 @@ import dataclasses
 import importlib.util
 import logging
 
+from megatron.trainer.config.args_common import GPU_PAD_TO_MULTIPLE
+
 log = logging.getLogger(__name__)
 
 CUDA_GRAPHS = "CUDA-graph blocks (--cuda-graph-impl block)"
@@ -50,6 +52,9 @@ MEASURED_CHUNKS = ("two model chunks per stage (--virtual-pipeline-model-paralle
 TOKEN_BUDGET_SHAPES = ("--microbatch-tokens (its microbatches' row counts vary: each new "
                        "shape would be recorded when it first comes; --cuda-graph-impl block "
                        "turns them on)")
+# past this many lengths the buckets are not recorded in advance either (the model's
+# cuda_graphs.MAX_WARM_BUCKETS): as many shapes as lengths, each recorded when it first comes
+MAX_GRAPHED_LENGTHS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,12 +218,24 @@ def _graph_conflicts(args, machine: Machine) -> list[str]:
         (args.overlap_param_gather, "--overlap-param-gather (its forward pre-hooks do not run "
          "inside a replay)"),
         (args.microbatch_tokens is not None, TOKEN_BUDGET_SHAPES),
+        (_unbucketed_lengths(args), f"--pad-to-multiple {args.pad_to_multiple} leaves more "
+         f"than {MAX_GRAPHED_LENGTHS} lengths up to --seq-length {args.seq_length} (each would "
+         "be recorded when it first comes; a larger multiple buckets them)"),
         (_transformer_engine_layers(args, machine), "Transformer Engine layers (the graphs "
          "are checked with megatron.core's local layers)"),
         (args.attention_backend == "local", "--attention-backend local (megatron-core's "
          "DotProductAttention is not checked under the graphs)"),
     )
     return [reason for bad, reason in checks if bad]
+
+
+def _unbucketed_lengths(args) -> bool:
+    """Variable lengths padded to so small a multiple that their shapes are too many to
+    record in advance (--pad-to-multiple not given: the GPU default)."""
+    if not (args.seq_length_cv > 0 or args.variable_seq_lengths):
+        return False
+    multiple = args.pad_to_multiple or GPU_PAD_TO_MULTIPLE
+    return args.seq_length / multiple > MAX_GRAPHED_LENGTHS
 
 
 def _gelu_epilogue_conflicts(args, machine: Machine) -> list[str]:

@@ -371,6 +371,7 @@ def install_block_graphs(model_chunks, args, device: torch.device,
 
 
 MAX_WARM_BUCKETS = 64  # beyond this many lengths, a shape is recorded on its first use
+# (and the fast path leaves graphs off by default: config/fast_path.py MAX_GRAPHED_LENGTHS)
 
 
 def bucket_shapes(args) -> tuple[tuple[int, ...], ...]:
