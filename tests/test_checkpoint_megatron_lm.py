@@ -66,12 +66,29 @@ def _megatron_lm_content_metadata(distributed_optimizer: bool) -> dict:
     return metadata
 
 
+def _write(saved: dict, root: str, iteration: int, metadata: dict | None) -> None:
+    """`saved` as iteration `iteration`'s torch_dist checkpoint under `root`, published."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    path = checkpointing.checkpoint_dir(root, iteration)
+    if dist.get_rank() == 0:
+        os.makedirs(path)
+    dist.barrier()
+    dist_checkpointing.save(saved, path, TorchDistSaveShardedStrategy("torch_dist", 1),
+                            content_metadata=metadata)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(root, POINTER), "w") as pointer:
+            pointer.write(f"{iteration}\n")
+    dist.barrier()
+
+
 def _save_as_megatron_lm(trainer, root: str) -> None:
     """The trainer's state as Megatron-LM 0.19's save_checkpoint writes it (torch_dist)."""
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.mapping import ShardedObject
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
     from megatron.core.utils import unwrap_model
 
     from megatron.trainer.checkpoint.checkpoint_config import plain_args
@@ -99,25 +116,13 @@ def _save_as_megatron_lm(trainer, root: str) -> None:
          parallel_state.get_tensor_model_parallel_rank()),
         replica_id=parallel_state.get_data_parallel_rank(with_context_parallel=True))
     saved["num_floating_point_operations_so_far"] = MEGATRON_LM_FLOPS
-    path = checkpointing.checkpoint_dir(root, state.iteration)
-    if dist.get_rank() == 0:
-        os.makedirs(path)
-    dist.barrier()
-    dist_checkpointing.save(saved, path, TorchDistSaveShardedStrategy("torch_dist", 1),
-                            content_metadata=metadata)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        with open(os.path.join(root, POINTER), "w") as pointer:
-            pointer.write(f"{state.iteration}\n")
-    dist.barrier()
+    _write(saved, root, state.iteration, metadata)
 
 
 def _save_as_before(trainer, root: str) -> None:
     """The trainer's state in our torch_dist layout before megatron_lm_format.py."""
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.mapping import ShardedObject
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
     from megatron.core.utils import unwrap_model
 
     from megatron.trainer.checkpoint.checkpoint_config import CheckpointConfig
@@ -141,17 +146,7 @@ def _save_as_before(trainer, root: str) -> None:
                                "skipped_iterations": state.skipped_iterations}
     saved["checkpoint_version"] = 1
     saved["args"] = config.run_args
-    path = checkpointing.checkpoint_dir(root, state.iteration)
-    if dist.get_rank() == 0:
-        os.makedirs(path)
-    dist.barrier()
-    dist_checkpointing.save(saved, path, TorchDistSaveShardedStrategy("torch_dist", 1),
-                            content_metadata=metadata or None)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        with open(os.path.join(root, POINTER), "w") as pointer:
-            pointer.write(f"{state.iteration}\n")
-    dist.barrier()
+    _write(saved, root, state.iteration, metadata or None)
 
 
 def _load_as_megatron_lm(trainer, path: str) -> dict:
