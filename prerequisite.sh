@@ -70,6 +70,15 @@ native_stale() {
   [ -n "$(find csrc setup.py -newer "$built" -print -quit)" ] && return 0
   command -v nvidia-smi >/dev/null 2>&1 && [ -z "$(ls megatron/trainer/kernels/_gemm_epilogues*.so 2>/dev/null)" ]
 }
-if ! "$PY" -c "import importlib.metadata as m; m.version('megatron-dpp')" 2>/dev/null || native_stale; then
+# the editable install must point at this checkout (one made from another clone, or before
+# this one moved, would run that code wherever the checkout is not the working directory)
+installed_elsewhere() {
+  local here found
+  here=$(pwd -P)
+  found=$(cd / && "$PY" -c "import megatron.dpp, os; print(os.path.realpath(megatron.dpp.__path__[0]))" 2>/dev/null)
+  [ "$found" != "$here/megatron/dpp" ]
+}
+if ! "$PY" -c "import importlib.metadata as m; m.version('megatron-dpp')" 2>/dev/null || native_stale \
+    || installed_elsewhere; then
   "$PY" -m pip install -q --no-build-isolation --no-deps -e .
 fi
