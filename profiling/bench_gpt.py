@@ -157,7 +157,8 @@ CONFIGS |= {
 # (`-graphs`): packed fixed-length training (megatron's default on the corpus, and fixed
 # 1,024-token microbatches), megatron-core's 1F1B in natural and cost order, DPP as
 # --use-dpp runs it (on GPUs the split backward at slack 0), DPP without the split, DPP's
-# plan replayed statically (--dpp-static: ZB-H1 fed the same order), and DPP / 1F1B on
+# plan replayed statically (--dpp-static: ZB-H1 fed the same order), megatron-core's
+# interleaved schedule fed the same order, and DPP / 1F1B on
 # microbatches of a token budget of 2048 tokens, the
 # documents grouped by length (on the corpus of tools/build_length_corpus.py: 15 to 22,
 # on average 19, microbatches per iteration, 7.8 % padding, against 29.7 % for
@@ -168,6 +169,9 @@ VARIABLE_SCHEDULES = {
     "dpp": ["--use-dpp", "--dpp-transport", "shm"],
     "dpp-nosplit": ["--use-dpp", "--dpp-transport", "shm", "--no-dpp-split-backward"],
     "dpp-static": ["--use-dpp", "--dpp-transport", "shm", "--dpp-static"],
+    # megatron-core's interleaved schedule (two model chunks a stage) in DPP's cost order
+    "interleaved-cost": ["--virtual-pipeline-model-parallel-size", "2",
+                         "--microbatch-order", "cost"],
 }
 TOKEN_BUDGET = ["--microbatch-tokens", "2048", "--group-by-length"]
 GRAPH_CHOICES = {"": ["--cuda-graph-impl", "none"],
@@ -227,10 +231,12 @@ RATIOS = (
     ("one-gpu-default", "one-gpu-no-gelu-epilogue"),
     *((f"{source}-{a}{graphs}", f"{source}-{b}{graphs}") for source in ("docs", "docs-grouped", "cv")
       for graphs in GRAPH_CHOICES for a, b in (
-          ("dpp", "1f1b"), ("dpp", "1f1b-cost"), ("dpp", "dpp-static"),
+          ("dpp", "1f1b"), ("dpp", "1f1b-cost"), ("dpp", "dpp-static"), ("dpp", "interleaved-cost"),
           ("dpp-nosplit", "1f1b-cost"), ("dpp", "dpp-nosplit"), ("1f1b-cost", "1f1b"))),
     *((f"docs-{a}{graphs}", f"docs-{b}{graphs}") for graphs in GRAPH_CHOICES
-      for a, b in (("dpp-tokens", "dpp"), ("1f1b-tokens", "1f1b"), ("dpp", "packed"))),
+      for a, b in (("dpp-tokens", "dpp"), ("1f1b-tokens", "1f1b"), ("dpp", "packed"),
+                   ("dpp-tokens", "1f1b-tokens"), ("dpp-tokens", "packed"))),
+    *((f"docs-grouped-dpp{graphs}", f"docs-packed{graphs}") for graphs in GRAPH_CHOICES),
 )
 # variable lengths: ratios of real (non-pad) tokens/s, where padding is what differs
 REAL_RATIOS = tuple((a, b) for a, b in RATIOS if a.startswith(("docs-", "cv-")))
