@@ -1,8 +1,9 @@
 """What is wrong with a torch_dist checkpoint that does not load, in one line naming the file.
 
 Before megatron.core reads a checkpoint, `torch_dist_problem` looks at its files cheaply: the
-three files every torch_dist checkpoint has (metadata.json, common.pt, .metadata), and the
-shard files that .metadata names, each at least as long as the last byte it points into. A
+files every torch_dist checkpoint has (metadata.json, .metadata, and common.pt where the common
+state is not stored in the shard files, as megatron.core >= 0.19 stores it), and the shard
+files that .metadata names, each at least as long as the last byte it points into. A
 deleted, truncated or overwritten file is then named instead of surfacing, deep in torch's
 reader, as a bare EOFError. After a failed load `load_failure` turns megatron.core's or
 torch.distributed.checkpoint's error (which wraps every rank's) into one line: a tensor of
@@ -25,6 +26,9 @@ from megatron.dpp.transport.channel import brief
 
 CONFIG_FILE = "metadata.json"  # megatron.core's: which backends wrote the checkpoint
 COMMON_FILE = "common.pt"  # megatron.core's: the state every rank shares (torch.save)
+# megatron.core >= 0.19 writes no common.pt: the common state is one ShardedObject of the shard
+# files, under this key of .metadata (its bytes: torch.save of a one-element list)
+EMBEDDED_COMMON_KEY = "common_state/shard_0_1"
 METADATA_FILE = ".metadata"  # torch.distributed.checkpoint's: where each tensor's bytes lie
 RNG_KEY = "rng_state"  # the ShardedObject of every rank's RNG states
 # the flags that set the model's tensor shapes (as --use-checkpoint-args fills them in)
@@ -44,7 +48,7 @@ def torch_dist_problem(path: str) -> str | None:
     names = set(os.listdir(path))
     if not names:
         return f"{path} is empty (no checkpoint files in it: an interrupted copy?)"
-    for name in (CONFIG_FILE, COMMON_FILE, METADATA_FILE):
+    for name in (CONFIG_FILE, METADATA_FILE):
         if name not in names:
             return f"{os.path.join(path, name)} is missing (every torch_dist checkpoint has it)"
     config = os.path.join(path, CONFIG_FILE)
@@ -53,20 +57,32 @@ def torch_dist_problem(path: str) -> str | None:
             json.load(handle)
     except (OSError, UnicodeDecodeError, ValueError) as error:
         return f"{config} is not valid JSON ({brief(error)})"
-    common = os.path.join(path, COMMON_FILE)
-    try:
-        with zipfile.ZipFile(common) as archive:
-            damaged = archive.testzip()
-    except (OSError, zipfile.BadZipFile, EOFError) as error:
-        return f"{common} is not a file of torch.save (garbage or truncated: {brief(error)})"
-    if damaged is not None:
-        return f"{common} is damaged: its entry {damaged} fails its CRC check"
     metadata = os.path.join(path, METADATA_FILE)
     try:
-        storage = FileSystemReader(path).read_metadata().storage_data
+        read = FileSystemReader(path).read_metadata()
     except Exception as error:  # unpickling a damaged file raises whatever the bytes make
         return f"{metadata} is unreadable (truncated or overwritten?): {_named(error)}"
-    return _shard_problem(path, storage)
+    common = os.path.join(path, COMMON_FILE)
+    if COMMON_FILE in names:
+        try:
+            with zipfile.ZipFile(common) as archive:
+                damaged = archive.testzip()
+        except (OSError, zipfile.BadZipFile, EOFError) as error:
+            return f"{common} is not a file of torch.save (garbage or truncated: {brief(error)})"
+        if damaged is not None:
+            return f"{common} is damaged: its entry {damaged} fails its CRC check"
+    elif EMBEDDED_COMMON_KEY not in read.state_dict_metadata:
+        return (f"{common} is missing and {metadata} names no common state in the shard files "
+                "(every torch_dist checkpoint has one or the other)")
+    return _shard_problem(path, read.storage_data)
+
+
+def has_embedded_common_state(path: str) -> bool:
+    """Whether the torch_dist checkpoint at `path` keeps its common state in its shard files
+    (megatron.core >= 0.19) rather than in common.pt."""
+    if os.path.exists(os.path.join(path, COMMON_FILE)):
+        return False
+    return EMBEDDED_COMMON_KEY in FileSystemReader(path).read_metadata().state_dict_metadata
 
 
 def _shard_problem(path: str, storage: dict) -> str | None:

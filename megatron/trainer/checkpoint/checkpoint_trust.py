@@ -7,8 +7,9 @@ but this user could have written them: `untrusted_problem` refuses a checkpoint 
 directory, the iteration's directory, or any file or directory in it) that is
 world-writable or owned by another user.
 
-A torch_dist checkpoint's common state (`common.pt`: the flags, counters, schedule) is read
-by `load_common_state` with torch.load(weights_only=True), always: beyond tensors and plain
+A torch_dist checkpoint's common state (the flags, counters, schedule: `common.pt`, or with
+megatron.core >= 0.19 one object of the shard files) is read by `load_common_state` with
+torch.load(weights_only=True), always: beyond tensors and plain
 values it builds only `legacy_safe_globals` (argparse.Namespace, the Namespace Megatron-LM's
 trainer saves its flags in) and what megatron.core registers with torch for its own
 checkpoints; anything else is refused by name, --trust-checkpoint or not.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import io
 import os
 import pickle
 import re
@@ -32,8 +34,14 @@ import stat
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from megatron.trainer.checkpoint.checkpoint_files import COMMON_FILE
+from megatron.trainer.checkpoint.checkpoint_files import (
+    COMMON_FILE,
+    EMBEDDED_COMMON_KEY,
+    has_embedded_common_state,
+)
 
 TRUST_FLAG = "--trust-checkpoint"
 
@@ -106,10 +114,34 @@ def refused_global(error: BaseException) -> str | None:
 def load_common_state(path: str) -> dict:
     """The common state of the torch_dist checkpoint at `path`, read as the module says;
     CommonStateRefused names a class it holds that loading does not build."""
-    filename = os.path.join(path, COMMON_FILE)
+    if has_embedded_common_state(path):
+        filename = f"{path} (its common state, {EMBEDDED_COMMON_KEY} in the shard files)"
+        # megatron.core stores torch.save([state]) as it is; torch's own planner wraps those
+        # bytes in one more torch.save (of the BytesIO): both are read
+        state = _restricted_load(_embedded_common_bytes(path), filename,
+                                 [*legacy_safe_globals(), io.BytesIO])
+        if isinstance(state, io.BytesIO):
+            state.seek(0)
+            state = _restricted_load(state, filename, legacy_safe_globals())
+        if not (isinstance(state, list) and len(state) == 1):
+            raise CommonStateRefused(f"{filename} holds a {type(state).__name__}, not the "
+                                     "one-element list megatron.core stores there")
+        state = state[0]
+    else:
+        filename = os.path.join(path, COMMON_FILE)
+        state = _restricted_load(filename, filename, legacy_safe_globals())
+    if not isinstance(state, dict):
+        raise CommonStateRefused(f"{filename} holds a {type(state).__name__}, not the dict "
+                                 "of a checkpoint's common state")
+    return state
+
+
+def _restricted_load(source, filename: str, allowed: list):
+    """torch.load(weights_only=True) of `source`, building beyond plain values only
+    `allowed` and what megatron.core registers; a refusal names the class."""
     try:
-        with _allowed(legacy_safe_globals()):
-            state = torch.load(filename, map_location="cpu", weights_only=True)
+        with _allowed(allowed):
+            return torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         refused = refused_global(error)
         if refused is None:
@@ -118,10 +150,26 @@ def load_common_state(path: str) -> dict:
             f"{filename} holds {refused}, which loading does not build: a checkpoint's common "
             "state (the flags, argparse.Namespace included, and counters) holds plain values; "
             "a crafted pickle runs code") from error
-    if not isinstance(state, dict):
-        raise CommonStateRefused(f"{filename} holds a {type(state).__name__}, not the dict "
-                                 "of a checkpoint's common state")
-    return state
+
+
+class _RawBytesPlanner(DefaultLoadPlanner):
+    """Keeps a stored object's bytes as they are: torch's default planner unpickles them
+    with weights_only=False, which would run whatever a crafted checkpoint holds."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        # into the caller's own BytesIO: the planner's dict may be a copy of the caller's
+        target = self.state_dict[read_item.dest_index.fqn]
+        target.write(value.read())
+        target.seek(0)
+
+
+def _embedded_common_bytes(path: str) -> io.BytesIO:
+    """The bytes of the common state stored in the shard files, read without a process
+    group."""
+    wanted = {EMBEDDED_COMMON_KEY: io.BytesIO()}
+    dcp.load(wanted, storage_reader=dcp.FileSystemReader(path),
+             planner=_RawBytesPlanner(flatten_state_dict=False), no_dist=True)
+    return wanted[EMBEDDED_COMMON_KEY]
 
 
 class CommonStateRefused(ValueError):
