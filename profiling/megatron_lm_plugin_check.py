@@ -59,9 +59,11 @@ COMMON = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "5
           "--lr", "1e-4", "--log-interval", "1", "--eval-iters", "0", "--seed", "1234",
           "--transformer-impl", "local"]
 # Megatron-LM's local layers without apex: no fused weight-gradient accumulation (the split
-# needs it, and the plugin supplies its kernel), no apex softmax
-MEGATRON_LM_PLAIN = ["--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion"]
-MEGATRON_LM_SPLIT = ["--no-masked-softmax-fusion", "--use-dpp", "--dpp-split-backward"]
+# needs it, and the plugin supplies its kernel), no apex softmax, and torch's LayerNorm, which
+# refuses Megatron-LM's default persist_layer_norm (an apex kernel's setting)
+MEGATRON_LM_NO_APEX = ["--no-masked-softmax-fusion", "--no-persist-layer-norm"]
+MEGATRON_LM_PLAIN = ["--no-gradient-accumulation-fusion", *MEGATRON_LM_NO_APEX]
+MEGATRON_LM_SPLIT = [*MEGATRON_LM_NO_APEX, "--use-dpp", "--dpp-split-backward"]
 # ours as megatron-core runs without apex / TE (profiling/bench_gpt.py's "local")
 OURS_PLAIN = ["--attention-backend", "local", "--batch-p2p-sync",
               "--megatron-optimizer-fallbacks", "--no-bias-gelu-fusion"]
@@ -76,7 +78,7 @@ RUNS = {
     "mlm-fp32-dpp": ("megatron-lm", "fp32", [*MEGATRON_LM_PLAIN, "--use-dpp"]),
     "mlm-fp32-dpp-split": ("megatron-lm", "fp32", MEGATRON_LM_SPLIT),
     "mlm-bf16-1f1b": ("megatron-lm", "bf16", MEGATRON_LM_PLAIN),
-    "mlm-bf16-dpp": ("megatron-lm", "bf16", ["--no-masked-softmax-fusion", *DPP_BF16]),
+    "mlm-bf16-dpp": ("megatron-lm", "bf16", [*MEGATRON_LM_NO_APEX, *DPP_BF16]),
     "ours-bf16-1f1b": ("ours", "bf16", OURS_PLAIN),
     "ours-bf16-dpp": ("ours", "bf16", [*OURS_PLAIN, *DPP_BF16]),
 }
