@@ -55,9 +55,11 @@ BF16_MODEL = [
     "--seq-length", str(BF16_SEQUENCE), "--max-position-embeddings", str(BF16_SEQUENCE),
     "--micro-batch-size", "2", "--global-batch-size", str(BF16_GLOBAL_BATCH), "--bf16",
 ]
+# --eval-interval: Megatron-LM 0.19's default (None) fails its count of samples at start,
+# even with --eval-iters 0
 COMMON = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "50304",
-          "--lr", "1e-4", "--log-interval", "1", "--eval-iters", "0", "--seed", "1234",
-          "--transformer-impl", "local"]
+          "--lr", "1e-4", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
+          "--seed", "1234", "--transformer-impl", "local"]
 # Megatron-LM's local layers without apex: no fused weight-gradient accumulation (the split
 # needs it, and the plugin supplies its kernel), no apex softmax, and torch's LayerNorm, which
 # refuses Megatron-LM's default persist_layer_norm (an apex kernel's setting)
