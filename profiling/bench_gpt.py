@@ -156,8 +156,9 @@ CONFIGS |= {
 # variable lengths (issue 35), each without and with CUDA graphs per length bucket
 # (`-graphs`): packed fixed-length training (megatron's default on the corpus, and fixed
 # 1,024-token microbatches), megatron-core's 1F1B in natural and cost order, DPP as
-# --use-dpp runs it (on GPUs the split backward at slack 0), DPP without the split, DPP's
-# plan replayed statically (--dpp-static: ZB-H1 fed the same order), megatron-core's
+# --use-dpp runs it (on GPUs the split backward at slack 0, its plan in order), DPP without
+# the split, DPP's plan replayed statically (--dpp-static: ZB-H1 fed the same order), DPP's
+# dynamic rule (--no-dpp-static), megatron-core's
 # interleaved schedule fed the same order, and DPP / 1F1B on
 # microbatches of a token budget of 2048 tokens, the
 # documents grouped by length (on the corpus of tools/build_length_corpus.py: 15 to 22,
@@ -169,6 +170,9 @@ VARIABLE_SCHEDULES = {
     "dpp": ["--use-dpp", "--dpp-transport", "shm"],
     "dpp-nosplit": ["--use-dpp", "--dpp-transport", "shm", "--no-dpp-split-backward"],
     "dpp-static": ["--use-dpp", "--dpp-transport", "shm", "--dpp-static"],
+    # the dynamic rule (the default with variable lengths until the plan in order measured
+    # faster there)
+    "dpp-dynamic": ["--use-dpp", "--dpp-transport", "shm", "--no-dpp-static"],
     # megatron-core's interleaved schedule (two model chunks a stage) in DPP's cost order
     "interleaved-cost": ["--virtual-pipeline-model-parallel-size", "2",
                          "--microbatch-order", "cost"],
@@ -232,6 +236,7 @@ RATIOS = (
     *((f"{source}-{a}{graphs}", f"{source}-{b}{graphs}") for source in ("docs", "docs-grouped", "cv")
       for graphs in GRAPH_CHOICES for a, b in (
           ("dpp", "1f1b"), ("dpp", "1f1b-cost"), ("dpp", "dpp-static"), ("dpp", "interleaved-cost"),
+          ("dpp-dynamic", "dpp-static"),
           ("dpp-nosplit", "1f1b-cost"), ("dpp", "dpp-nosplit"), ("1f1b-cost", "1f1b"))),
     *((f"docs-{a}{graphs}", f"docs-{b}{graphs}") for graphs in GRAPH_CHOICES
       for a, b in (("dpp-tokens", "dpp"), ("1f1b-tokens", "1f1b"), ("dpp", "packed"),

@@ -112,12 +112,20 @@ def test_use_dpp_alone_splits_the_backward_under_graphs_at_1f1b_memory():
     assert (given.dpp_split_backward, given.dpp_max_inflight) == (True, 2)
 
 
+def test_variable_lengths_run_the_plan_in_order_too():
+    """Measured faster there as well (in the cost order): the same default as uniform lengths."""
+    args = _resolved([*PP2_DPP, "--seq-length-cv", "0.5"], world_size=2)
+    assert args.dpp_split_backward is True and args.dpp_static is True
+    assert any("--seq-length-cv 0.5" in line and "--dpp-static" in line
+               for line in args.fast_path_fallbacks)
+
+
 @pytest.mark.parametrize("flags", [["--virtual-pipeline-model-parallel-size", "2"],
-                                   ["--seq-length-cv", "0.5"], ["--no-dpp-static"]],
-                         ids=["two-chunks", "variable-lengths", "switched-off"])
-def test_the_dynamic_rule_runs_with_chunks_variable_lengths_or_when_asked(flags):
-    """The plan-in-order default is for one chunk of uniform lengths only, where it was
-    measured faster; chunks and variable lengths keep the dynamic rule."""
+                                   ["--no-dpp-static"]],
+                         ids=["two-chunks", "switched-off"])
+def test_the_dynamic_rule_runs_with_chunks_or_when_asked(flags):
+    """The plan-in-order default is for one chunk, where it was measured faster; two chunks
+    keep the dynamic rule."""
     world = dict(world_size=2)
     layers = ["--num-layers", "4"] if "--virtual-pipeline-model-parallel-size" in flags else []
     args = _resolved([*PP2_DPP, *layers, *flags], **world)

@@ -35,10 +35,12 @@ TRITON_FUSIONS = "Triton layer norm, bias-dropout-add and bias-GeLU"
 GELU_EPILOGUE = "bias-GeLU in the MLP's GEMM epilogues (cuBLASLt)"
 
 SPLIT_BACKWARD = "DPP's split backward (--dpp-split-backward, the ZB-H1 plan)"
-# docs/benchmarks/gpu_pp4_h200_2026-11-27.md (4 H200s, PP=4, 16 microbatches)
-MEASURED_STATIC = ("with one model chunk and uniform lengths the plan in order measured "
-                   "faster than the dynamic rule's deviations (289.3 against 300.5 ms an "
-                   "iteration at PP=4)")
+# docs/benchmarks/gpu_pp4_h200_2026-11-27.md and variable_lengths_h200_2026-11-27.md (4 H200s,
+# PP=4, 16 microbatches)
+MEASURED_STATIC = ("with one model chunk the plan in order measured faster than the dynamic "
+                   "rule's deviations (289.3 against 300.5 ms an iteration at PP=4; with "
+                   "--seq-length-cv 0.5, in the cost order, 196,953 against 191,682 real "
+                   "tokens/s)")
 MEASURED_CHUNKS = ("two model chunks per stage (--virtual-pipeline-model-parallel-size 2, "
                    "where each stage's layers divide by 2) measured 1.10x megatron-core's "
                    "1F1B at PP=4 (one chunk 1.07x), but 0.96x at PP=2, where one chunk with "
@@ -145,8 +147,8 @@ def resolve(args, machine: Machine) -> list[str]:
 def _resolve_dpp(args, machine: Machine, gpu: bool, no_gpu: str) -> list[str]:
     """`--use-dpp` alone runs the fastest variant measured (docs/benchmarks/): the split
     backward with its W tasks placed by the schedule, at 1F1B's peak activation memory
-    (slack 0, the ZB-H1 plan holds no more); with one model chunk and uniform lengths its
-    plan in order. Returns the lines that say what was chosen and why."""
+    (slack 0, the ZB-H1 plan holds no more); with one model chunk its plan in order (in the
+    cost order where lengths vary). Returns the lines that say what was chosen and why."""
     if not args.use_dpp or args.pipeline_model_parallel_size == 1:
         if args.dpp_split_backward is None:
             args.dpp_split_backward = False
@@ -164,8 +166,7 @@ def _resolve_dpp(args, machine: Machine, gpu: bool, no_gpu: str) -> list[str]:
                        "(--dpp-max-inflight N holds N more microbatches)")
         lines.append(chosen + " (--no-dpp-split-backward for the unsplit backward)")
     chunks = args.virtual_pipeline_model_parallel_size or 1
-    uniform = not (args.seq_length_cv > 0 or args.variable_seq_lengths)
-    if args.dpp_static is None and gpu and args.dpp_split_backward and chunks == 1 and uniform:
+    if args.dpp_static is None and gpu and args.dpp_split_backward and chunks == 1:
         args.dpp_static = True
         lines.append(f"DPP runs its ZB-H1 plan in order (--dpp-static): {MEASURED_STATIC} "
                      "(--no-dpp-static for the dynamic rule)")
