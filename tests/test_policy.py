@@ -611,3 +611,18 @@ def test_baselines_steadiness_is_the_spread_of_time_per_unit_of_work():
     for name in SCHEDULES:
         assert steady[f"{name} deviation"] < 0.01, name
         assert varied[f"{name} deviation"] > 5 * steady[f"{name} deviation"], name
+
+
+def test_baselines_take_the_hop_latency_and_task_jitter():
+    """--latency delays every message, so no schedule finishes sooner than without it and
+    1F1B, whose first microbatch's forward and backward cross every hop, finishes later;
+    --jitter changes the durations sampled."""
+    from megatron.dpp.baselines import SCHEDULES, compare_one
+
+    plain = compare_one(4, 0.5, 0, seed=3)
+    late = compare_one(4, 0.5, 0, seed=3, latency=0.2)
+    for name in SCHEDULES:
+        assert late[name]["makespan"] >= plain[name]["makespan"] - 1e-9, name
+    assert late["1f1b plain"]["makespan"] > plain["1f1b plain"]["makespan"] + 0.2
+    jittered = compare_one(4, 0.5, 0, seed=3, jitter=0.3)
+    assert jittered["1f1b plain"]["makespan"] != plain["1f1b plain"]["makespan"]

@@ -51,21 +51,27 @@ def held_cost_peaks(result: SimResult, costs: list[float], split: bool) -> list[
     return peaks
 
 
-def compare_one(pp_size: int, cv: float, slack: int, seed: int) -> dict[str, dict]:
-    """The four schedules on one sample of durations (m = 4p)."""
+def compare_one(pp_size: int, cv: float, slack: int, seed: int, latency: float = 0.0,
+                jitter: float = 0.0) -> dict[str, dict]:
+    """The four schedules on one sample of durations (m = 4p); `latency` (a message's time
+    from its task's end to its arrival) and `jitter` (a task's own variation) as in
+    simulator.CostModel."""
     m = 4 * pp_size
-    durations = sample_durations(CostModel(cv=cv), pp_size, 1, m, seed, split_backward=True)
+    durations = sample_durations(CostModel(cv=cv, jitter=jitter), pp_size, 1, m, seed,
+                                 split_backward=True)
     costs = list(durations.microbatch_factor)
     order = microbatch_order_for(
         StageConfig(0, pp_size, 1, m, slack=slack, split_backward=True), costs)
     runs = {
-        "1f1b plain": (simulate("1f1b", pp_size, m, durations, record=True), False),
+        "1f1b plain": (simulate("1f1b", pp_size, m, durations, latency=latency, record=True),
+                       False),
         "1f1b ordered": (simulate("1f1b", pp_size, m, durations, microbatch_order=order,
-                                  record=True), False),
+                                  latency=latency, record=True), False),
         "zb-h1 ordered": (simulate("zb-h1", pp_size, m, durations, microbatch_order=order,
-                                   record=True), True),
+                                   latency=latency, record=True), True),
         "dpp": (simulate("dpp", pp_size, m, durations, slack=slack, microbatch_costs=costs,
-                         microbatch_order=order, split_backward=True, record=True), True),
+                         microbatch_order=order, split_backward=True, latency=latency,
+                         record=True), True),
     }
     work = sum(costs)
     return {name: {"makespan": result.makespan,
@@ -75,10 +81,11 @@ def compare_one(pp_size: int, cv: float, slack: int, seed: int) -> dict[str, dic
             for name, (result, split) in runs.items()}
 
 
-def table(pps, cv: float, slack: int, seeds: int) -> list[dict]:
+def table(pps, cv: float, slack: int, seeds: int, latency: float = 0.0,
+          jitter: float = 0.0) -> list[dict]:
     rows = []
     for p in pps:
-        cells = [compare_one(p, cv, slack, seed) for seed in range(seeds)]
+        cells = [compare_one(p, cv, slack, seed, latency, jitter) for seed in range(seeds)]
         row = {"pp": p, "microbatches": 4 * p}
         for base in SCHEDULES[:-1]:
             ratios = [c[base]["makespan"] / c["dpp"]["makespan"] for c in cells]
@@ -131,10 +138,17 @@ def main(argv=None) -> None:
     parser.add_argument("--cv", type=float, default=0.5)
     parser.add_argument("--slack", type=int, default=0)
     parser.add_argument("--seeds", type=int, default=10)
+    parser.add_argument("--latency", type=float, default=0.0,
+                        help="a message's latency, in forwards (GPU: a hop 0.074 ms against "
+                             "a stage's forward of about 1.5 ms, 0.05)")
+    parser.add_argument("--jitter", type=float, default=0.0,
+                        help="each task's own lognormal variation (CV)")
     args = parser.parse_args(argv)
-    if min(args.pp) < 2 or args.cv <= 0 or args.slack < 0 or args.seeds < 1:
-        parser.error("need --pp values >= 2, --cv > 0, --slack >= 0, --seeds >= 1")
-    rows = table(args.pp, args.cv, args.slack, args.seeds)
+    if (min(args.pp) < 2 or args.cv <= 0 or args.slack < 0 or args.seeds < 1
+            or args.latency < 0 or args.jitter < 0):
+        parser.error("need --pp values >= 2, --cv > 0, --slack >= 0, --seeds >= 1, "
+                     "--latency >= 0, --jitter >= 0")
+    rows = table(args.pp, args.cv, args.slack, args.seeds, args.latency, args.jitter)
     sys.stdout.write(format_table(rows, args.cv, args.slack, args.seeds) + "\n")
 
 
