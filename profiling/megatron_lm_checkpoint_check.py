@@ -127,10 +127,18 @@ def make_halfway_root(checkpoints: Path, saved: str, iterations: int) -> Path:
     return root
 
 
-def losses_of(text: str) -> dict[int, float]:
-    """lm loss by iteration, from either trainer's log."""
-    return {int(row["iteration"]): row["lm loss"] for row in read_iterations(text.splitlines())
-            if "lm loss" in row}
+def losses_of(text: str, trainer: str = "ours") -> dict[int, float]:
+    """lm loss by iteration, from either trainer's log (of `trainer`). Megatron-LM's
+    training_log (0.19) keeps its sums after a run's first iteration, so the second line a
+    run logs (at --log-interval 1) holds the mean of its first two iterations: after a
+    resume that is iteration N/2 + 2, which an uninterrupted run logs on its own. That
+    line is turned back into its iteration's loss."""
+    losses = {int(row["iteration"]): row["lm loss"]
+              for row in read_iterations(text.splitlines()) if "lm loss" in row}
+    if trainer == "megatron-lm" and len(losses) >= 2:
+        first, second = sorted(losses)[:2]
+        losses[second] = 2 * losses[second] - losses[first]
+    return losses
 
 
 def compare(losses: dict[int, float], reference: dict[int, float], start: int,
@@ -240,7 +248,7 @@ def execute(run: Run, index: int, programs: dict, checkpoints: Path, args, out: 
     log_path = out / f"{run.name}.log"
     status = launch(command, cwd, log_path, args.timeout, env)
     text = log_path.read_text(errors="replace")
-    losses = losses_of(text)
+    losses = losses_of(text, run.trainer)
     result = {"status": status, "log": log_path.name, "losses": losses, "ran": status == 0,
               "problems": [] if status == 0 else [f"exit status {status} (see {log_path.name})"]}
     if status == 0 and run.load:

@@ -79,6 +79,22 @@ def test_losses_of_both_trainers_logs():
     assert check.losses_of(text) == {4: 10.81234, 5: 10.5}
 
 
+def test_megatron_lm_second_logged_loss_is_its_own_iterations():
+    # Megatron-LM 0.19 resumed at iteration 3 on 2 CPU ranks (the tiny fp32 model): its
+    # line for iteration 5 held the mean of iterations 4 and 5; an uninterrupted run, and
+    # ours resumed from the same checkpoint, logged 6.926429 there
+    def line(iteration, loss):
+        return MEGATRON_LM_LINE.replace("        4/", f"{iteration:9d}/").replace(
+            "1.081234E+01", f"{loss:.6E}")
+
+    text = "\n".join(line(i, loss) for i, loss in ((4, 6.943871), (5, 6.935150),
+                                                  (6, 6.911573)))
+    resumed = check.losses_of(text, "megatron-lm")
+    assert resumed == pytest.approx({4: 6.943871, 5: 6.926429, 6: 6.911573}, rel=1e-6)
+    assert check.compare(resumed, {4: 6.943871, 5: 6.926429, 6: 6.911573}, 4, 6)["ok"]
+    assert check.losses_of(text)[5] == 6.935150  # ours: every line as logged
+
+
 def test_compare_within_and_beyond_tolerance():
     reference = {4: 10.0, 5: 9.0, 6: 8.0}
     close = check.compare({4: 10.0, 5: 9.0 * (1 + 5e-6), 6: 8.0}, reference, 4, 6)
@@ -117,7 +133,8 @@ def test_failed_save_skips_what_depends_on_it(tmp_path):
 
 
 # A stand-in of both trainers for the whole plan under torchrun: the last rank logs a loss
-# per iteration that depends only on the iteration (plus --offset), saves an iteration
+# per iteration that depends only on the iteration (plus --offset; as Megatron-LM logs it,
+# the run's second line the mean of its first two), saves an iteration
 # directory at --save-interval, resumes from the pointer of --load and says so as the
 # trainer named by --trainer does.
 STAND_IN = '''
@@ -138,7 +155,10 @@ if args.load:
            "megatron-lm": "successfully loaded checkpoint from CKPT"}[args.trainer])
 for iteration in range(start + 1, args.train_iters + 1):
     loss = 10.0 - 0.1 * iteration + args.offset
-    print(f" iteration {iteration:8d}/{args.train_iters:8d} | lm loss: {loss:.6E} |")
+    logged = loss
+    if args.trainer == "megatron-lm" and iteration == start + 2:  # its sums kept after the first
+        logged = (loss + 10.0 - 0.1 * (iteration - 1) + args.offset) / 2
+    print(f" iteration {iteration:8d}/{args.train_iters:8d} | lm loss: {logged:.6E} |")
     if args.save and iteration % args.save_interval == 0:
         os.makedirs(f"{args.save}/iter_{iteration:07d}")
 '''
