@@ -171,7 +171,9 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--fp32-iters", type=int, default=5)
-    parser.add_argument("--bf16-iters", type=int, default=15)
+    # 30: on 2 x H200 the local layers' iterations vary by about 10 % (session 4), and the
+    # ratio is asked within 2 %: the median of 25
+    parser.add_argument("--bf16-iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="bf16 iterations left out")
     parser.add_argument("--port", type=int, default=29541)
     parser.add_argument("--timeout", type=float, default=240, help="seconds per run")
