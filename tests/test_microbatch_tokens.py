@@ -86,7 +86,8 @@ def test_token_budget_trains_as_pp1_in_every_schedule(sample_prefix):  # noqa: F
     """PP=1 with 8 microbatches of 2 documents is the reference; with a budget of 384 tokens
     the same 16 documents per iteration form 5, 5, then 6 microbatches (checked), and
     PP=1, megatron-core's 1F1B at PP=2 (natural and cost order) and PP=4, and DPP at PP=2
-    (with the B/W split too) and PP=4 (random delivery delays), all give its losses:
+    (with the B/W split too, and its plan in order) and PP=4 (random delivery delays), all
+    give its losses:
     the loss is per token, so how documents are grouped changes nothing. Each iteration's
     loss also checks the gradients of the ones before, through the updates."""
     counts = microbatch_counts(sample_prefix, ITERATIONS)
@@ -100,7 +101,10 @@ def test_token_budget_trains_as_pp1_in_every_schedule(sample_prefix):  # noqa: F
              "pp1_budget_grouped": with_flags(budget, group_by_length=True)}, None),
         (2, {"pp2_core": pp2, "pp2_core_cost": with_flags(pp2, microbatch_order="cost"),
              "pp2_dpp": with_flags(pp2, use_dpp=True),
-             "pp2_dpp_split": with_flags(pp2, use_dpp=True, dpp_split_backward=True)}, None),
+             "pp2_dpp_split": with_flags(pp2, use_dpp=True, dpp_split_backward=True),
+             # --use-dpp's GPU default: the plan in order, in the cost order
+             "pp2_dpp_split_static": with_flags(pp2, use_dpp=True, dpp_split_backward=True,
+                                                dpp_static=True)}, None),
         (4, {"pp4_core": pp4, "pp4_dpp": with_flags(pp4, use_dpp=True)},
          {"DPP_TEST_DELIVERY_JITTER_MS": "5"}),
     )
