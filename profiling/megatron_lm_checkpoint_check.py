@@ -49,8 +49,7 @@ from profiling.megatron_lm_plugin_check import (  # noqa: E402
     MEGATRON_LM_PLAIN,
     OURS_PLAIN,
     launch,
-    make_shim,
-    two_line_change,
+    trainer_programs,
 )
 
 log = logging.getLogger("megatron_lm_checkpoint_check")
@@ -196,22 +195,6 @@ def main(argv=None) -> int:
     shutil.rmtree(args.checkpoints, ignore_errors=True)
     args.checkpoints.mkdir(parents=True)
     return check(args, out, args.checkpoints.resolve())
-
-
-def trainer_programs(megatron_lm: Path, out: Path) -> dict:
-    """trainer -> (what torchrun runs, its working folder, its environment or None for
-    ours): Megatron-LM's pretrain_gpt.py with the plugin's two-line change, beside the
-    modules it imports, with the plugin check's `make` stand-in first on PATH (the wheel's
-    dataset helpers come built, without the Makefile Megatron-LM's start runs); ours, the
-    installed pretrain_gpt module, started in a folder of nothing importable."""
-    script = out / "megatron_lm" / "pretrain_gpt_dpp.py"
-    shutil.copytree(megatron_lm, script.parent, dirs_exist_ok=True)
-    script.write_text(two_line_change((megatron_lm / "pretrain_gpt.py").read_text()))
-    path = f"{make_shim(out / 'bin')}{os.pathsep}{os.environ.get('PATH', '')}"
-    ours_cwd = out / "ours_cwd"
-    ours_cwd.mkdir(exist_ok=True)
-    return {"megatron-lm": ([str(script)], script.parent, {**os.environ, "PATH": path}),
-            "ours": (["-m", "pretrain_gpt"], ours_cwd, None)}
 
 
 def check(args, out: Path, checkpoints: Path, programs: dict | None = None) -> int:

@@ -30,7 +30,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from megatron.trainer.launch import read_iterations
@@ -145,6 +144,22 @@ def launch(command: list[str], cwd: Path, log_path: Path, timeout: float,
             return "timeout"
 
 
+def trainer_programs(megatron_lm: Path, out: Path) -> dict:
+    """trainer -> (what torchrun runs, its working folder, its environment or None for
+    ours): Megatron-LM's pretrain_gpt.py with the plugin's two-line change, beside the
+    modules it imports, with the `make` stand-in first on PATH (the wheel's
+    dataset helpers come built, without the Makefile Megatron-LM's start runs); ours, the
+    installed pretrain_gpt module, started in a folder of nothing importable."""
+    script = out / "megatron_lm" / "pretrain_gpt_dpp.py"
+    shutil.copytree(megatron_lm, script.parent, dirs_exist_ok=True)
+    script.write_text(two_line_change((megatron_lm / "pretrain_gpt.py").read_text()))
+    path = f"{make_shim(out / 'bin')}{os.pathsep}{os.environ.get('PATH', '')}"
+    ours_cwd = out / "ours_cwd"
+    ours_cwd.mkdir(exist_ok=True)
+    return {"megatron-lm": ([str(script)], script.parent, {**os.environ, "PATH": path}),
+            "ours": (["-m", "pretrain_gpt"], ours_cwd, None)}
+
+
 def run(name: str, program: list[str], cwd: Path, flags: list[str], args, out: Path,
         env: dict | None = None) -> dict:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
@@ -182,14 +197,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    # Megatron-LM's script beside the modules it imports from its checkout's root; ours is
-    # the installed pretrain_gpt module, started outside the checkout
-    script = out / "megatron_lm" / "pretrain_gpt_dpp.py"
-    shutil.copytree(args.megatron_lm, script.parent, dirs_exist_ok=True)
-    script.write_text(two_line_change((args.megatron_lm / "pretrain_gpt.py").read_text()))
-    shim_path = f"{make_shim(out / 'bin')}{os.pathsep}{os.environ.get('PATH', '')}"
-    programs = {"megatron-lm": ([str(script)], script.parent, {**os.environ, "PATH": shim_path}),
-                "ours": (["-m", "pretrain_gpt"], Path(tempfile.gettempdir()), None)}
+    programs = trainer_programs(args.megatron_lm, out)
 
     results = {}
     for name in args.runs.split(","):

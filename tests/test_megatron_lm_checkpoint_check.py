@@ -202,7 +202,7 @@ def test_megatron_lm_runs_get_the_changed_script_and_the_make_stand_in(tmp_path)
         plugin_check.IMPORT_ANCHOR + "args = parse_and_validate_args(\n    "
         + plugin_check.PROVIDER_ANCHOR + "\n)\n")
     (checkout / "model_provider.py").write_text("")
-    programs = check.trainer_programs(checkout, tmp_path / "out")
+    programs = plugin_check.trainer_programs(checkout, tmp_path / "out")
     program, cwd, env = programs["megatron-lm"]
     script = tmp_path / "out" / "megatron_lm" / "pretrain_gpt_dpp.py"
     assert program == [str(script)] and cwd == script.parent
