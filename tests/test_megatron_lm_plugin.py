@@ -72,15 +72,40 @@ def _core_function():
 
 
 def test_flags_are_registered_and_without_use_dpp_nothing_is_patched(trainer, parse):
+    from megatron.core.tensor_parallel import layers
+
+    available = layers._grad_accum_fusion_available
     core_function = _core_function()
     assert trainer.training.get_forward_backward_func is core_function
-    args, provider = parse(*PP2)
+    args, provider = parse(*PP2, "--no-gradient-accumulation-fusion")
+    assert layers._grad_accum_fusion_available == available
     assert (args.use_dpp, args.dpp_split_backward, args.dpp_static) == (False, False, False)
     assert args.dpp_max_inflight is None
     assert (args.dpp_transport, args.dpp_timeout) == (DEFAULTS.transport, DEFAULTS.timeout)
     assert provider.plugin is None
     assert trainer.training.get_forward_backward_func is core_function
     assert _core_function() is core_function
+
+
+def test_without_use_dpp_the_default_fusion_gets_the_kernel_and_close_restores(trainer, parse):
+    """Megatron-LM's default gradient-accumulation fusion without apex: megatron-core's
+    linear layers would stop at construction; the provider supplies the kernel without
+    --use-dpp too, so that 1F1B and DPP runs differ in that one flag."""
+    from megatron.core.tensor_parallel import layers
+
+    available = layers._grad_accum_fusion_available
+    core_function = _core_function()
+    args, provider = parse(*PP2)
+    assert args.gradient_accumulation_fusion and provider.plugin is None
+    assert trainer.training.get_forward_backward_func is core_function
+    assert layers._grad_accum_fusion_available
+    main_grad = torch.zeros(3, 4)
+    grad_output, total_input = torch.randn(5, 3), torch.randn(5, 4)
+    layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(total_input, grad_output,
+                                                                main_grad)
+    torch.testing.assert_close(main_grad, grad_output.t() @ total_input)
+    provider.close()
+    assert layers._grad_accum_fusion_available == available
 
 
 def test_use_dpp_swaps_the_trainers_schedule_and_close_restores_it(trainer, parse):

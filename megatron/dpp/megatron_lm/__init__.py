@@ -7,13 +7,17 @@ Megatron-LM pretrain script (docs/megatron_lm.md).
 The provider adds --use-dpp, --dpp-max-inflight, --dpp-transport, --dpp-timeout and
 --dpp-split-backward to Megatron-LM's parser. Once the command line is parsed it refuses, in
 one message, what the dynamic schedule does not support; with --use-dpp it installs the
-schedule (plugin.DppPlugin). Without --use-dpp nothing of Megatron-LM is changed.
+schedule (plugin.DppPlugin). Without --use-dpp Megatron-LM's schedules run unchanged; with
+the gradient-accumulation fusion on (Megatron-LM's default) and apex absent the provider
+supplies the accumulation kernel apex would (where megatron-core's linear layers would
+otherwise stop), with or without --use-dpp, so that 1F1B and DPP runs are one flag apart.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 
 from megatron.dpp.megatron_lm.arguments import add_dpp_arguments, problems
 
@@ -28,6 +32,7 @@ class ExtraArgsProvider:
     def __init__(self, other=None):
         self.other = other
         self.plugin = None
+        self._kernels = contextlib.ExitStack()
 
     def __call__(self, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if self.other is not None:
@@ -50,8 +55,12 @@ class ExtraArgsProvider:
         found = problems(args)
         if found:
             parser.error("the DPP plugin cannot run these arguments:\n  " + "\n  ".join(found))
-        if self.plugin is not None:
-            self.close()
+        self.close()
+        if getattr(args, "gradient_accumulation_fusion", False):
+            from megatron.dpp.weight_grad_accumulation import weight_grad_accumulation_fusion
+
+            self._kernels.enter_context(weight_grad_accumulation_fusion())
+            atexit.register(self._kernels.close)
         if args.use_dpp:
             from megatron.dpp.megatron_lm.plugin import DppPlugin
 
@@ -61,11 +70,13 @@ class ExtraArgsProvider:
             atexit.register(plugin.close)
 
     def close(self) -> None:
-        """Megatron's functions as they were (the plugin also does this at exit)."""
+        """Megatron's functions as they were (the provider also does this at exit)."""
         if self.plugin is not None:
             atexit.unregister(self.plugin.close)
             self.plugin.close()
             self.plugin = None
+        atexit.unregister(self._kernels.close)
+        self._kernels.close()
 
 
 def extra_args_provider(other=None) -> ExtraArgsProvider:
