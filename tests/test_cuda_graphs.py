@@ -153,6 +153,8 @@ def _eager_vs_bucket_graphs(rank, lengths, limits):
                     for param, grad in zip(model.parameters(), main_grads, strict=True):
                         param.add_(grad.to(param.dtype), alpha=-0.5)
                 model.zero_grad_buffer()
+                for graphs in installed:  # between steps, as train_step does
+                    graphs.record_warm()
             results[limit] = {"steps": steps, "slots": [
                 sorted((shape[0], len(slots)) for shape, slots in g.slots.recorded.items())
                 for g in installed], "budgets": [
@@ -163,8 +165,9 @@ def _eager_vs_bucket_graphs(rank, lengths, limits):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 def test_graphs_per_length_bucket_equal_eager_within_the_memory_limit():
     """Lengths 8, 16 and 32 of the buckets 8, 16, 24 and 32 (--pad-to-multiple 8 at
-    --seq-length 32), six microbatches in flight: six lanes, each recording every bucket when
-    it is made (in the first step; the second replays), giving eager's losses and gradients;
+    --seq-length 32), six microbatches in flight: six lanes, each recording the largest
+    bucket and its shape when it is made and the rest at the end of the first step (the
+    second replays), giving eager's losses and gradients;
     under a limit of 0 GiB only the first slot (the largest bucket) is recorded and the rest
     runs eagerly, with the same results."""
     lengths = [8, 16, 8, 32, 16, 8]
@@ -277,14 +280,21 @@ def test_block_gradients_reach_main_grad_as_per_tensor_adds_would():
 
 
 def test_bucket_shapes_are_the_padded_lengths_known_in_advance():
-    """--pad-to-multiple 8 at --seq-length 32: the four block inputs a lane records when it
-    is made; none with a token budget (its row counts vary) or with too many lengths."""
-    from megatron.trainer.model.cuda_graphs import bucket_shapes
+    """--pad-to-multiple 8 at --seq-length 32: the four block inputs a lane records by the
+    end of its first step; with a token budget every row count it allows at each length,
+    up to a global batch's samples; none where the shapes are too many."""
+    from megatron.trainer.model.cuda_graphs import MAX_WARM_SHAPES, bucket_shapes
 
     args = parse_args([*TINY_GPT, "--seq-length-cv", "0.5", "--pad-to-multiple", "8"],
                       world_size=1)
     assert bucket_shapes(args) == tuple((n, 2, 64) for n in (8, 16, 24, 32))
-    args.seq_length = 8 * 65  # more lengths than MAX_WARM_BUCKETS: each on first use
+    args.seq_length = 8 * (MAX_WARM_SHAPES + 1)  # more lengths: each on first use
     assert bucket_shapes(args) == ()
-    args.seq_length, args.microbatch_tokens = 32, 64
+    # 64 tokens: 8 rows of 8 (capped at the 6 samples of a global batch), 4 of 16, 2 of 24
+    # and of 32
+    args.seq_length, args.microbatch_tokens, args.global_batch_size = 32, 64, 6
+    assert bucket_shapes(args) == (
+        *((8, rows, 64) for rows in range(1, 7)), *((16, rows, 64) for rows in range(1, 5)),
+        (24, 1, 64), (24, 2, 64), (32, 1, 64), (32, 2, 64))
+    args.microbatch_tokens, args.global_batch_size = 32 * 40, 1000  # 333 shapes
     assert bucket_shapes(args) == ()

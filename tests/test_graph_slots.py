@@ -1,6 +1,6 @@
 """CUDA-graph slots kept per input shape (megatron/trainer/model/graph_slots.py), with a fake
 recorder: lanes (one memory pool per microbatch in flight) holding a slot per length bucket,
-recorded on first use or when the lane is made, reused, and the memory budget that sends a
+recorded on first use, when the lane is made or between steps, reused, and the memory budget that sends a
 bucket to the eager path with one log line."""
 
 from __future__ import annotations
@@ -109,19 +109,32 @@ def test_a_lane_carries_one_microbatch_whatever_its_shape():
         slots.release((64, ROWS, HIDDEN), "a slot never recorded")
 
 
-def test_a_new_lane_records_every_warm_bucket_at_once():
-    """With the buckets known in advance a lane records all of them when it is made
-    (largest first), so no later microbatch waits for a recording."""
+def test_a_new_lane_records_the_largest_bucket_then_the_rest_between_steps():
+    """With the buckets known in advance a lane records the largest (it sizes the pool) and
+    the shape it is made for; record_warm() between steps records the rest into every free
+    lane, so no later microbatch waits for a recording."""
     buckets = [(b, ROWS, HIDDEN) for b in (128, 256, 384)]
     slots, recorder = make_slots(warm=buckets)
     first = slots.acquire(block_input(128))
-    assert recorder.recorded == [(384, ROWS, HIDDEN), (256, ROWS, HIDDEN), (128, ROWS, HIDDEN)]
-    assert slots.budget.used_bytes == 384 * ROWS * BYTES_PER_TOKEN  # one pool, the largest
-    recorded = len(recorder.recorded)
+    second = slots.acquire(block_input(256))  # another lane: one microbatch in flight each
+    assert recorder.recorded == [(384, ROWS, HIDDEN), (128, ROWS, HIDDEN),
+                                 (384, ROWS, HIDDEN), (256, ROWS, HIDDEN)]
+    assert slots.budget.used_bytes == 2 * 384 * ROWS * BYTES_PER_TOKEN  # a pool per lane
+    # a lane still carrying a microbatch records nothing
     slots.release((128, ROWS, HIDDEN), first)
+    assert slots.record_warm() == 1
+    assert recorder.recorded[-1] == (256, ROWS, HIDDEN)
+    slots.release((256, ROWS, HIDDEN), second)
+    assert slots.record_warm() == 1
+    assert recorder.recorded[-1] == (128, ROWS, HIDDEN)
+    assert slots.record_warm() == 0
+    assert slots.budget.used_bytes == 2 * 384 * ROWS * BYTES_PER_TOKEN
+    recorded = len(recorder.recorded)
     for length in (384, 256, 128):
-        slot = slots.acquire(block_input(length))
-        slots.release((length, ROWS, HIDDEN), slot)
+        held = [slots.acquire(block_input(length)) for _ in range(2)]
+        assert None not in held
+        for slot in held:
+            slots.release((length, ROWS, HIDDEN), slot)
     assert len(recorder.recorded) == recorded
     # a shape outside the buckets is still recorded on first use
     assert slots.acquire(block_input(64)) is not None

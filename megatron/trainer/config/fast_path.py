@@ -49,13 +49,13 @@ MEASURED_CHUNKS = ("two model chunks per stage (--virtual-pipeline-model-paralle
 
 # Graphs per length bucket (graph_slots.py) are on by default: the buckets are known before
 # the first step, so each lane records them once (4 x H200, PP=4, --seq-length-cv 0.5: 0.935x
-# the real tokens/s of fixed 1,024-token microbatches). A token budget's row counts are not
-# known in advance: each new shape would be recorded when it first comes, so not by default.
-TOKEN_BUDGET_SHAPES = ("--microbatch-tokens (its microbatches' row counts vary: each new "
-                       "shape would be recorded when it first comes; --cuda-graph-impl block "
-                       "turns them on)")
+# the real tokens/s of fixed 1,024-token microbatches). A token budget multiplies the shapes
+# by its row counts (50 at --microbatch-tokens 2048 in buckets of 128), recorded by the end
+# of the first step too, but not measured as a default yet.
+TOKEN_BUDGET_SHAPES = ("--microbatch-tokens (a shape per length and row count, not measured "
+                       "under graphs as a default yet; --cuda-graph-impl block turns them on)")
 # past this many lengths the buckets are not recorded in advance either (the model's
-# cuda_graphs.MAX_WARM_BUCKETS): as many shapes as lengths, each recorded when it first comes
+# cuda_graphs.MAX_WARM_SHAPES): as many shapes as lengths, each recorded when it first comes
 MAX_GRAPHED_LENGTHS = 64
 
 

@@ -13,8 +13,9 @@ slot's backward graph and frees it. Any schedule that runs each microbatch's bac
 its forward works, and the number of slots is the most microbatches it ever has in flight.
 
 With variable lengths a slot holds one graph pair per shape (graph_slots.py: a lane per
-microbatch in flight, every length bucket recorded when the lane is made), within a memory
-budget past which a shape runs eagerly.
+microbatch in flight, every length bucket, and with a token budget every row count, recorded
+by the end of the step that made the lane), within a memory budget past which a shape runs
+eagerly.
 
 Each lane records into its own memory pool, so a microbatch's saved activations are never
 shared with another in flight; the shapes of one lane share its pool (one of them in flight). Its backward graph adds the weight gradients into megatron-core DDP's
@@ -105,8 +106,8 @@ class BlockGraphs:
                  warm_shapes: tuple[tuple[int, ...], ...] = ()):
         """`shape`: the block input [s, b, h] replayed; with `lengths_vary`, any sequence
         length up to s (and any micro-batch rows: a token budget varies them) is, a graph
-        pair per shape and lane, all within `budget`; `warm_shapes` are recorded as soon as a
-        lane is made."""
+        pair per shape and lane, all within `budget`; `warm_shapes` are recorded into each
+        lane by the end of the step that made it (`record_warm`)."""
         if weight_parts < 1:
             raise CudaGraphError(f"weight_parts must be >= 1, got {weight_parts}")
         self.block = block
@@ -144,6 +145,10 @@ class BlockGraphs:
 
     def release(self, slot: _Slot) -> None:
         self.slots.release(slot.input.shape, slot)
+
+    def record_warm(self) -> int:
+        """Between steps: record the bucket shapes its lanes miss (graph_slots.py)."""
+        return self.slots.record_warm()
 
     def weight_part(self, slot: _Slot, part: int) -> None:
         """Part `part` of the slot's W (its share of the weight-gradient GEMMs); after the
@@ -370,20 +375,29 @@ def install_block_graphs(model_chunks, args, device: torch.device,
     return installed
 
 
-MAX_WARM_BUCKETS = 64  # beyond this many lengths, a shape is recorded on its first use
+MAX_WARM_SHAPES = 64  # beyond this many shapes, each is recorded on its first use
 # (and the fast path leaves graphs off by default: config/fast_path.py MAX_GRAPHED_LENGTHS)
 
 
 def bucket_shapes(args) -> tuple[tuple[int, ...], ...]:
     """The block input shapes [s, b, h] a run of variable lengths can meet, when they are
-    known in advance: every multiple of --pad-to-multiple up to --seq-length at
-    --micro-batch-size rows (sequence parallelism splits s). None (empty) for a token budget
-    (its row counts vary) or where there are more than MAX_WARM_BUCKETS lengths."""
+    known in advance: every multiple of --pad-to-multiple up to --seq-length, at
+    --micro-batch-size rows, or with a token budget at every row count it allows (rows x
+    length <= --microbatch-tokens, at most a global batch's samples per data-parallel rank);
+    sequence parallelism splits s. Empty where they are more than MAX_WARM_SHAPES."""
     multiple = args.pad_to_multiple or 1
-    if args.microbatch_tokens is not None or args.seq_length / multiple > MAX_WARM_BUCKETS:
+    if args.seq_length / multiple > MAX_WARM_SHAPES:
+        return ()
+    lengths = sorted({min(k * multiple, args.seq_length)
+                      for k in range(1, math.ceil(args.seq_length / multiple) + 1)})
+    if args.microbatch_tokens is None:
+        rows_by_length = {length: [args.micro_batch_size] for length in lengths}
+    else:
+        samples = args.global_batch_size // args.data_parallel_size
+        rows_by_length = {length: range(1, min(args.microbatch_tokens // length, samples) + 1)
+                          for length in lengths}
+    if sum(len(rows) for rows in rows_by_length.values()) > MAX_WARM_SHAPES:
         return ()
     split = args.tensor_model_parallel_size if args.sequence_parallel else 1
-    lengths = {min(k * multiple, args.seq_length)
-               for k in range(1, math.ceil(args.seq_length / multiple) + 1)}
-    return tuple((length // split, args.micro_batch_size, args.hidden_size)
-                 for length in sorted(lengths))
+    return tuple((length // split, rows, args.hidden_size)
+                 for length, all_rows in rows_by_length.items() for rows in all_rows)

@@ -9,9 +9,12 @@ because only one of them is in flight. So a block holds as many pools as the sch
 microbatches in flight (the same as with one fixed shape), each as large as its largest
 shape, not one pool per shape and microbatch in flight.
 
-A new lane records the run's bucket shapes (`warm_shapes`, when they are known in advance,
-largest first: the first recording sizes the pool) right away, so that no later iteration pays for a recording; a shape met later is recorded
-on first use in a free lane. The recordings of every block on a rank share one memory budget
+A new lane records the largest of the run's bucket shapes (`warm_shapes`, when they are
+known in advance: the first recording sizes the pool) and the shape it is made for; the other
+buckets wait for `record_warm()` at the end of the step, when no microbatch is in flight, so
+that a stage does not hold its pipeline peers up mid-step while it records dozens of shapes (a
+token budget's row counts make 50 at 2,048 tokens) and no later step pays for a recording. A
+shape met later is recorded on first use in a free lane. The recordings of every block on a rank share one memory budget
 (`--cuda-graph-memory-limit` GiB): before recording, what the slot adds is estimated (tokens
 beyond what its lane already held, at the most bytes per token any recording of the rank
 took); where it would pass the budget, the microbatch runs eagerly and one line per shape
@@ -113,14 +116,24 @@ class ShapeSlots:
                                "forward needs its backward)")
             lane = Lane(len(self.lanes), self._new_pool())
             self.lanes.append(lane)
-            for warm in self.warm_shapes:  # every bucket now, none in later steps
-                self._record_into(lane, warm)
+            if self.warm_shapes:  # the largest bucket sizes the pool; the rest: record_warm
+                self._record_into(lane, self.warm_shapes[0])
         slot = lane.slots.get(shape)
         if slot is None:
             slot = self._record_into(lane, shape)
         if slot is not None:
             lane.busy = True
         return slot
+
+    def record_warm(self) -> int:
+        """Record the missing bucket shapes of every free lane (between steps all are);
+        returns how many were recorded."""
+        recorded = 0
+        for lane in self.lanes:
+            for shape in self.warm_shapes if not lane.busy else ():
+                if shape not in lane.slots and self._record_into(lane, shape) is not None:
+                    recorded += 1
+        return recorded
 
     def release(self, shape, slot) -> None:
         for lane in self.lanes:

@@ -104,6 +104,8 @@ class Trainer:
     checkpointer: checkpointing.Checkpointer | None = None  # None: no --save / --load
     # --rerun-mode: megatron-core's rerun state machine (installed by setup)
     reruns: ResultValidation = field(default_factory=lambda: ResultValidation(RerunConfig()))
+    # --cuda-graph-impl block: each transformer block's graphs (model/cuda_graphs.py)
+    block_graphs: list = field(default_factory=list)
 
     @property
     def reporting(self) -> bool:
@@ -163,10 +165,11 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     model = wrap_model_chunks(chunks, args, config, device)
     # --dpp-split-backward: the schedule's B/W split, which the CUDA-graph blocks follow
     weight_grads = WeightGradStore() if configs.schedule.dpp_split_backward else None
+    block_graphs = []
     if configs.fast_path.cuda_graph_impl == "block":
         # a graph per part of W, so the schedule decides between the parts
-        install_block_graphs(model, args, device, weight_grads,
-                             DppOptions.from_args(args).weight_slices)
+        block_graphs = install_block_graphs(model, args, device, weight_grads,
+                                            DppOptions.from_args(args).weight_slices)
     if not configs.fast_path.megatron_optimizer_fallbacks:
         stack.enter_context(no_apex.foreach_multi_tensor_ops())
     timers = Timers(configs.logging.timing_log_level, synchronize=device.type == "cuda")
@@ -202,7 +205,7 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     return Trainer(args, task, device, model, optimizer, scheduler, config,
                    _batch_calculator(configs), datasets, state, schedule,
                    ForwardRng(args.seed, device), configs, timers, collector=collector,
-                   checkpointer=checkpointer, reruns=reruns)
+                   checkpointer=checkpointer, reruns=reruns, block_graphs=block_graphs)
 
 
 def _dataset_watch(args) -> StallWatch:
@@ -388,6 +391,10 @@ def train_step(trainer: Trainer, iterator) -> dict:
         updated, grad_norm, num_zeros = trainer.optimizer.step()
     optimizer.stop()
     trainer.tracer.end_iteration()
+    # between steps, with no microbatch in flight: the length buckets that lanes made in
+    # this step still miss (at once in the first step, so no later one records)
+    for graphs in trainer.block_graphs:
+        graphs.record_warm()
     if updated:
         trainer.scheduler.step(increment=batch)
     else:
