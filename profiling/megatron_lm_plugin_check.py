@@ -195,20 +195,46 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=29541)
     parser.add_argument("--timeout", type=float, default=240, help="seconds per run")
     parser.add_argument("--extra", default="", help="flags added to every run")
+    # on 4 x H200 (session 5) one trainer's DPP / 1F1B ratio at PP=2 moved by up to 9 %
+    # between runs of the same flags: the bf16 runs again in turn, each ratio the median
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of the bf16 pairs, in turn (1F1B, DPP, 1F1B, DPP, ...)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: at least 1")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     programs = trainer_programs(args.megatron_lm, out)
 
     results = {}
-    for name in args.runs.split(","):
-        trainer, precision, flags = RUNS[name]
-        model = FP32_MODEL if precision == "fp32" else BF16_MODEL
-        iters = args.fp32_iters if precision == "fp32" else args.bf16_iters
-        program, cwd, env = programs[trainer]
-        results[name] = run(name, program, cwd,
-                            [*model, *COMMON, "--train-iters", str(iters), *flags], args, out, env)
+    for repeat in range(args.repeats):
+        for name in args.runs.split(","):
+            trainer, precision, flags = RUNS[name]
+            if precision == "fp32" and repeat > 0:  # losses: one run says it
+                continue
+            model = FP32_MODEL if precision == "fp32" else BF16_MODEL
+            iters = args.fp32_iters if precision == "fp32" else args.bf16_iters
+            program, cwd, env = programs[trainer]
+            key = repeat_name(name, repeat)
+            results[key] = run(key, program, cwd,
+                               [*model, *COMMON, "--train-iters", str(iters), *flags], args,
+                               out, env)
+    lines = summary_lines(results, args.warmup, args.repeats)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "summary.txt").write_text("\n".join(lines) + "\n")
+    log.info("%s", "\n".join(lines))
+
+
+def repeat_name(name: str, repeat: int) -> str:
+    """The results' key and log name of a run's `repeat`-th time (0: its own name)."""
+    return name if repeat == 0 else f"{name}-{repeat + 1}"
+
+
+def summary_lines(results: dict, warmup: int, repeats: int = 1) -> list[str]:
+    """Each run's losses; each DPP run's largest relative loss difference from 1F1B's (fp32);
+    each trainer's DPP / 1F1B tokens/s ratio (the median over the repeats that ran both) and
+    how far apart the two trainers' ratios are."""
     lines = [f"{name}: exit {r['status']}, losses {r['losses']}" for name, r in results.items()]
     for name, baseline in EQUIVALENT.items():
         if name in results and baseline in results:
@@ -221,24 +247,32 @@ def main() -> None:
                 lines.append(f"{name} vs {baseline}: no comparable losses")
     ratios = {}
     for trainer, (dpp, baseline) in RATIOS.items():
-        if dpp in results and baseline in results:
-            speeds = [_tokens_per_s(results[n], args) for n in (dpp, baseline)]
-            if None not in speeds:
-                ratios[trainer] = speeds[0] / speeds[1]
-                lines.append(f"{trainer}: DPP {speeds[0]:.0f} tokens/s, 1F1B {speeds[1]:.0f} "
-                             f"tokens/s, ratio {ratios[trainer]:.4f}")
+        pairs = []
+        for repeat in range(repeats):
+            names = (repeat_name(dpp, repeat), repeat_name(baseline, repeat))
+            if all(n in results for n in names):
+                speeds = [_tokens_per_s(results[n], warmup) for n in names]
+                if None not in speeds:
+                    pairs.append(speeds)
+        if not pairs:
+            continue
+        each = [dpp_speed / baseline_speed for dpp_speed, baseline_speed in pairs]
+        ratios[trainer] = statistics.median(each)
+        lines.append(f"{trainer}: DPP {statistics.median(p[0] for p in pairs):.0f} tokens/s, "
+                     f"1F1B {statistics.median(p[1] for p in pairs):.0f} tokens/s, ratio "
+                     f"{ratios[trainer]:.4f}" + (
+                         f" (median of {len(each)}: "
+                         f"{', '.join(f'{r:.4f}' for r in each)})" if len(each) > 1 else ""))
     if len(ratios) == 2:
         gap = abs(ratios["megatron-lm"] / ratios["ours"] - 1)
         lines.append(f"DPP/1F1B ratio, Megatron-LM's trainer against ours: {gap:.2%} apart "
                      f"({'within' if gap <= 0.02 else 'ABOVE'} 2 %)")
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    (out / "summary.txt").write_text("\n".join(lines) + "\n")
-    log.info("%s", "\n".join(lines))
+    return lines
 
 
-def _tokens_per_s(result: dict, args) -> float | None:
+def _tokens_per_s(result: dict, warmup: int) -> float | None:
     """Global batch x sequence length over the median time of the iterations after warm-up."""
-    steady = result["ms"][args.warmup:]
+    steady = result["ms"][warmup:]
     if not steady:
         return None
     return BF16_GLOBAL_BATCH * BF16_SEQUENCE / (statistics.median(steady) / 1000)

@@ -64,3 +64,28 @@ def test_timeout_ends_the_whole_run(tmp_path, monkeypatch):
         time.sleep(0.1)
     else:
         pytest.fail(f"the rank process {pid} outlived the timeout")
+
+
+def test_summary_takes_each_trainers_median_ratio_over_the_repeats():
+    """Three repeats of the bf16 pairs, warm-up 1: Megatron-LM's DPP / 1F1B ratios 1.0, 1.5
+    and 1.1 (median 1.1, its outlier left out), ours 1.1 each: 0 % apart; with the first
+    repeat alone 9.09 % apart, above 2 %."""
+    def result(ms):
+        return {"status": 0, "losses": [], "ms": [9999.0, ms]}
+
+    results = {}
+    for repeat, mlm_ratio in enumerate((1.0, 1.5, 1.1)):
+        results |= {
+            megatron_lm_plugin_check.repeat_name("mlm-bf16-1f1b", repeat): result(1000 * mlm_ratio),
+            megatron_lm_plugin_check.repeat_name("mlm-bf16-dpp", repeat): result(1000),
+            megatron_lm_plugin_check.repeat_name("ours-bf16-1f1b", repeat): result(1100),
+            megatron_lm_plugin_check.repeat_name("ours-bf16-dpp", repeat): result(1000),
+        }
+    lines = megatron_lm_plugin_check.summary_lines(results, warmup=1, repeats=3)
+    assert any(line.startswith("megatron-lm:") and "ratio 1.1000 (median of 3: 1.0000, "
+               "1.5000, 1.1000)" in line for line in lines), lines
+    assert lines[-1] == ("DPP/1F1B ratio, Megatron-LM's trainer against ours: 0.00% apart "
+                         "(within 2 %)")
+    first = {name: r for name, r in results.items() if not name[-1].isdigit()}
+    assert megatron_lm_plugin_check.summary_lines(first, warmup=1)[-1] == (
+        "DPP/1F1B ratio, Megatron-LM's trainer against ours: 9.09% apart (ABOVE 2 %)")
