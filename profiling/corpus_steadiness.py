@@ -1,0 +1,125 @@
+"""How steady each iteration's time per real token can be on a corpus, by the simulator
+(issue 35, acceptance 1: within 5 % of the run's median from iteration 5 on).
+
+The trainer's own document order (megatron/trainer/data/documents.py, --split and --seed as
+the trainer reads them) and its microbatch plan (data/microbatches.py: --group-by-length,
+--pad-to-multiple, and --microbatch-tokens where given) give each iteration's microbatches;
+a microbatch costs its rows x padded length, its attention's share growing with the length
+(1 + length / (6 x hidden), the FLOPs of one layer per token), the same on every stage. The
+simulator (megatron/dpp/simulator.py, backward twice the forward, half of it W) runs 1F1B and
+ZB-H1 fed DPP's cost order and DPP's rule on each iteration; a row gives the largest
+deviation of an iteration's makespan per real token from the median over the iterations
+after the warm-up. No host cost, hop or recording: what the microbatches alone make vary.
+
+    python profiling/corpus_steadiness.py --data-path /tmp/varlen/corpus_text_document \
+        --microbatch-tokens 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron.dpp.baselines import largest_deviation  # noqa: E402
+from megatron.dpp.plan import StageConfig  # noqa: E402
+from megatron.dpp.policy import microbatch_order_for  # noqa: E402
+from megatron.dpp.simulator import CostModel, Durations, simulate  # noqa: E402
+from megatron.trainer.data.documents import (  # noqa: E402
+    DocumentDataConfig,
+    build_document_datasets,
+)
+from megatron.trainer.data.microbatches import BatchLayout, plan_global_batch  # noqa: E402
+
+SCHEDULES = ("1f1b ordered", "zb-h1 ordered", "dpp")
+
+
+def iteration_costs(dataset, layout: BatchLayout, iteration: int,
+                    hidden_size: int) -> tuple[list[float], int]:
+    """Each microbatch's cost (in 1,000s of token-layers) and the real tokens of one
+    iteration, on data-parallel rank 0."""
+    plan = plan_global_batch(dataset, iteration * layout.global_batch_size, layout)
+    costs = [len(rows) * length * (1 + length / (6 * hidden_size)) / 1000
+             for rows, length in zip(plan.samples[0], plan.lengths[0], strict=True)]
+    return costs, sum(plan.real_tokens[0])
+
+
+def per_real_token(costs: list[float], real_tokens: int, pp_size: int) -> dict[str, float]:
+    """Each schedule's makespan over the iteration's real tokens."""
+    model = CostModel()
+    backward = model.backward_ratio * model.forward
+    durations = Durations(
+        [[model.forward * c for c in costs] for _ in range(pp_size)],
+        [[backward * (1 - model.weight_share) * c for c in costs] for _ in range(pp_size)],
+        costs,
+        [[backward * model.weight_share * c for c in costs] for _ in range(pp_size)])
+    m = len(costs)
+    order = microbatch_order_for(StageConfig(0, pp_size, 1, m, slack=0, split_backward=True),
+                                 costs)
+    runs = {
+        "1f1b ordered": simulate("1f1b", pp_size, m, durations, microbatch_order=order),
+        "zb-h1 ordered": simulate("zb-h1", pp_size, m, durations, microbatch_order=order),
+        "dpp": simulate("dpp", pp_size, m, durations, slack=0, microbatch_costs=costs,
+                        microbatch_order=order, split_backward=True),
+    }
+    return {name: result.makespan / real_tokens for name, result in runs.items()}
+
+
+def steadiness(dataset, layout: BatchLayout, pp_size: int, hidden_size: int, iterations: int,
+               warmup: int) -> dict:
+    """The microbatch counts met and each schedule's largest deviation after `warmup`."""
+    times = {name: [] for name in SCHEDULES}
+    counts = []
+    for iteration in range(iterations):
+        costs, real_tokens = iteration_costs(dataset, layout, iteration, hidden_size)
+        counts.append(len(costs))
+        for name, value in per_real_token(costs, real_tokens, pp_size).items():
+            times[name].append(value)
+    return {"microbatches": (min(counts), max(counts)),
+            **{name: largest_deviation(values[warmup:]) for name, values in times.items()}}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data-path", required=True, help="a .bin/.idx prefix")
+    parser.add_argument("--split", default="98,1,1")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--seq-length", type=int, default=2048)
+    parser.add_argument("--hidden-size", type=int, default=2048)
+    parser.add_argument("--pp", type=int, default=4)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--global-batch-size", type=int, default=32)
+    parser.add_argument("--pad-to-multiple", type=int, default=128)
+    parser.add_argument("--microbatch-tokens", type=int, default=None,
+                        help="also a row with this token budget per microbatch")
+    parser.add_argument("--iterations", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=4, help="iterations left out")
+    args = parser.parse_args(argv)
+    samples = args.iterations * args.global_batch_size
+    train, _, _ = build_document_datasets(
+        DocumentDataConfig([args.data_path], None, args.split, args.seq_length, args.seed),
+        (samples, 0, 0))
+    layouts = {f"{args.micro_batch_size} rows, grouped by length": BatchLayout(
+        args.micro_batch_size, args.global_batch_size, group_by_length=True,
+        pad_to_multiple=args.pad_to_multiple)}
+    if args.microbatch_tokens is not None:
+        layouts[f"token budget {args.microbatch_tokens}, grouped by length"] = BatchLayout(
+            args.micro_batch_size, args.global_batch_size, group_by_length=True,
+            pad_to_multiple=args.pad_to_multiple, microbatch_tokens=args.microbatch_tokens)
+    lines = [f"largest deviation of the time per real token from the median, iterations "
+             f"{args.warmup + 1}-{args.iterations}, PP={args.pp}",
+             f"{'microbatches':40s} {'count':>8s} " + " ".join(f"{s:>14s}" for s in SCHEDULES)]
+    for name, layout in layouts.items():
+        row = steadiness(train, layout, args.pp, args.hidden_size, args.iterations,
+                         args.warmup)
+        low, high = row["microbatches"]
+        lines.append(f"{name:40s} {f'{low}-{high}':>8s} "
+                     + " ".join(f"{row[s]:14.1%}" for s in SCHEDULES))
+    sys.stdout.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
