@@ -5,6 +5,7 @@ microbatches' backwards run in."""
 from __future__ import annotations
 
 import contextlib
+import time
 
 import pytest
 import torch
@@ -298,3 +299,41 @@ def test_bucket_shapes_are_the_padded_lengths_known_in_advance():
         (24, 1, 64), (24, 2, 64), (32, 1, 64), (32, 2, 64))
     args.microbatch_tokens, args.global_batch_size = 32 * 40, 1000  # 333 shapes
     assert bucket_shapes(args) == ()
+
+
+class _SlowRecorder:
+    """Stands in for a block's graphs: every record_warm() takes `seconds`."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def record_warm(self) -> int:
+        time.sleep(self.seconds)
+        return 1 if self.seconds else 0
+
+
+def _warm_shapes_rank(rank):
+    from types import SimpleNamespace
+
+    from megatron.trainer.run.training import record_warm_shapes
+
+    torch.distributed.init_process_group("gloo")
+    trainer = SimpleNamespace(block_graphs=[_SlowRecorder(2.0 if rank == 0 else 0.0)],
+                              graphs_settled=False)
+    took = []
+    for _ in range(2):
+        started = time.monotonic()
+        record_warm_shapes(trainer)
+        took.append(time.monotonic() - started)
+    torch.distributed.destroy_process_group()
+    return took, trainer.graphs_settled
+
+
+def test_after_the_first_step_the_ranks_wait_for_each_others_recordings():
+    """Rank 0 records for 2 s after each step, rank 1 nothing: after the first step rank 1
+    waits for rank 0 (so its next step does not start waiting on a recording peer), after
+    later steps it does not."""
+    (first_took, settled0), (other_took, settled1) = run_ranks(2, _warm_shapes_rank)
+    assert settled0 and settled1
+    assert first_took[0] >= 2.0 and other_took[0] >= 1.5, (first_took, other_took)
+    assert other_took[1] < 1.0, other_took

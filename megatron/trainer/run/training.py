@@ -104,8 +104,10 @@ class Trainer:
     checkpointer: checkpointing.Checkpointer | None = None  # None: no --save / --load
     # --rerun-mode: megatron-core's rerun state machine (installed by setup)
     reruns: ResultValidation = field(default_factory=lambda: ResultValidation(RerunConfig()))
-    # --cuda-graph-impl block: each transformer block's graphs (model/cuda_graphs.py)
+    # --cuda-graph-impl block: each transformer block's graphs (model/cuda_graphs.py), and
+    # whether the ranks have met after the first step's recordings (record_warm_shapes)
     block_graphs: list = field(default_factory=list)
+    graphs_settled: bool = False
 
     @property
     def reporting(self) -> bool:
@@ -391,10 +393,8 @@ def train_step(trainer: Trainer, iterator) -> dict:
         updated, grad_norm, num_zeros = trainer.optimizer.step()
     optimizer.stop()
     trainer.tracer.end_iteration()
-    # between steps, with no microbatch in flight: the length buckets that lanes made in
-    # this step still miss (at once in the first step, so no later one records)
-    for graphs in trainer.block_graphs:
-        graphs.record_warm()
+    if trainer.block_graphs:
+        record_warm_shapes(trainer)
     if updated:
         trainer.scheduler.step(increment=batch)
     else:
@@ -411,6 +411,20 @@ def train_step(trainer: Trainer, iterator) -> dict:
         "batch": batch,
         "sequences": sequences,
     }
+
+
+def record_warm_shapes(trainer: Trainer) -> None:
+    """Between steps, with no microbatch in flight: record the length buckets that lanes
+    made in this step still miss (all of them after the first step, so no later step
+    records). After the first step the ranks then meet at a barrier: a first stage records
+    more lanes than the last, and a peer waiting for its next step's first message would
+    otherwise count those seconds against --dpp-timeout."""
+    recorded = sum(graphs.record_warm() for graphs in trainer.block_graphs)
+    if not trainer.graphs_settled:
+        log.info("CUDA graphs: %d bucket slots recorded after the first step; waiting for "
+                 "every rank's", recorded)
+        dist.barrier()
+        trainer.graphs_settled = True
 
 
 def _stop_on_verdict(trainer: Trainer, verdict) -> None:
