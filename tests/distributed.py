@@ -7,7 +7,8 @@ the CPU tests mean CPU processes on gloo, also on a machine that has GPUs.
 
 CPU ranks are forked from a server that imported torch, megatron.core and the trainer once
 (per test process): importing them took 3-5 s of CPU in every rank, most of the suite's CPU
-time. Each rank then takes the caller's environment as it is at the call, as a spawned
+time (tests/forkserver_preload.py: what else every training would redo, and a smaller mock
+dataset). Each rank then takes the caller's environment as it is at the call, as a spawned
 process would. GPU ranks are spawned: the server runs without visible GPUs.
 """
 
@@ -23,7 +24,7 @@ import traceback
 import warnings
 
 DEFAULT_TIMEOUT = 240
-PRELOADED = ["torch", "megatron.core", "megatron.trainer.run.training"]
+PRELOADED = ["torch", "megatron.core", "megatron.trainer.run.training", "tests.forkserver_preload"]
 
 
 # Below Linux's ephemeral range (32768-60999): a port the kernel hands out is also what the

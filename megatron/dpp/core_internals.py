@@ -191,6 +191,13 @@ def _source(internal: Internal) -> str:
         head = path.split(".")[0]
         if len(path.split(".")) > 1 and inspect.isclass(getattr(owner, head, None)):
             owner = getattr(owner, head)
+    return _getsource(owner)
+
+
+@functools.cache
+def _getsource(owner) -> str:
+    """Reading and tokenizing megatron-core's files took about a second a start-up; a process
+    that starts several runs (or forks its ranks from one that verified) reads them once."""
     try:
         return inspect.getsource(owner)
     except (OSError, TypeError):
