@@ -284,7 +284,8 @@ def test_bucket_shapes_are_the_padded_lengths_known_in_advance():
     """--pad-to-multiple 8 at --seq-length 32: the four block inputs a lane records by the
     end of its first step; with a token budget every row count it allows at each length,
     up to a global batch's samples; none where the shapes are too many."""
-    from megatron.trainer.model.cuda_graphs import MAX_WARM_SHAPES, bucket_shapes
+    from megatron.trainer.data.microbatches import MAX_WARM_SHAPES
+    from megatron.trainer.model.cuda_graphs import bucket_shapes
 
     args = parse_args([*TINY_GPT, "--seq-length-cv", "0.5", "--pad-to-multiple", "8"],
                       world_size=1)

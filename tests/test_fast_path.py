@@ -74,19 +74,24 @@ def test_conditions_that_need_a_gpu_to_train_name_their_reason(flags, machine, f
     assert reason in line
 
 
-def test_variable_lengths_keep_graphs_per_bucket_but_a_token_budget_falls_back():
-    """Buckets known in advance are graphed by default; a token budget's row counts are not
-    known in advance, so its run falls back with the reason named."""
+def test_variable_lengths_keep_graphs_while_their_shapes_are_known_in_advance():
+    """Buckets known in advance are graphed by default, with a token budget too (a row
+    count per length); where the shapes are too many the run falls back, the reason named."""
     flags = [flag for flag in FLAGS if flag != "--mock-data"]
     documents = [*flags, "--variable-seq-lengths", "--data-path", "documents"]
     args = _resolved(documents)
     assert args.cuda_graph_impl == "block" and args.fast_path_fallbacks == []
     assert _resolved([*FLAGS, "--seq-length-cv", "0.5"]).cuda_graph_impl == "block"
     args = _resolved([*documents, "--microbatch-tokens", "64"])
+    assert args.cuda_graph_impl == "block" and args.fast_path_fallbacks == []
+    # 16 lengths of 8 up to 128, each at up to the global batch's 8 rows: 128 shapes
+    many = [*with_flags(documents, seq_length=128, max_position_embeddings=128),
+            "--pad-to-multiple", "8", "--microbatch-tokens", "1024"]
+    args = _resolved(many)
     (line,) = args.fast_path_fallbacks
     assert args.cuda_graph_impl == "none"
     assert line.startswith(fast_path.CUDA_GRAPHS + " off: ")
-    assert fast_path.TOKEN_BUDGET_SHAPES in line
+    assert "--microbatch-tokens 1024 allows more than 64 shapes" in line
     # lengths padded to 1 token at --seq-length 16: 16 shapes, still recorded in advance;
     # at --seq-length 128, 128 of them are not
     assert _resolved([*FLAGS, "--seq-length-cv", "0.5", "--pad-to-multiple", "1"]

@@ -75,6 +75,29 @@ def padded_length(longest: int, pad_to_multiple: int = 1, max_length: int | None
     return length if max_length is None else min(length, max(max_length, longest))
 
 
+# beyond this many microbatch shapes a run's CUDA graphs record each when it first comes
+# instead of all by the end of the first step (model/cuda_graphs.py)
+MAX_WARM_SHAPES = 64
+
+
+def shapes_by_length(seq_length: int, pad_to_multiple: int, micro_batch_size: int,
+                     microbatch_tokens: int | None, samples: int) -> dict[int, range] | None:
+    """The padded lengths a run of variable lengths can meet, each with the row counts its
+    microbatches can have there: --micro-batch-size, or with a token budget every count the
+    budget allows (rows x length <= it, at most `samples`, a global batch's on one DP rank).
+    None where the shapes are more than MAX_WARM_SHAPES."""
+    if seq_length / pad_to_multiple > MAX_WARM_SHAPES:
+        return None
+    lengths = sorted({padded_length(k * pad_to_multiple, 1, seq_length)
+                      for k in range(1, math.ceil(seq_length / pad_to_multiple) + 1)})
+    if microbatch_tokens is None:
+        rows = {length: range(micro_batch_size, micro_batch_size + 1) for length in lengths}
+    else:
+        rows = {length: range(1, min(microbatch_tokens // length, samples) + 1)
+                for length in lengths}
+    return rows if sum(map(len, rows.values())) <= MAX_WARM_SHAPES else None
+
+
 @dataclass(frozen=True)
 class BatchLayout:
     """How a global batch becomes microbatches (the same on every rank)."""

@@ -40,13 +40,13 @@ import dataclasses
 import functools
 import gc
 import logging
-import math
 
 import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_block import TransformerBlock
 
 from megatron.dpp.weight_grad import WeightGradStore, weight_grads_deferred
+from megatron.trainer.data.microbatches import shapes_by_length
 from megatron.trainer.model.graph_slots import GraphMemoryBudget, ShapeSlots, SlotLeak
 
 log = logging.getLogger(__name__)
@@ -375,28 +375,15 @@ def install_block_graphs(model_chunks, args, device: torch.device,
     return installed
 
 
-MAX_WARM_SHAPES = 64  # beyond this many shapes, each is recorded on its first use
-# (and the fast path leaves graphs off by default: config/fast_path.py MAX_GRAPHED_LENGTHS)
-
-
 def bucket_shapes(args) -> tuple[tuple[int, ...], ...]:
     """The block input shapes [s, b, h] a run of variable lengths can meet, when they are
-    known in advance: every multiple of --pad-to-multiple up to --seq-length, at
-    --micro-batch-size rows, or with a token budget at every row count it allows (rows x
-    length <= --microbatch-tokens, at most a global batch's samples per data-parallel rank);
-    sequence parallelism splits s. Empty where they are more than MAX_WARM_SHAPES."""
-    multiple = args.pad_to_multiple or 1
-    if args.seq_length / multiple > MAX_WARM_SHAPES:
-        return ()
-    lengths = sorted({min(k * multiple, args.seq_length)
-                      for k in range(1, math.ceil(args.seq_length / multiple) + 1)})
-    if args.microbatch_tokens is None:
-        rows_by_length = {length: [args.micro_batch_size] for length in lengths}
-    else:
-        samples = args.global_batch_size // args.data_parallel_size
-        rows_by_length = {length: range(1, min(args.microbatch_tokens // length, samples) + 1)
-                          for length in lengths}
-    if sum(len(rows) for rows in rows_by_length.values()) > MAX_WARM_SHAPES:
+    known in advance (microbatches.shapes_by_length: every multiple of --pad-to-multiple up
+    to --seq-length, at --micro-batch-size rows or at every row count a token budget
+    allows); sequence parallelism splits s. Empty where they are more than MAX_WARM_SHAPES."""
+    rows_by_length = shapes_by_length(
+        args.seq_length, args.pad_to_multiple or 1, args.micro_batch_size,
+        args.microbatch_tokens, args.global_batch_size // args.data_parallel_size)
+    if rows_by_length is None:
         return ()
     split = args.tensor_model_parallel_size if args.sequence_parallel else 1
     return tuple((length // split, rows, args.hidden_size)
