@@ -196,9 +196,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=240, help="seconds per run")
     parser.add_argument("--extra", default="", help="flags added to every run")
     # on 4 x H200 (session 5) one trainer's DPP / 1F1B ratio at PP=2 moved by up to 9 %
-    # between runs of the same flags: the bf16 runs again in turn, each ratio the median
+    # between runs of the same flags: the bf16 runs again, each ratio the median
     parser.add_argument("--repeats", type=int, default=1,
-                        help="runs of the bf16 pairs, in turn (1F1B, DPP, 1F1B, DPP, ...)")
+                        help="passes over the bf16 runs, every other one in reverse order")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: at least 1")
@@ -209,10 +209,8 @@ def main() -> None:
 
     results = {}
     for repeat in range(args.repeats):
-        for name in args.runs.split(","):
+        for name in run_order(args.runs.split(","), repeat):
             trainer, precision, flags = RUNS[name]
-            if precision == "fp32" and repeat > 0:  # losses: one run says it
-                continue
             model = FP32_MODEL if precision == "fp32" else BF16_MODEL
             iters = args.fp32_iters if precision == "fp32" else args.bf16_iters
             program, cwd, env = programs[trainer]
@@ -224,6 +222,17 @@ def main() -> None:
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "summary.txt").write_text("\n".join(lines) + "\n")
     log.info("%s", "\n".join(lines))
+
+
+def run_order(names: list[str], repeat: int) -> list[str]:
+    """The runs of the `repeat`-th pass: the fp32 ones in the first only (their losses say
+    it once), the bf16 ones in the given order on even passes and reversed on odd ones, so
+    that a machine drifting through the passes (clocks, temperature: the first run of a
+    session was the slowest in sessions 5-6) weighs on both trainers' pairs alike."""
+    bf16 = [name for name in names if RUNS[name][1] == "bf16"]
+    if repeat > 0:
+        return bf16 if repeat % 2 == 0 else bf16[::-1]
+    return names
 
 
 def repeat_name(name: str, repeat: int) -> str:

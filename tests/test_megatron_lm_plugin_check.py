@@ -89,3 +89,13 @@ def test_summary_takes_each_trainers_median_ratio_over_the_repeats():
     first = {name: r for name, r in results.items() if not name[-1].isdigit()}
     assert megatron_lm_plugin_check.summary_lines(first, warmup=1)[-1] == (
         "DPP/1F1B ratio, Megatron-LM's trainer against ours: 9.09% apart (ABOVE 2 %)")
+
+
+def test_repeats_run_the_bf16_pairs_forward_then_reversed():
+    """The fp32 runs once; each later pass over the bf16 runs reverses the previous one's
+    order, so the run that went first (the slowest of a session on the GPUs) goes last."""
+    names = ["mlm-fp32-1f1b", "mlm-bf16-1f1b", "mlm-bf16-dpp", "ours-bf16-1f1b", "ours-bf16-dpp"]
+    order = megatron_lm_plugin_check.run_order
+    assert order(names, 0) == names
+    assert order(names, 1) == ["ours-bf16-dpp", "ours-bf16-1f1b", "mlm-bf16-dpp", "mlm-bf16-1f1b"]
+    assert order(names, 2) == names[1:]

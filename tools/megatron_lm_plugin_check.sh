@@ -17,8 +17,8 @@
 # INSTALL=0: no install; what `bash prerequisite.sh` installed runs (its megatron-core wheel
 # from .whl/ and this checkout, editable), which saves about a minute of a GPU call.
 # RUNS: a comma-separated subset of the check's runs (default: all seven); EXTRA: flags added
-# to every run (e.g. what a Megatron-LM release's validate_args asks for); REPEATS: runs of
-# the bf16 pairs, in turn, each trainer's ratio their median (default 1).
+# to every run (e.g. what a Megatron-LM release's validate_args asks for); REPEATS: passes over
+# the bf16 runs, every other one reversed, each trainer's ratio their median (default 1).
 # Checkpoints between Megatron-LM's trainer and ours (acceptance 3):
 # tools/megatron_lm_checkpoint_check.sh OUT, after `bash prerequisite.sh`.
 set -uo pipefail
