@@ -88,7 +88,7 @@ def shapes_by_length(seq_length: int, pad_to_multiple: int, micro_batch_size: in
     None where the shapes are more than MAX_WARM_SHAPES."""
     if seq_length / pad_to_multiple > MAX_WARM_SHAPES:
         return None
-    lengths = sorted({padded_length(k * pad_to_multiple, 1, seq_length)
+    lengths = sorted({min(k * pad_to_multiple, seq_length)
                       for k in range(1, math.ceil(seq_length / pad_to_multiple) + 1)})
     if microbatch_tokens is None:
         rows = {length: range(micro_batch_size, micro_batch_size + 1) for length in lengths}
