@@ -292,7 +292,6 @@ def test_bucket_shapes_are_the_padded_lengths_known_in_advance():
     assert bucket_shapes(args) == tuple((n, 2, 64) for n in (8, 16, 24, 32))
     args.seq_length = 30  # the last bucket is the sequence's length, not the next multiple
     assert bucket_shapes(args) == tuple((n, 2, 64) for n in (8, 16, 24, 30))
-    args.seq_length = 32
     args.seq_length = 8 * (MAX_WARM_SHAPES + 1)  # more lengths: each on first use
     assert bucket_shapes(args) == ()
     # 64 tokens: 8 rows of 8 (capped at the 6 samples of a global batch), 4 of 16, 2 of 24
