@@ -188,6 +188,10 @@ for suffix, graph_flags in GRAPH_CHOICES.items():
                                       *graph_flags],
         f"docs-dpp-tokens{suffix}": ["--corpus", "--variable-seq-lengths", *TOKEN_BUDGET,
                                      *VARIABLE_SCHEDULES["dpp"], *graph_flags],
+        # each W deferred as ZB-H1 defers them (the default runs it right after its B)
+        f"docs-dpp-tokens-deferred{suffix}": ["--corpus", "--variable-seq-lengths",
+                                              *TOKEN_BUDGET, *VARIABLE_SCHEDULES["dpp"],
+                                              "--dpp-defer-weights", *graph_flags],
     }
     for schedule, schedule_flags in VARIABLE_SCHEDULES.items():
         CONFIGS[f"docs-{schedule}{suffix}"] = ["--corpus", "--variable-seq-lengths",
@@ -240,7 +244,9 @@ RATIOS = (
           ("dpp-nosplit", "1f1b-cost"), ("dpp", "dpp-nosplit"), ("1f1b-cost", "1f1b"))),
     *((f"docs-{a}{graphs}", f"docs-{b}{graphs}") for graphs in GRAPH_CHOICES
       for a, b in (("dpp-tokens", "dpp"), ("1f1b-tokens", "1f1b"), ("dpp", "packed"),
-                   ("dpp-tokens", "1f1b-tokens"), ("dpp-tokens", "packed"))),
+                   ("dpp-tokens", "1f1b-tokens"), ("dpp-tokens", "packed"),
+                   ("dpp-tokens", "dpp-tokens-deferred"),
+                   ("dpp-tokens-deferred", "1f1b-tokens"))),
     *((f"docs-grouped-dpp{graphs}", f"docs-packed{graphs}") for graphs in GRAPH_CHOICES),
 )
 # variable lengths: ratios of real (non-pad) tokens/s, where padding is what differs

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron.dpp.plan import StageConfig, static_order
 from megatron.dpp.policy import cost_order
 from megatron.dpp.transport import native
 from megatron.trainer.data.data import variable_length
@@ -104,6 +105,9 @@ CASES = {
                                   "--virtual-pipeline-model-parallel-size", "2",
                                   "--decoder-first-pipeline-num-layers", "4"]),
     "pp4": (4, 4, 12, ["--pipeline-model-parallel-size", "4", *SPLIT]),
+    # each W deferred as ZB-H1 defers them (the default runs it right after its B)
+    "pp4_deferred": (4, 4, 12, ["--pipeline-model-parallel-size", "4", *SPLIT,
+                                "--dpp-defer-weights"]),
     "pp4_vpp2": (4, 8, 16, ["--pipeline-model-parallel-size", "4",
                             "--virtual-pipeline-model-parallel-size", "2", *SPLIT]),
     "tp2_pp2": (4, 4, 8, ["--pipeline-model-parallel-size", "2",
@@ -200,14 +204,22 @@ def test_dpp_decides_at_simulated_gpu_time():
 
 
 def test_static_replay_equals_core():
-    """--dpp-static: the plan (interleaved, with the split its zero-bubble order) run in
-    order on the DPP runtime gives megatron-core's losses and gradients."""
+    """--dpp-static: the plan (interleaved, with the split and the W deferred its
+    zero-bubble order) run in order on the DPP runtime gives megatron-core's losses and
+    gradients."""
     world, layers, batch, extra = CASES["pp2_vpp2"]
-    flags = _flags(layers, batch, *extra, "--dpp-static", "--dpp-transport", "torch")
+    flags = _flags(layers, batch, *extra, "--dpp-static", "--dpp-defer-weights",
+                   "--dpp-transport", "torch")
     results = run_ranks(world, compare_schedules, flags, world,
                         env={"DPP_TEST_DELIVERY_JITTER_MS": "5"})
     _check_dpp_matches_core(results)
-    _check_split(results, _chunks(extra), _microbatches(world, batch, extra))
+    chunks, m = _chunks(extra), _microbatches(world, batch, extra)
+    _check_split(results, chunks, m)
+    for rank, r in enumerate(results):  # the B and W tasks ran in the deferred plan's order
+        plan = static_order(StageConfig(rank, world, chunks, m, split_backward=True,
+                                        defer_weights=True))
+        assert r["split_calls"] == [(t.kind, (t.chunk, t.microbatch)) for t in plan
+                                    if t.kind != "F"]
 
 
 def test_dropout_keyed_by_microbatch_not_by_order():

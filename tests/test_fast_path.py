@@ -109,12 +109,25 @@ PP2_DPP = [*FLAGS, "--use-dpp", "--pipeline-model-parallel-size", "2"]
 def test_use_dpp_alone_splits_the_backward_under_graphs_at_1f1b_memory():
     args = _resolved(PP2_DPP, world_size=2)
     assert (args.dpp_split_backward, args.dpp_max_inflight, args.cuda_graph_impl,
-            args.dpp_static) == (True, 0, "block", True)
-    split, static, chunks = args.fast_path_fallbacks
+            args.dpp_static, args.dpp_defer_weights) == (True, 0, "block", True, False)
+    split, placement, static, chunks = args.fast_path_fallbacks
     assert split.startswith(fast_path.SPLIT_BACKWARD + " on by default") and "slack 0" in split
+    assert "right after its B" in placement and "--dpp-defer-weights" in placement
     assert "--dpp-static" in static and "--virtual-pipeline-model-parallel-size 2" in chunks
-    given = _resolved([*PP2_DPP, "--dpp-max-inflight", "2"], world_size=2)
-    assert (given.dpp_split_backward, given.dpp_max_inflight) == (True, 2)
+    given = _resolved([*PP2_DPP, "--dpp-max-inflight", "2", "--dpp-defer-weights"],
+                      world_size=2)
+    assert (given.dpp_split_backward, given.dpp_max_inflight, given.dpp_defer_weights) == (
+        True, 2, True)
+    assert not [line for line in given.fast_path_fallbacks if "right after its B" in line]
+
+
+@pytest.mark.parametrize("flags", [[], ["--no-dpp-split-backward"]], ids=["pp1", "unsplit"])
+def test_the_weight_deferral_needs_dpps_split(flags):
+    """--dpp-defer-weights places DPP's W tasks: refused where there are none to place."""
+    base = FLAGS if not flags else [*PP2_DPP, *flags]
+    with pytest.raises(ArgumentError, match="--dpp-defer-weights places the W tasks"):
+        _resolved([*base, "--dpp-split-backward" if not flags else "--no-dpp-static",
+                   "--dpp-defer-weights"], world_size=1 if not flags else 2)
 
 
 def test_variable_lengths_run_the_plan_in_order_too():

@@ -79,7 +79,8 @@ def test_flags_are_registered_and_without_use_dpp_nothing_is_patched(trainer, pa
     assert trainer.training.get_forward_backward_func is core_function
     args, provider = parse(*PP2, "--no-gradient-accumulation-fusion")
     assert layers._grad_accum_fusion_available == available
-    assert (args.use_dpp, args.dpp_split_backward, args.dpp_static) == (False, False, False)
+    assert (args.use_dpp, args.dpp_split_backward, args.dpp_static, args.dpp_defer_weights) == (
+        False, False, False, DEFAULTS.defer_weights)
     assert args.dpp_max_inflight is None
     assert (args.dpp_transport, args.dpp_timeout) == (DEFAULTS.transport, DEFAULTS.timeout)
     assert provider.plugin is None
@@ -151,6 +152,8 @@ def test_a_script_provider_is_kept(parse):
     (PP2 + ["--dpp-split-backward", "--transformer-impl", "local"],
      "--dpp-split-backward needs --use-dpp"),
     (PP2 + ["--dpp-static"], "--dpp-static needs --use-dpp"),
+    (PP2 + ["--dpp-defer-weights"], "--dpp-defer-weights needs --use-dpp"),
+    (PP2 + ["--use-dpp", "--dpp-defer-weights"], "--dpp-defer-weights places the W tasks"),
     (PP2 + ["--use-dpp", "--overlap-param-gather"], "--overlap-param-gather is not supported"),
     (PP2 + ["--use-dpp", "--cuda-graph-impl", "full_iteration"],
      "--cuda-graph-impl full_iteration"),
@@ -192,9 +195,9 @@ def test_split_backward_installs_the_store_and_the_weight_gradient_kernel(traine
 
     available = layers._grad_accum_fusion_available
     args, provider = parse(*PP2, "--use-dpp", "--dpp-split-backward", "--transformer-impl",
-                           "local")
+                           "local", "--dpp-defer-weights")
     schedule = trainer.training.get_forward_backward_func()
-    assert schedule.weight_grads is not None
+    assert schedule.weight_grads is not None and schedule.options.defer_weights
     assert layers._grad_accum_fusion_available
     assert hasattr(layers.fused_weight_gradient_mlp_cuda, "wgrad_gemm_accum_fp32")
     provider.close()

@@ -158,6 +158,9 @@ def test_zb_h1_holds_rank_0s_count_and_cuts_the_bubble_to_p_minus_1(p, m):
                     split_skeleton(plan_skeleton(StageConfig(r, p, 1, m)), 0)] for r in range(p)]
     strict = check_plans(right_after, PipelineTopology(p), m)
     assert strict.peak_in_flight == [min(p - r, m) for r in range(p)]
+    # what StageConfig.defer_weights=False plans
+    assert right_after == [static_order(StageConfig(r, p, 1, m, split_backward=True,
+                                                    defer_weights=False)) for r in range(p)]
     if m >= p:
         assert strict.makespan == 3 * m + 2 * p - 2
 

@@ -25,7 +25,7 @@ from megatron.dpp.policy import (
     plan_extra_warmup,
     simulated_makespan,
 )
-from megatron.dpp.simulator import CostModel, sample_durations, simulate
+from megatron.dpp.simulator import CostModel, replay, sample_durations, simulate
 from megatron.dpp.topology import PipelineTopology
 
 # (pp_size, num_chunks, num_microbatches): m not a multiple of p only where megatron allows
@@ -107,12 +107,14 @@ def test_megatron_limits_are_named():
         StageConfig(0, 4, slack=-1)
 
 
-def pipeline_run(p, chunks, m, slack, rng, split_backward=False, weight_slices=1):
+def pipeline_run(p, chunks, m, slack, rng, split_backward=False, weight_slices=1,
+                 defer_weights=True):
     """Drive all ranks' policies with a random interleaving of who runs next; each run
     task's output arrives at the neighbour after a random number of steps. A W run in
     parts enters the order at its last part."""
     stages = [StageConfig(r, p, chunks, m, slack=slack, split_backward=split_backward,
-                          weight_slices=weight_slices) for r in range(p)]
+                          defer_weights=defer_weights, weight_slices=weight_slices)
+              for r in range(p)]
     parts = {}
     policies = [GreedyPolicy(s) for s in stages]
     topology = PipelineTopology(p, chunks)
@@ -167,21 +169,25 @@ def test_random_arrivals_keep_invariants(p, chunks, m, slack):
 @pytest.mark.parametrize("p,chunks,m", CONFIGS)
 @pytest.mark.parametrize("slack", [0, 2])
 @pytest.mark.parametrize("weight_slices", [1, 3])
+@pytest.mark.parametrize("defer", [True, False], ids=["deferred", "after-b"])
 def test_split_backward_keeps_both_caps_under_random_arrivals(p, chunks, m, slack,
-                                                              weight_slices):
+                                                              weight_slices, defer):
     """B and W tasks: each W after its B, each kind in the plan's order per chunk, every
     task once (a W in parts: `weight_slices` times, counted once); from F to B at most
-    this rank's 1F1B count (+ slack), from F to W at most rank 0's (+ slack)."""
+    this rank's 1F1B count (+ slack), from F to W at most rank 0's (+ slack) with the W
+    deferred, this rank's own (+ slack) without."""
     rng = random.Random(p * 1000 + chunks * 100 + m + slack)
     for _ in range(3):
         stages, policies, orders = pipeline_run(p, chunks, m, slack, rng, split_backward=True,
-                                                weight_slices=weight_slices)
+                                                weight_slices=weight_slices,
+                                                defer_weights=defer)
         for stage, policy, order in zip(stages, policies, orders, strict=True):
             weights = sum(task.kind == WEIGHT for task in order)
             assert policy.num_decisions == len(order) + (weight_slices - 1) * weights
             assert sorted(order) == sorted(static_order(stage))
             assert policy.activation_cap == min(static_peak(stage) + slack, m * chunks)
-            assert policy.cap == min(static_peak(replace(stage, rank=0)) + slack, m * chunks)
+            holder = replace(stage, rank=0) if defer else stage
+            assert policy.cap == min(static_peak(holder) + slack, m * chunks)
             assert max(in_flight_profile(order, BACKWARD)) <= policy.activation_cap
             assert max(in_flight_profile(order)) <= policy.cap
             for c in range(chunks):
@@ -510,14 +516,15 @@ def test_known_costs_keep_every_invariant_under_random_arrivals(slack):
             assert [t.microbatch for t in done[r] if t.kind == kind] == order
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_token_cap_holds_under_variance(split):
+@pytest.mark.parametrize(("split", "defer"), [(False, False), (True, True), (True, False)],
+                         ids=["whole", "deferred", "after-b"])
+def test_token_cap_holds_under_variance(split, defer):
     """Given token counts, no rank ever holds more than its cost cap; at slack 0 no more
-    than the static schedule fed the same order (1F1B, or ZB-H1 with the split) on that
-    rank; and the runs still finish in the order's plan."""
+    than the static schedule fed the same order (1F1B; with the split ZB-H1, or 1F1B's
+    order with each W after its B) on that rank; and the runs still finish in the order's
+    plan."""
     from megatron.dpp.baselines import held_cost_peaks
 
-    static = "zb-h1" if split else "1f1b"
     for p, slack, seed in [(2, 0, 1), (4, 0, 2), (4, 2, 3), (4, 1, 4), (8, 2, 5)]:
         m = 4 * p
         durations = sample_durations(CostModel(cv=1.0, jitter=0.5), p, 1, m, seed,
@@ -526,19 +533,25 @@ def test_token_cap_holds_under_variance(split):
         order = microbatch_order_for(StageConfig(0, p, 1, m, slack=slack,
                                                  split_backward=split), costs)
         dpp = simulate("dpp", p, m, durations, slack=slack, microbatch_costs=costs,
-                       microbatch_order=order, split_backward=split, record=True)
+                       microbatch_order=order, split_backward=split, record=True,
+                       defer_weights=defer)
         held = held_cost_peaks(dpp, costs, split)
-        caps = [GreedyPolicy(StageConfig(r, p, 1, m, slack=slack, split_backward=split),
-                             microbatch_order=order, costs=costs).cost_cap for r in range(p)]
+        stages = [StageConfig(r, p, 1, m, slack=slack, split_backward=split,
+                              defer_weights=defer) for r in range(p)]
+        caps = [GreedyPolicy(stage, microbatch_order=order, costs=costs).cost_cap
+                for stage in stages]
         assert all(h <= c * (1 + 1e-12) for h, c in zip(held, caps, strict=True)), (p, slack)
-        if slack == 0:
-            fixed = simulate(static, p, m, durations, microbatch_order=order, record=True)
-            assert caps == pytest.approx(held_cost_peaks(fixed, costs, split)), p
-        else:
-            dearest = sum(sorted(costs, reverse=True)[:slack])
-            fixed = simulate(static, p, m, durations, microbatch_order=order, record=True)
+        fixed = replay([static_order(replace(stage, slack=0), order) for stage in stages],
+                       durations, record=True)
+        dearest = sum(sorted(costs, reverse=True)[:slack])
+        assert caps == pytest.approx([f + dearest for f in
+                                      held_cost_peaks(fixed, costs, split)]), p
+        if split and not defer:
+            # each rank's cap at its own 1F1B's, below what ZB-H1 lets the later ranks hold
+            one_f_one_b = simulate("1f1b", p, m, durations, microbatch_order=order,
+                                   record=True)
             assert caps == pytest.approx([f + dearest for f in
-                                          held_cost_peaks(fixed, costs, split)]), p
+                                          held_cost_peaks(one_f_one_b, costs, False)]), p
 
 
 def test_without_deviation_only_the_plan_runs_while_the_gpu_is_busy():

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from megatron.dpp.actions import BACKWARD, WEIGHT
+from megatron.dpp.actions import BACKWARD, WEIGHT, Task
 from megatron.dpp.plan import StageConfig, static_order
 from megatron.dpp.policy import microbatch_order_for
 from megatron.dpp.simulate import main
@@ -189,10 +189,12 @@ def test_uniform_split_dpp_runs_zb_h1(p):
     """Acceptance 1 (docs/benchmarks/simulator_split.md): uniform F = B = W, m = 4p, slack
     0: DPP with W tasks runs ZB-H1's orders exactly, makespan 3m + p - 1; every rank holds
     its 1F1B count from F to B and at most rank 0's (p) from F to W; >= 1.10x 1F1B at
-    p = 4 and >= 1.12x at p = 8 (1.118x, 1.136x)."""
+    p = 4 and >= 1.12x at p = 8 (1.118x, 1.136x). All with the W deferred as ZB-H1
+    defers them (`defer_weights`)."""
     m = 4 * p
     durations = sample_durations(CostModel(), p, 1, m, seed=0, split_backward=True)
-    dpp = simulate("dpp", p, m, durations, split_backward=True, record=True)
+    dpp = simulate("dpp", p, m, durations, split_backward=True, record=True,
+                   defer_weights=True)
     zb_h1 = simulate("zb-h1", p, m, durations)
     one_f_one_b = simulate("1f1b", p, m, durations)
     for r in range(p):
@@ -204,6 +206,27 @@ def test_uniform_split_dpp_runs_zb_h1(p):
     assert speedup >= {2: 1.08, 4: 1.10, 8: 1.12}.get(p, 1.12)
 
 
+@pytest.mark.parametrize("p", [2, 4, 8, 16])
+def test_uniform_split_dpp_without_deferral_holds_1f1b_memory(p):
+    """The default placement (each W right after its B): uniform F = B = W, m = 4p, slack
+    0: DPP runs that plan exactly, every rank holds its own 1F1B count (p - r) from F to W
+    as from F to B, and the makespan is 3m + 2 (p - 1): between ZB-H1's 3m + p - 1 and
+    1F1B's 3 (m + p - 1)."""
+    m = 4 * p
+    durations = sample_durations(CostModel(), p, 1, m, seed=0, split_backward=True)
+    dpp = simulate("dpp", p, m, durations, split_backward=True, record=True,
+                   defer_weights=False)
+    for r in range(p):
+        stage = StageConfig(r, p, 1, m, split_backward=True, defer_weights=False)
+        plan = static_order(stage)
+        assert dpp.orders[r] == plan
+        weights = [k for k, task in enumerate(plan) if task.kind == WEIGHT]
+        assert all(plan[k - 1] == Task(BACKWARD, 0, plan[k].microbatch) for k in weights)
+    assert dpp.peak_in_flight == dpp.peak_activations == [p - r for r in range(p)]
+    assert dpp.makespan == 3 * m + 2 * (p - 1)
+    assert simulate("1f1b", p, m, durations).makespan == 3 * (m + p - 1)
+
+
 @pytest.mark.parametrize(("model", "p", "gain_at_0", "gain_at_2"), [
     (CostModel(jitter=0.3), 4, 1.03, 1.05), (CostModel(jitter=0.3), 8, 1.04, 1.07),
     (CostModel(cv=0.5), 4, 1.01, 1.03), (CostModel(slow_stage=2, slow_factor=1.3), 4, 1.0, 1.01)])
@@ -211,7 +234,7 @@ def test_split_dpp_under_variance_against_ordered_baselines(model, p, gain_at_0,
     """Five seeds of grid cells: 1F1B and ZB-H1 fed DPP's microbatch order. DPP is never
     slower than 1F1B; it beats ZB-H1 by the grid's margins (W in 4 parts; 10 seeds, +0 /
     +2: jitter p = 4 1.037x / 1.061x, p = 8 1.055x / 1.083x, cv p = 4 1.020x / 1.035x); at
-    +0 it holds ZB-H1's memory. The slow stage at +0 runs ZB-H1's schedule (equal up to
+    +0 it holds ZB-H1's memory (the W deferred as ZB-H1 defers them). The slow stage at +0 runs ZB-H1's schedule (equal up to
     the rounding of W's time summed in parts)."""
     m = 4 * p
     at_zero, at_two = [], []
@@ -221,7 +244,7 @@ def test_split_dpp_under_variance_against_ordered_baselines(model, p, gain_at_0,
             stage = StageConfig(0, p, 1, m, slack=slack, split_backward=True)
             order = microbatch_order_for(stage, durations.microbatch_factor)
             dpp = simulate("dpp", p, m, durations, slack=slack, microbatch_order=order,
-                           split_backward=True)
+                           split_backward=True, defer_weights=True)
             baselines = {name: simulate(name, p, m, durations, microbatch_order=order)
                          for name in ("1f1b", "zb-h1")}
             assert dpp.makespan < baselines["1f1b"].makespan
@@ -247,11 +270,18 @@ def test_cli_split_backward_report_and_grid(capsys):
     for name in ("1f1b", "zb-h1"):
         expected = simulate(name, 4, 16, durations, microbatch_order=order)
         assert report[name]["makespan"] == expected.makespan
-    main(["--pp", "4", "--microbatches", "16", "--split-backward", "--slack", "0"])
+    main(["--pp", "4", "--microbatches", "16", "--split-backward", "--slack", "0",
+          "--defer-weights"])
     lines = capsys.readouterr().out.splitlines()
     assert "speedup: 1f1b 1.118x, zb-h1 1.000x" in lines[-3]
     assert lines[-1].endswith("peak in flight per stage: 4 4 4 4 (F to W; F to B: 4 3 2 1)")
-    main(["--grid", "--split-backward", "--grid-pp", "2", "--seeds", "2", "--jobs", "1"])
+    # the default: each W after its B, 1F1B's memory on every stage (57 / 54, 51 / 54)
+    main(["--pp", "4", "--microbatches", "16", "--split-backward", "--slack", "0"])
+    lines = capsys.readouterr().out.splitlines()
+    assert "speedup: 1f1b 1.056x, zb-h1 0.944x" in lines[-3]
+    assert lines[-1].endswith("peak in flight per stage: 4 3 2 1")
+    main(["--grid", "--split-backward", "--defer-weights", "--grid-pp", "2", "--seeds", "2",
+          "--jobs", "1"])
     out = capsys.readouterr().out
     assert out.count("| 2 | 8 |") == 8
     assert "| 2 | 8 | uniform | +0 | 1.080x | 1.080x | 1.000x | 1.000x |" in out

@@ -19,7 +19,11 @@ class DppOptions:
     backend choice per pipeline edge. timeout: seconds a stage waits for a peer before it
     raises, naming what it waited for. weight_slices: with the split backward, the parts
     each W runs in, each a decision of the policy (4: docs/benchmarks/simulator_split.md;
-    8 gains 0.1 % more in the simulator, and each part is a task-loop step). static: run the
+    8 gains 0.1 % more in the simulator, and each part is a task-loop step). defer_weights:
+    with the split, place each W as ZB-H1 does, up to p - 1 backwards after its B, so that
+    every stage holds up to stage 0's count of microbatches from F to W; off (the default),
+    each W follows its own B and every stage holds what megatron-core's 1F1B holds there
+    (plan.weight_delay, docs/benchmarks/). static: run the
     plan in order, each task once its input is here, never deviating (the static schedule
     on the same runtime, to compare the dynamic one with)."""
 
@@ -27,6 +31,7 @@ class DppOptions:
     transport: str = "auto"
     timeout: float = 60.0
     weight_slices: int = 4
+    defer_weights: bool = False
     static: bool = False
 
     def __post_init__(self):
@@ -46,6 +51,7 @@ class DppOptions:
         given = {"slack": getattr(args, "dpp_max_inflight", None),
                  "transport": getattr(args, "dpp_transport", None),
                  "timeout": getattr(args, "dpp_timeout", None),
+                 "defer_weights": getattr(args, "dpp_defer_weights", None),
                  "static": getattr(args, "dpp_static", None)}
         return cls(**{name: value for name, value in given.items() if value is not None})
 

@@ -43,7 +43,10 @@ class StageConfig:
     `microbatch_group_size` is megatron's microbatch_group_size_per_vp_stage (default
     pp_size); it only matters with num_chunks > 1. `slack` is the DPP policy's (extra
     microbatches in flight); the static plans ignore it. `split_backward`: every backward
-    is a B and a W task (`split_skeleton`). `weight_slices`: the DPP policy runs each W in
+    is a B and a W task (`split_skeleton`). `defer_weights` (with the split): each W
+    follows its B `weight_delay` backwards later, as in ZB-H1 (every rank then holds up to
+    rank 0's 1F1B count from F to W), or, when False, right after its B (every rank holds
+    its own 1F1B count: 1F1B's memory). `weight_slices`: the DPP policy runs each W in
     this many parts, each one a decision of its own (the plans hold each W once).
     """
 
@@ -55,6 +58,7 @@ class StageConfig:
     forward_only: bool = False
     microbatch_group_size: int | None = None
     split_backward: bool = False
+    defer_weights: bool = True
     weight_slices: int = 1
 
     def __post_init__(self):
@@ -157,12 +161,15 @@ def static_peak(stage: StageConfig) -> int:
 
 def weight_delay(stage: StageConfig) -> int:
     """How many later B tasks a rank runs before the W of a microbatch in the split plan:
-    rank 0's static peak minus this rank's (r with one chunk, 2r interleaved). Every rank
+    0 without `stage.defer_weights`, else rank 0's static peak minus this rank's (r with
+    one chunk, 2r interleaved). Every rank
     then holds at most as many microbatches from F to W as rank 0 holds in 1F1B, and
     exactly 1F1B's count of its own from F to B. With one chunk this is ZB-H1: under
     F = B = W its bubble is (p - 1) F against 1F1B's 3 (p - 1) F; W right after B (delay 0)
     keeps every rank's F-to-W count at 1F1B's but leaves 2 (p - 1) F of bubble (the last
     rank then alternates F, B, W strictly, and the last B waits for all of it)."""
+    if not stage.defer_weights:
+        return 0
     return static_peak(replace(stage, rank=0)) - static_peak(stage)
 
 

@@ -25,10 +25,13 @@ conditions:
 
 The split backward (`StageConfig.split_backward`): each backward is a B (input gradient,
 sent upstream) and a W (weight gradient, local, sends nothing). The plan is the same
-order with each W placed `plan.weight_delay` backwards after its B: ZB-H1 with one chunk
-(under equal costs the rule runs it exactly). Two caps, each megatron's peak plus the
-slack: microbatches from F to B on this rank at this rank's 1F1B peak, and from F to W at
-rank 0's (ZB-H1 holds no more; W's pending inputs are what a rank holds beyond 1F1B).
+order with each W placed `plan.weight_delay` backwards after its B: with
+`StageConfig.defer_weights` ZB-H1 with one chunk (under equal costs the rule runs it
+exactly), without it right after its B. Two caps, each megatron's peak plus the slack:
+microbatches from F to B on this rank at this rank's 1F1B peak, and from F to W at rank
+0's with the W deferred (ZB-H1 holds no more; W's pending inputs are what a rank holds
+beyond 1F1B), at this rank's own without (1F1B's memory on every rank; at slack 0 the
+rule then has no freedom left and runs the plan).
 W is the filler: a pending W is always ready, so it runs when the planned F or B is not
 (the earliest by plan position among the ready candidates), and a planned W yields to the
 next planned F or B when that one is ready (`_past_weights`). Every W is in the plan, so
@@ -245,9 +248,11 @@ def _plan_shape(stage: StageConfig, extra_warmup: int) -> _PlanShape:
         cap = min(static_peak(stage) + stage.slack, total)
     held_peak_from, held_cap = None, 0
     if split:
-        # what rank 0 holds in the static schedule, on every rank (see plan.weight_delay)
+        # what the split plan holds from F to W (see plan.weight_delay): rank 0's static
+        # peak on every rank with the W deferred, this rank's own with each W after its B
         held_peak_from = _peaks_from(skeleton, WEIGHT)
-        held_cap = min(static_peak(replace(stage, rank=0)) + stage.slack, total)
+        holder = replace(stage, rank=0) if stage.defer_weights else stage
+        held_cap = min(static_peak(holder) + stage.slack, total)
     return _PlanShape(skeleton, position, _peaks_from(skeleton, BACKWARD), cap,
                       held_peak_from, held_cap)
 

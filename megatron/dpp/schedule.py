@@ -191,6 +191,7 @@ class _Iteration:
             rank=self.rank, pp_size=self.pp_size, num_chunks=self.num_chunks,
             num_microbatches=num_microbatches, slack=schedule.options.slack,
             forward_only=forward_only, split_backward=self.weight_grads is not None,
+            defer_weights=schedule.options.defer_weights,
             weight_slices=schedule.options.weight_slices,
         )
         order = microbatch_order_for(self.stage, costs) if cost_order else None

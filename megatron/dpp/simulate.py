@@ -41,6 +41,7 @@ def _single_report(args, cost: CostModel) -> dict:
         known_costs=not args.costs_unknown,
         split_backward=args.split_backward,
         weight_slices=args.weight_slices,
+        defer_weights=args.defer_weights,
     )
     report = {"config": {**vars(args), "cost": asdict(cost)}, "schedules": {}}
     for name, result in results.items():
@@ -111,6 +112,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="with --split-backward: W's share of the backward's time")
     parser.add_argument("--weight-slices", type=int, default=DEFAULTS.weight_slices,
                         help="with --split-backward: DPP runs each W in this many parts")
+    parser.add_argument("--defer-weights", action=argparse.BooleanOptionalAction,
+                        default=DEFAULTS.defer_weights,
+                        help="with --split-backward: DPP defers each W as ZB-H1 does (every "
+                             "stage holds up to stage 0's microbatches from F to W) instead "
+                             "of running it after its B (each stage holds its 1F1B count)")
     parser.add_argument(
         "--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES, metavar="NAME"
     )
@@ -154,7 +160,7 @@ def main(argv=None) -> int:
         started = time.perf_counter()
         rows = run_grid(args.grid_pp, args.grid_slacks, args.seeds, args.jobs,
                         not args.costs_unknown, args.seed_offset, tuple(args.grid_models),
-                        args.split_backward, args.weight_slices)
+                        args.split_backward, args.weight_slices, args.defer_weights)
         elapsed = time.perf_counter() - started
         if args.json:
             json.dump({"rows": rows, "seconds": elapsed}, sys.stdout, indent=1)

@@ -60,7 +60,7 @@ def _summary(result: SimResult) -> dict:
 def _split_grid_unit(args):
     """One (p, cost model, seed) of the split-backward grid: per slack, DPP with W tasks,
     and 1F1B and ZB-H1 fed DPP's microbatch order."""
-    pp_size, model_name, seed, slacks, known_costs, weight_slices = args
+    pp_size, model_name, seed, slacks, known_costs, weight_slices, defer_weights = args
     cost = grid_cost_models(pp_size, (model_name,))[model_name]
     m = 4 * pp_size
     durations = sample_durations(cost, pp_size, 1, m, seed, split_backward=True)
@@ -73,7 +73,8 @@ def _split_grid_unit(args):
                 for name in ("1f1b", "zb-h1")}
         runs["dpp"] = simulate("dpp", pp_size, m, durations, slack=slack,
                                microbatch_costs=costs, microbatch_order=order,
-                               split_backward=True, weight_slices=weight_slices)
+                               split_backward=True, weight_slices=weight_slices,
+                               defer_weights=defer_weights)
         out[slack] = {name: _split_summary(result, runs["1f1b"])
                       for name, result in runs.items()}
     return out
@@ -102,13 +103,14 @@ def run_grid(
     models: tuple[str, ...] = GRID_MODELS,
     split_backward: bool = False,
     weight_slices: int = DEFAULTS.weight_slices,
+    defer_weights: bool = DEFAULTS.defer_weights,
 ) -> list[dict]:
     """Every (p, cost model, seed) of the acceptance grid; one row per (p, model, slack).
     known_costs: DPP knows each microbatch's cost factor in advance (not the jitter).
     Random models run seeds seed_offset .. seed_offset + seeds - 1 (held-out seeds: an
     offset past the grid's 10); a deterministic model runs once. `split_backward`: DPP
-    with W tasks (each in `weight_slices` parts) against 1F1B and ZB-H1 fed its microbatch
-    order (`format_split_grid`)."""
+    with W tasks (each in `weight_slices` parts, deferred as ZB-H1 defers them with
+    `defer_weights`) against 1F1B and ZB-H1 fed its microbatch order (`format_split_grid`)."""
     models = tuple(models)
     units = [
         (p, name, seed_offset + seed, tuple(slacks), known_costs)
@@ -118,7 +120,7 @@ def run_grid(
     ]
     if split_backward:
         unit = _split_grid_unit
-        units = [u + (weight_slices,) for u in units]
+        units = [u + (weight_slices, defer_weights) for u in units]
     else:
         unit = _grid_unit
     if jobs > 1:

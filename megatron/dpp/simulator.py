@@ -175,6 +175,7 @@ def simulate(
     microbatch_order: list[int] | None = None,
     split_backward: bool = False,
     weight_slices: int = DEFAULTS.weight_slices,
+    defer_weights: bool = DEFAULTS.defer_weights,
 ) -> SimResult:
     """Run one schedule to completion. `record` keeps each rank's task order and a trace.
     `microbatch_costs`: what is known of each microbatch's cost before the iteration (its
@@ -184,7 +185,8 @@ def simulate(
     `microbatch_order` runs the microbatches in this order instead (DPP: replaying a
     recorded run; static schedules: DPP's order, default 0..m-1). `split_backward`: DPP
     places B and W tasks (zb-h1 always does; the other static schedules never), each W in
-    `weight_slices` parts (the static schedules run each W whole)."""
+    `weight_slices` parts (the static schedules run each W whole), deferred as ZB-H1 defers
+    them with `defer_weights` (zb-h1 always), else each right after its B."""
     p, m, chunks = pp_size, num_microbatches, num_chunks
     if schedule == "1f1b" and chunks != 1:
         raise ValueError("schedule 1f1b has one chunk per rank; use interleaved or dpp")
@@ -196,8 +198,9 @@ def simulate(
     split = schedule in SPLIT_SCHEDULES or (schedule == "dpp" and split_backward)
     topology = PipelineTopology(p, chunks)
     slices = weight_slices if schedule == "dpp" and split else 1
+    defer = defer_weights or schedule != "dpp"
     stages = [StageConfig(r, p, chunks, m, slack=slack, split_backward=split,
-                          weight_slices=slices) for r in range(p)]
+                          defer_weights=defer, weight_slices=slices) for r in range(p)]
     if schedule == "dpp" and microbatch_order is None:
         microbatch_order = microbatch_order_for(stages[0], microbatch_costs)
     runners = [_runner(schedule, s, topology, microbatch_order, microbatch_costs)
@@ -290,6 +293,7 @@ def compare(
     known_costs: bool = True,
     split_backward: bool = False,
     weight_slices: int = DEFAULTS.weight_slices,
+    defer_weights: bool = DEFAULTS.defer_weights,
 ) -> dict[str, SimResult]:
     """Simulate several schedules on the same sampled durations. Single-chunk schedules
     (1f1b, gpipe, zb-h1) run the rank's work as one chunk; interleaved and dpp use
@@ -326,5 +330,6 @@ def compare(
             microbatch_order=None if dpp else static_order_given,
             split_backward=split_backward and dpp,
             weight_slices=weight_slices,
+            defer_weights=defer_weights,
         )
     return results

@@ -32,9 +32,14 @@ def add_dpp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="split each backward into input gradients (B) and deferred weight "
                             "gradients (W) that the dynamic schedule places (needs --use-dpp, "
                             "--transformer-impl local and the gradient-accumulation fusion)")
+    group.add_argument("--dpp-defer-weights", action=argparse.BooleanOptionalAction,
+                       default=DEFAULTS.defer_weights,
+                       help="with --dpp-split-backward: defer each W as ZB-H1 does (every "
+                            "stage holds up to stage 0's microbatches); default: each W right "
+                            "after its B, 1F1B's memory on every stage")
     group.add_argument("--dpp-static", action=argparse.BooleanOptionalAction, default=False,
-                       help="with --use-dpp: run the DPP plan (1F1B, interleaved, ZB-H1 with "
-                            "the split) in order, never deviating: the static schedule on the "
+                       help="with --use-dpp: run the DPP plan (1F1B, interleaved, their "
+                            "split with W tasks) in order, never deviating: the static schedule on the "
                             "same runtime, to compare the dynamic one with")
     return parser
 
@@ -61,6 +66,8 @@ def problems(args) -> list[str]:
              "--dpp-split-backward needs --use-dpp in Megatron-LM's trainer (its own "
              "schedules cannot place W tasks)")
         need(not _get(args, "dpp_static", False), "--dpp-static needs --use-dpp")
+        need(not _get(args, "dpp_defer_weights", False), "--dpp-defer-weights needs --use-dpp "
+             "with --dpp-split-backward")
         return found
     pp = _get(args, "pipeline_model_parallel_size", 1)
     need(pp > 1, "--use-dpp needs --pipeline-model-parallel-size > 1 (nothing to schedule "
@@ -109,4 +116,7 @@ def problems(args) -> list[str]:
              "--dpp-split-backward with --overlap-grad-reduce needs the trainer's "
              "grad_sync_func (drop --no-align-grad-reduce): each chunk's reduction starts "
              "after its last W")
+    else:
+        need(not _get(args, "dpp_defer_weights", False), "--dpp-defer-weights places the W "
+             "tasks of the split backward: it needs --dpp-split-backward")
     return found

@@ -24,10 +24,16 @@ def dpp_args(g):
                  "(W): with --use-dpp the dynamic schedule places the W tasks; at PP=1 each W "
                  "runs right after its B (default: on with --use-dpp on GPUs where the layers "
                  "allow it, fast_path.py)"),
+        "--dpp-defer-weights": dict(
+            action=argparse.BooleanOptionalAction, default=None,
+            help="with the split backward: defer each W as ZB-H1 does, up to p - 1 backwards "
+                 "after its B, so that every stage holds up to stage 0's microbatches (faster "
+                 "where lengths are uniform, more memory on the later stages); default off: "
+                 "each W right after its B, megatron-core 1F1B's memory on every stage"),
         "--dpp-static": dict(
             action=argparse.BooleanOptionalAction, default=None,
-            help="with --use-dpp: run the DPP plan (1F1B, interleaved, ZB-H1 with the split) "
-                 "in order, never deviating: the static schedule on the same runtime "
+            help="with --use-dpp: run the DPP plan (1F1B, interleaved, their split with W "
+                 "tasks) in order, never deviating: the static schedule on the same runtime "
                  "(default: on for one model chunk of uniform lengths on GPUs, where it "
                  "measured faster; fast_path.py)"),
         "--multi-node": "the job spans nodes: checked against torchrun's WORLD_SIZE and "

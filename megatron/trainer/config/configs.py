@@ -199,6 +199,7 @@ class ScheduleConfig(FlagConfig):
     dpp_transport: str
     dpp_timeout: float
     dpp_split_backward: bool | None  # None until the fast path decides
+    dpp_defer_weights: bool | None  # None: DppOptions' default
     dpp_static: bool | None
 
     @staticmethod
@@ -206,6 +207,10 @@ class ScheduleConfig(FlagConfig):
         slack = values.dpp_max_inflight
         need(slack is None or slack >= 0, f"--dpp-max-inflight {slack} must be >= 0")
         need(not values.dpp_static or values.use_dpp, "--dpp-static needs --use-dpp")
+        need(not values.dpp_defer_weights or (values.use_dpp and values.dpp_split_backward),
+             "--dpp-defer-weights places the W tasks of DPP's split backward: it needs "
+             "--use-dpp with --dpp-split-backward (the split is on by default with --use-dpp "
+             "on GPUs)")
 
 
 @dataclass(frozen=True)

@@ -35,13 +35,18 @@ GRAD_ACCUMULATION = "gradient-accumulation fusion"
 TRITON_FUSIONS = "Triton layer norm, bias-dropout-add and bias-GeLU"
 GELU_EPILOGUE = "bias-GeLU in the MLP's GEMM epilogues (cuBLASLt)"
 
-SPLIT_BACKWARD = "DPP's split backward (--dpp-split-backward, the ZB-H1 plan)"
+SPLIT_BACKWARD = "DPP's split backward (--dpp-split-backward: B and W tasks)"
 # docs/benchmarks/gpu_pp4_h200_2026-11-27.md and variable_lengths_h200_2026-11-27.md (4 H200s,
 # PP=4, 16 microbatches)
 MEASURED_STATIC = ("with one model chunk the plan in order measured faster than the dynamic "
-                   "rule's deviations (289.3 against 300.5 ms an iteration at PP=4; with "
+                   "rule's deviations (W deferred: 289.3 against 300.5 ms an iteration at PP=4; with "
                    "--seq-length-cv 0.5, in the cost order, 196,953 against 191,682 real "
                    "tokens/s)")
+# docs/benchmarks/variable_lengths_h200_2026-11-27.md, "Session 7" (4 H200s, PP=4, one machine)
+MEASURED_DEFERRAL = ("measured at PP=4: 288.0 ms an iteration against 283.2 with the W "
+                     "deferred, the last stage holding 6,227 MB against 7,697 (1F1B: 303.4 "
+                     "ms, 6,243 MB); on variable lengths under --microbatch-tokens 183,889 "
+                     "against 182,618 real tokens/s")
 MEASURED_CHUNKS = ("two model chunks per stage (--virtual-pipeline-model-parallel-size 2, "
                    "where each stage's layers divide by 2) measured 1.10x megatron-core's "
                    "1F1B at PP=4 (one chunk 1.07x), but 0.96x at PP=2, where one chunk with "
@@ -142,10 +147,11 @@ def resolve(args, machine: Machine) -> list[str]:
 
 
 def _resolve_dpp(args, machine: Machine, gpu: bool, no_gpu: str) -> list[str]:
-    """`--use-dpp` alone runs the fastest variant measured (docs/benchmarks/): the split
-    backward with its W tasks placed by the schedule, at 1F1B's peak activation memory
-    (slack 0, the ZB-H1 plan holds no more); with one model chunk its plan in order (in the
-    cost order where lengths vary). Returns the lines that say what was chosen and why."""
+    """`--use-dpp` alone runs the fastest variant measured (docs/benchmarks/) that holds no
+    more on any stage than megatron-core's 1F1B: the split backward, each W right after its
+    B (`--dpp-defer-weights` defers them as ZB-H1 does, for more memory on the later
+    stages), at slack 0; with one model chunk its plan in order (in the cost order where
+    lengths vary). Returns the lines that say what was chosen and why."""
     if not args.use_dpp or args.pipeline_model_parallel_size == 1:
         if args.dpp_split_backward is None:
             args.dpp_split_backward = False
@@ -162,10 +168,15 @@ def _resolve_dpp(args, machine: Machine, gpu: bool, no_gpu: str) -> list[str]:
             chosen += (", slack 0: the peak activation memory of megatron-core's 1F1B "
                        "(--dpp-max-inflight N holds N more microbatches)")
         lines.append(chosen + " (--no-dpp-split-backward for the unsplit backward)")
+    if args.dpp_split_backward and args.dpp_defer_weights is None:
+        args.dpp_defer_weights = False
+        lines.append("DPP runs each W right after its B: every stage holds what megatron-core's "
+                     f"1F1B holds there ({MEASURED_DEFERRAL}; --dpp-defer-weights defers them "
+                     "as ZB-H1 does, every stage then holding up to stage 0's microbatches)")
     chunks = args.virtual_pipeline_model_parallel_size or 1
     if args.dpp_static is None and gpu and args.dpp_split_backward and chunks == 1:
         args.dpp_static = True
-        lines.append(f"DPP runs its ZB-H1 plan in order (--dpp-static): {MEASURED_STATIC} "
+        lines.append(f"DPP runs its plan in order (--dpp-static): {MEASURED_STATIC} "
                      "(--no-dpp-static for the dynamic rule)")
     if gpu and chunks == 1:
         lines.append(f"DPP: {MEASURED_CHUNKS}")
