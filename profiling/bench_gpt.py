@@ -186,6 +186,9 @@ for suffix, graph_flags in GRAPH_CHOICES.items():
         f"fixed-1024{suffix}": ["--seq-length", "1024", *graph_flags],
         f"docs-1f1b-tokens{suffix}": ["--corpus", "--variable-seq-lengths", *TOKEN_BUDGET,
                                       *graph_flags],
+        # megatron-core's 1F1B fed the cost order DPP runs, on the same microbatches
+        f"docs-1f1b-cost-tokens{suffix}": ["--corpus", "--variable-seq-lengths", *TOKEN_BUDGET,
+                                           *VARIABLE_SCHEDULES["1f1b-cost"], *graph_flags],
         f"docs-dpp-tokens{suffix}": ["--corpus", "--variable-seq-lengths", *TOKEN_BUDGET,
                                      *VARIABLE_SCHEDULES["dpp"], *graph_flags],
         # each W deferred as ZB-H1 defers them (the default runs it right after its B)
@@ -246,6 +249,7 @@ RATIOS = (
       for a, b in (("dpp-tokens", "dpp"), ("1f1b-tokens", "1f1b"), ("dpp", "packed"),
                    ("dpp-tokens", "1f1b-tokens"), ("dpp-tokens", "packed"),
                    ("dpp-tokens", "dpp-tokens-deferred"),
+                   ("dpp-tokens", "1f1b-cost-tokens"),
                    ("dpp-tokens-deferred", "1f1b-tokens"))),
     *((f"docs-grouped-dpp{graphs}", f"docs-packed{graphs}") for graphs in GRAPH_CHOICES),
 )
