@@ -7,9 +7,9 @@ the trainer reads them) and its microbatch plan (data/microbatches.py: --group-b
 a microbatch costs its rows x padded length, its attention's share growing with the length
 (1 + length / (6 x hidden), the FLOPs of one layer per token), the same on every stage. The
 simulator (megatron/dpp/simulator.py, backward twice the forward, half of it W) runs 1F1B and
-ZB-H1 fed DPP's cost order and DPP's rule (its default W placement) on each iteration; a row gives the largest
-deviation of an iteration's makespan per real token from the median over the iterations
-after the warm-up. No host cost, hop or recording: what the microbatches alone make vary.
+ZB-H1 fed DPP's cost order and DPP's rule (its default W placement) on each iteration; a
+row gives the largest deviation of an iteration's makespan per real token from the median
+over the iterations after the warm-up. No host cost, hop or recording: what the microbatches alone make vary.
 
     python profiling/corpus_steadiness.py --data-path /tmp/varlen/corpus_text_document \
         --microbatch-tokens 2048
