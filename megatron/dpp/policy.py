@@ -74,6 +74,7 @@ from megatron.dpp.plan import (
     plan_order,
     plan_skeleton,
     static_peak,
+    weight_delay,
 )
 from megatron.dpp.topology import PipelineTopology
 
@@ -248,11 +249,10 @@ def _plan_shape(stage: StageConfig, extra_warmup: int) -> _PlanShape:
         cap = min(static_peak(stage) + stage.slack, total)
     held_peak_from, held_cap = None, 0
     if split:
-        # what the split plan holds from F to W (see plan.weight_delay): rank 0's static
-        # peak on every rank with the W deferred, this rank's own with each W after its B
+        # what the split plan holds from F to W: this rank's static peak plus the Ws it
+        # defers (plan.weight_delay: rank 0's peak with the W deferred, its own without)
         held_peak_from = _peaks_from(skeleton, WEIGHT)
-        holder = replace(stage, rank=0) if stage.defer_weights else stage
-        held_cap = min(static_peak(holder) + stage.slack, total)
+        held_cap = min(static_peak(stage) + weight_delay(stage) + stage.slack, total)
     return _PlanShape(skeleton, position, _peaks_from(skeleton, BACKWARD), cap,
                       held_peak_from, held_cap)
 

@@ -39,8 +39,8 @@ def add_dpp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                             "after its B, 1F1B's memory on every stage")
     group.add_argument("--dpp-static", action=argparse.BooleanOptionalAction, default=False,
                        help="with --use-dpp: run the DPP plan (1F1B, interleaved, their "
-                            "split with W tasks) in order, never deviating: the static schedule on the "
-                            "same runtime, to compare the dynamic one with")
+                            "split with W tasks) in order, never deviating: the static "
+                            "schedule on the same runtime, to compare the dynamic one with")
     return parser
 
 

@@ -39,9 +39,9 @@ SPLIT_BACKWARD = "DPP's split backward (--dpp-split-backward: B and W tasks)"
 # docs/benchmarks/gpu_pp4_h200_2026-11-27.md and variable_lengths_h200_2026-11-27.md (4 H200s,
 # PP=4, 16 microbatches)
 MEASURED_STATIC = ("with one model chunk the plan in order measured faster than the dynamic "
-                   "rule's deviations (W deferred: 289.3 against 300.5 ms an iteration at PP=4; with "
-                   "--seq-length-cv 0.5, in the cost order, 196,953 against 191,682 real "
-                   "tokens/s)")
+                   "rule's deviations (W deferred: 289.3 against 300.5 ms an iteration at "
+                   "PP=4; with --seq-length-cv 0.5, in the cost order, 196,953 against "
+                   "191,682 real tokens/s)")
 # docs/benchmarks/variable_lengths_h200_2026-11-27.md, "Session 7" (4 H200s, PP=4, one machine)
 MEASURED_DEFERRAL = ("measured at PP=4: 288.0 ms an iteration against 283.2 with the W "
                      "deferred, the last stage holding 6,227 MB against 7,697 (1F1B: 303.4 "
