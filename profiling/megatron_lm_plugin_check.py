@@ -15,7 +15,8 @@ megatron-core, e.g. core_r0.19.0 for 0.19.2) with the plugin's two-line change a
     python profiling/megatron_lm_plugin_check.py --megatron-lm .megatron-lm --out OUT --pp 2
 
 Writes OUT/megatron_lm/pretrain_gpt_dpp.py (the changed script), one log per run, results.json and
-summary.txt. tools/megatron_lm_plugin_check.sh installs the wheels first and calls this.
+summary.txt (after every run). `--from-logs` runs nothing and summarizes the logs in OUT.
+tools/megatron_lm_plugin_check.sh installs the wheels first and calls this.
 """
 
 from __future__ import annotations
@@ -169,7 +170,11 @@ def run(name: str, program: list[str], cwd: Path, flags: list[str], args, out: P
                "--pipeline-model-parallel-size", str(args.pp), *flags, *args.extra.split()]
     log_path = out / f"{name}.log"
     log.info("%s: %s", name, " ".join(command))
-    status = launch(command, cwd, log_path, args.timeout, env)
+    return read_run(log_path, launch(command, cwd, log_path, args.timeout, env))
+
+
+def read_run(log_path: Path, status: int | str) -> dict:
+    """A run's exit status with the losses and iteration times its log holds."""
     rows = read_iterations(log_path.read_text(errors="replace").splitlines())
     return {"status": status, "log": log_path.name,
             "losses": [row["lm loss"] for row in rows if "lm loss" in row],
@@ -177,10 +182,19 @@ def run(name: str, program: list[str], cwd: Path, flags: list[str], args, out: P
                    if "elapsed time per iteration (ms)" in row]}
 
 
+def logged_run(log_path: Path, iterations: int) -> dict:
+    """--from-logs: a run known by its log alone; complete (status 0) when it logged every
+    iteration, else 'cut short' (a run stopped mid-way times only part of its iterations)."""
+    result = read_run(log_path, 0)
+    if len(result["ms"]) < iterations:
+        result["status"] = "cut short"
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--megatron-lm", required=True, type=Path,
+    parser.add_argument("--megatron-lm", type=Path,
                         help="folder with Megatron-LM's pretrain_gpt.py, gpt_builders.py and "
                              "model_provider.py at the tag of the installed megatron-core")
     parser.add_argument("--out", required=True, type=Path)
@@ -199,13 +213,19 @@ def main() -> None:
     # between runs of the same flags: the bf16 runs again, each ratio the median
     parser.add_argument("--repeats", type=int, default=1,
                         help="passes over the bf16 runs, every other one in reverse order")
+    parser.add_argument("--from-logs", action="store_true",
+                        help="run nothing: summarize the run logs an earlier call of the same "
+                             "--runs and --repeats left in --out (one stopped by an outer time "
+                             "limit keeps the runs that finished)")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: at least 1")
+    if args.megatron_lm is None and not args.from_logs:
+        parser.error("--megatron-lm FOLDER is needed to run Megatron-LM's trainer")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    programs = trainer_programs(args.megatron_lm, out)
+    programs = None if args.from_logs else trainer_programs(args.megatron_lm, out)
 
     results = {}
     for repeat in range(args.repeats):
@@ -213,15 +233,26 @@ def main() -> None:
             trainer, precision, flags = RUNS[name]
             model = FP32_MODEL if precision == "fp32" else BF16_MODEL
             iters = args.fp32_iters if precision == "fp32" else args.bf16_iters
-            program, cwd, env = programs[trainer]
             key = repeat_name(name, repeat)
+            if args.from_logs:
+                if (out / f"{key}.log").exists():
+                    results[key] = logged_run(out / f"{key}.log", iters)
+                continue
+            program, cwd, env = programs[trainer]
             results[key] = run(key, program, cwd,
                                [*model, *COMMON, "--train-iters", str(iters), *flags], args,
                                out, env)
+            # after every run: a call stopped from outside keeps what finished
+            write_summary(out, results, args)
+    log.info("%s", "\n".join(write_summary(out, results, args)))
+
+
+def write_summary(out: Path, results: dict, args) -> list[str]:
+    """results.json and summary.txt of the runs so far; the summary's lines."""
     lines = summary_lines(results, args.warmup, args.repeats)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "summary.txt").write_text("\n".join(lines) + "\n")
-    log.info("%s", "\n".join(lines))
+    return lines
 
 
 def run_order(names: list[str], repeat: int) -> list[str]:
@@ -242,8 +273,8 @@ def repeat_name(name: str, repeat: int) -> str:
 
 def summary_lines(results: dict, warmup: int, repeats: int = 1) -> list[str]:
     """Each run's losses; each DPP run's largest relative loss difference from 1F1B's (fp32);
-    each trainer's DPP / 1F1B tokens/s ratio (the median over the repeats that ran both) and
-    how far apart the two trainers' ratios are."""
+    each trainer's DPP / 1F1B tokens/s ratio (the median over the passes in which both
+    trainers completed both runs) and how far apart the two trainers' ratios are."""
     lines = [f"{name}: exit {r['status']}, losses {r['losses']}" for name, r in results.items()]
     for name, baseline in EQUIVALENT.items():
         if name in results and baseline in results:
@@ -254,15 +285,20 @@ def summary_lines(results: dict, warmup: int, repeats: int = 1) -> list[str]:
                              f"{worst:.2e} ({'within' if worst <= 1e-5 else 'ABOVE'} 1e-5)")
             else:
                 lines.append(f"{name} vs {baseline}: no comparable losses")
+    def speeds(repeat: int, pair: tuple[str, str]) -> list[float] | None:
+        names = [repeat_name(name, repeat) for name in pair]
+        if not all(n in results and results[n]["status"] == 0 for n in names):
+            return None
+        found = [_tokens_per_s(results[n], warmup) for n in names]
+        return None if None in found else found
+
+    # a pass where both trainers completed both runs: the two ratios then come from the same
+    # passes (a pass cut short by a machine's time limit counts for neither)
+    both = [r for r in range(repeats) if all(speeds(r, pair) for pair in RATIOS.values())]
     ratios = {}
-    for trainer, (dpp, baseline) in RATIOS.items():
-        pairs = []
-        for repeat in range(repeats):
-            names = (repeat_name(dpp, repeat), repeat_name(baseline, repeat))
-            if all(n in results for n in names):
-                speeds = [_tokens_per_s(results[n], warmup) for n in names]
-                if None not in speeds:
-                    pairs.append(speeds)
+    for trainer, pair in RATIOS.items():
+        pairs = [speeds(r, pair) for r in both] if both else [
+            found for r in range(repeats) if (found := speeds(r, pair))]
         if not pairs:
             continue
         each = [dpp_speed / baseline_speed for dpp_speed, baseline_speed in pairs]

@@ -99,3 +99,33 @@ def test_repeats_run_the_bf16_pairs_forward_then_reversed():
     assert order(names, 0) == names
     assert order(names, 1) == ["ours-bf16-dpp", "ours-bf16-1f1b", "mlm-bf16-dpp", "mlm-bf16-1f1b"]
     assert order(names, 2) == names[1:]
+
+
+def _log(path, times_ms, total):
+    """A Megatron-style run log with one line per iteration of the given times."""
+    path.write_text("".join(
+        f" iteration {i:8d}/{total:8d} | elapsed time per iteration (ms): {ms:.1f} | "
+        f"lm loss: {10 - i / 10:.6E} |\n" for i, ms in enumerate(times_ms, start=1)))
+
+
+def test_from_logs_summarizes_only_the_passes_both_trainers_completed(tmp_path, monkeypatch):
+    """--from-logs over two passes whose last run (Megatron-LM's 1F1B, second pass) was cut
+    short after 2 of 4 iterations: the ratios are the first pass's alone, for both trainers
+    (Megatron-LM 1.25, ours 1.25: 0 % apart), not ours' median over both passes (1.125)."""
+    speeds = {"mlm-bf16-1f1b": 1250, "mlm-bf16-dpp": 1000, "ours-bf16-1f1b": 1250,
+              "ours-bf16-dpp": 1000, "ours-bf16-1f1b-2": 1000, "ours-bf16-dpp-2": 1000,
+              "mlm-bf16-dpp-2": 1000}
+    for name, ms in speeds.items():
+        _log(tmp_path / f"{name}.log", [5000.0] + [float(ms)] * 3, total=4)
+    _log(tmp_path / "mlm-bf16-1f1b-2.log", [5000.0, 900.0], total=4)
+    monkeypatch.setattr(sys, "argv", [
+        "megatron_lm_plugin_check.py", "--from-logs", "--out", str(tmp_path), "--bf16-iters",
+        "4", "--warmup", "1", "--repeats", "2",
+        "--runs", "mlm-bf16-1f1b,mlm-bf16-dpp,ours-bf16-1f1b,ours-bf16-dpp"])
+    megatron_lm_plugin_check.main()
+    summary = (tmp_path / "summary.txt").read_text().splitlines()
+    assert "mlm-bf16-1f1b-2: exit cut short, losses [9.9, 9.8]" in summary
+    assert any(line.startswith("ours:") and line.endswith("ratio 1.2500") for line in summary), summary
+    assert summary[-1] == ("DPP/1F1B ratio, Megatron-LM's trainer against ours: 0.00% apart "
+                           "(within 2 %)")
+    assert not (tmp_path / "megatron_lm").exists()  # nothing was run or written for a run
