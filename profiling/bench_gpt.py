@@ -293,6 +293,18 @@ def model_flags(flags: list[str]) -> list[str]:
     return GPT_OF_GPU_MD[:at] + GPT_OF_GPU_MD[at + len(MOCK_DATA):]
 
 
+def peak_memory(text: str) -> tuple[list[float] | None, list[bool] | None]:
+    """Each rank's peak over the run (the last memory report: the reports are cumulative) and
+    whether the first report, after iteration 1, already held it: with CUDA graphs that step
+    records every bucket, so such a rank's peak is the recording step's, not the schedule's."""
+    reports = [[float(entry.split(":")[1]) for entry in line.split("|")]
+               for line in MEMORY.findall(text)]
+    if not reports:
+        return None, None
+    return reports[-1], [first == last for first, last in
+                         zip(reports[0], reports[-1], strict=True)]
+
+
 def variable_length_figures(text: str, rows: list[tuple], warmup: int) -> dict:
     """Real-token figures of a run whose log lines report padding (else the tokens/s are
     all real): median real tokens/s, padding share, median microseconds per real token
@@ -365,10 +377,7 @@ def run(name: str, flags: list[str], args, out: Path) -> dict:
         return {"name": name, "error": f"exit {returncode}", "tail": text[-3000:]}
     measured = [r for r in rows if int(r[0]) > args.warmup]
     ms = statistics.median(float(r[1]) for r in measured)
-    # the last report covers the whole run: the largest rank's peak
-    memory = MEMORY.findall(text)
-    per_rank = ([float(entry.split(":")[1]) for entry in memory[-1].split("|")]
-                if memory else None)
+    per_rank, first_step = peak_memory(text)
     tokens = statistics.median(float(r[4]) for r in measured)
     return {
         "name": name, "flags": " ".join(flags), "ms_per_iter": ms,
@@ -377,15 +386,15 @@ def run(name: str, flags: list[str], args, out: Path) -> dict:
                            if measured[0][2] else None),
         "mfu_percent": statistics.median(float(r[3]) for r in measured) if measured[0][3] else None,
         "peak_mb": max(per_rank) if per_rank else None, "peak_mb_per_rank": per_rank,
-        "iterations": len(measured), "wall_s": round(time.time() - started, 1),
+        "peak_in_first_step": first_step, "iterations": len(measured), "wall_s": round(time.time() - started, 1),
         **variable_length_figures(text, rows, args.warmup),
     }
 
 
 CSV_COLUMNS = ("name", "ms_per_iter", "tokens_per_s", "tflops_per_gpu", "mfu_percent", "peak_mb",
                "real_tokens_per_s", "padding_percent", "us_per_real_token",
-               "max_deviation_percent", "peak_mb_per_rank", "iterations", "wall_s", "error",
-               "flags")
+               "max_deviation_percent", "peak_mb_per_rank", "peak_in_first_step", "iterations",
+               "wall_s", "error", "flags")
 
 
 def variable_length_lines(results: list[dict], base: dict) -> list[str]:
@@ -397,9 +406,14 @@ def variable_length_lines(results: list[dict], base: dict) -> list[str]:
     lines = [f"{'config':24s} {'real tok/s':>10s} {'padding%':>9s} {'us/real tok':>11s} "
              f"{'max dev%':>9s}  peak MB per rank"]
     for r in rows:
-        ranks = " ".join(f"{mb:.0f}" for mb in r.get("peak_mb_per_rank") or [])
+        first_step = r.get("peak_in_first_step") or [False] * len(r.get("peak_mb_per_rank") or [])
+        ranks = " ".join(f"{mb:.0f}{'*' if early else ''}" for mb, early in
+                         zip(r.get("peak_mb_per_rank") or [], first_step, strict=True))
         lines.append(f"{r['name']:24s} {r['real_tokens_per_s']:10.0f} {r['padding_percent']:9.1f} "
                      f"{r['us_per_real_token']:11.3f} {r['max_deviation_percent']:9.1f}  {ranks}")
+    if any(any(r.get("peak_in_first_step") or []) for r in rows):
+        lines.append("* the rank's peak was reached in iteration 1 (with CUDA graphs: the step "
+                     "that records every bucket)")
     for a, b in REAL_RATIOS:
         if "real_tokens_per_s" in base.get(a, {}) and "real_tokens_per_s" in base.get(b, {}):
             ratio = base[a]["real_tokens_per_s"] / base[b]["real_tokens_per_s"]

@@ -51,3 +51,25 @@ def test_corpus_configurations_read_the_corpus_not_mock_data():
     assert "--mock-data" in bench_gpt.model_flags(bench_gpt.data_flags(synthetic, None))
     with pytest.raises(SystemExit, match="give --corpus"):
         bench_gpt.data_flags(bench_gpt.CONFIGS["docs-packed"], None)
+
+
+def test_peaks_reached_in_the_first_step_are_marked():
+    """The trainer's memory reports are cumulative: rank 0's peak is already in the report
+    after iteration 1 (the step that records the CUDA graphs), rank 1's grows later; the
+    table marks rank 0's alone and says what the mark means."""
+    import torch
+
+    from megatron.dpp import tracing
+
+    cuda = torch.device("cuda")  # the report's wording only; nothing is allocated
+    reports = [[11598.5, 6742.3], [11598.5, 6753.0], [11598.5, 6754.0]]
+    text = "\n".join(tracing.memory_line([int(mb * 2**20) for mb in report], cuda)
+                     for report in reports)
+    per_rank, first_step = bench_gpt.peak_memory(text)
+    assert per_rank == [11598.5, 6754.0] and first_step == [True, False]
+    assert bench_gpt.peak_memory("no report") == (None, None)
+    row = {"name": "docs-dpp-tokens-graphs", "real_tokens_per_s": 1.0, "padding_percent": 0.0,
+           "us_per_real_token": 1.0, "max_deviation_percent": 0.0,
+           "peak_mb_per_rank": per_rank, "peak_in_first_step": first_step}
+    lines = bench_gpt.variable_length_lines([row], {})
+    assert lines[1].endswith("11598* 6754") and lines[2].startswith("* the rank's peak"), lines
