@@ -15,7 +15,8 @@ megatron-core, e.g. core_r0.19.0 for 0.19.2) with the plugin's two-line change a
     python profiling/megatron_lm_plugin_check.py --megatron-lm .megatron-lm --out OUT --pp 2
 
 Writes OUT/megatron_lm/pretrain_gpt_dpp.py (the changed script), one log per run, results.json and
-summary.txt (after every run). `--from-logs` runs nothing and summarizes the logs in OUT.
+summary.txt (after every run). `--from-logs` runs nothing and summarizes the logs in OUT;
+`--resume` runs only what OUT has no complete log of (more passes on a machine still held).
 tools/megatron_lm_plugin_check.sh installs the wheels first and calls this.
 """
 
@@ -217,6 +218,9 @@ def main() -> None:
                         help="run nothing: summarize the run logs an earlier call of the same "
                              "--runs and --repeats left in --out (one stopped by an outer time "
                              "limit keeps the runs that finished)")
+    parser.add_argument("--resume", action="store_true",
+                        help="a run whose log in --out is complete is read, not run again: "
+                             "more passes of the same --out on a machine still held")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: at least 1")
@@ -234,9 +238,11 @@ def main() -> None:
             model = FP32_MODEL if precision == "fp32" else BF16_MODEL
             iters = args.fp32_iters if precision == "fp32" else args.bf16_iters
             key = repeat_name(name, repeat)
-            if args.from_logs:
-                if (out / f"{key}.log").exists():
-                    results[key] = logged_run(out / f"{key}.log", iters)
+            logged = logged_run(out / f"{key}.log", iters) if (
+                args.from_logs or args.resume) and (out / f"{key}.log").exists() else None
+            if args.from_logs or (logged and logged["status"] == 0):
+                if logged:
+                    results[key] = logged
                 continue
             program, cwd, env = programs[trainer]
             results[key] = run(key, program, cwd,

@@ -129,3 +129,33 @@ def test_from_logs_summarizes_only_the_passes_both_trainers_completed(tmp_path, 
     assert summary[-1] == ("DPP/1F1B ratio, Megatron-LM's trainer against ours: 0.00% apart "
                            "(within 2 %)")
     assert not (tmp_path / "megatron_lm").exists()  # nothing was run or written for a run
+
+
+def test_resume_runs_only_what_has_no_complete_log(tmp_path, monkeypatch):
+    """--resume over two passes where the first pass's four logs are complete but for
+    Megatron-LM's DPP, cut after 2 of 4 iterations: that run and the second pass's four run;
+    the three complete ones are read from their logs."""
+    first = ["mlm-bf16-1f1b", "mlm-bf16-dpp", "ours-bf16-1f1b", "ours-bf16-dpp"]
+    for name in first:
+        _log(tmp_path / f"{name}.log", [5000.0, 1000.0, 1000.0, 1000.0][
+            :2 if name == "mlm-bf16-dpp" else 4], total=4)
+    ran = []
+
+    def fake_run(name, program, cwd, flags, args, out, env=None):
+        ran.append(name)
+        _log(out / f"{name}.log", [5000.0, 1000.0, 1000.0, 1000.0], total=4)
+        return megatron_lm_plugin_check.read_run(out / f"{name}.log", 0)
+
+    monkeypatch.setattr(megatron_lm_plugin_check, "run", fake_run)
+    monkeypatch.setattr(megatron_lm_plugin_check, "trainer_programs", lambda folder, out: {
+        "megatron-lm": ([], out, None), "ours": ([], out, None)})
+    monkeypatch.setattr(sys, "argv", [
+        "megatron_lm_plugin_check.py", "--resume", "--megatron-lm", str(tmp_path), "--out",
+        str(tmp_path), "--bf16-iters", "4", "--warmup", "1", "--repeats", "2",
+        "--runs", ",".join(first)])
+    megatron_lm_plugin_check.main()
+    assert ran == ["mlm-bf16-dpp", "ours-bf16-dpp-2", "ours-bf16-1f1b-2", "mlm-bf16-dpp-2",
+                   "mlm-bf16-1f1b-2"]
+    summary = (tmp_path / "summary.txt").read_text().splitlines()
+    assert summary[-1] == ("DPP/1F1B ratio, Megatron-LM's trainer against ours: 0.00% apart "
+                           "(within 2 %)")
