@@ -18,13 +18,14 @@
 # from .whl/ and this checkout, editable), which saves about a minute of a GPU call.
 # RUNS: a comma-separated subset of the check's runs (default: all seven); EXTRA: flags added
 # to every run (e.g. what a Megatron-LM release's validate_args asks for); REPEATS: passes over
-# the bf16 runs, every other one reversed, each trainer's ratio their median (default 1).
+# the bf16 runs, every other one reversed, each trainer's ratio their median (default 1);
+# RESUME=1: the runs OUT already has a complete log of are read, not run again.
 # Checkpoints between Megatron-LM's trainer and ours (acceptance 3):
 # tools/megatron_lm_checkpoint_check.sh OUT, after `bash prerequisite.sh`.
 set -uo pipefail
 
 if [ $# -lt 1 ]; then
-  sed -n '2,22p' "$0" >&2
+  sed -n '2,24p' "$0" >&2
   exit 2
 fi
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -50,4 +51,4 @@ fi
 cd /tmp || exit 1  # outside the checkout: what runs is what was installed
 "$PY" "$ROOT/profiling/megatron_lm_plugin_check.py" --megatron-lm "$ROOT/.megatron-lm" \
   --out "$OUT" --pp "$PP" --gpus "$GPUS" ${RUNS:+--runs "$RUNS"} ${EXTRA:+--extra "$EXTRA"} \
-  ${REPEATS:+--repeats "$REPEATS"}
+  ${REPEATS:+--repeats "$REPEATS"} ${RESUME:+--resume}
