@@ -12,7 +12,13 @@ row gives the largest deviation of an iteration's makespan per real token from t
 over the iterations after the warm-up. No host cost, hop or recording: what the microbatches alone make vary.
 
     python profiling/corpus_steadiness.py --data-path /tmp/varlen/corpus_text_document \
-        --microbatch-tokens 2048
+        --microbatch-tokens 2048 [--log RUN.log]
+
+`--log`: a GPU run's log of the same corpus and layout (profiling/bench_gpt.py's docs-*
+configurations): its iteration times fitted, by least squares, to DPP's simulated makespan,
+the iteration's microbatch count and a constant (the step's fixed work: optimizer, gradient
+reduction), and the largest deviation per real token that the run measured, that the fit
+gives (the plan with those costs, no noise) and that the simulator alone gives.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -32,6 +40,9 @@ from megatron.trainer.data.documents import (  # noqa: E402
     build_document_datasets,
 )
 from megatron.trainer.data.microbatches import BatchLayout, plan_global_batch  # noqa: E402
+from megatron.trainer.launch import read_iterations  # noqa: E402
+
+ITERATION_MS = "elapsed time per iteration (ms)"
 
 SCHEDULES = ("1f1b ordered", "zb-h1 ordered", "dpp")
 
@@ -81,6 +92,37 @@ def steadiness(dataset, layout: BatchLayout, pp_size: int, hidden_size: int, ite
             **{name: largest_deviation(values[warmup:]) for name, values in times.items()}}
 
 
+def fit_to_run(dataset, layout: BatchLayout, pp_size: int, hidden_size: int,
+               log_lines: list[str], warmup: int) -> dict:
+    """A run's iteration times after `warmup` against DPP's simulated makespan of the same
+    iterations (iteration k plans the global batch at (k - 1) x global batch): the fitted
+    ms per makespan unit, ms per microbatch and fixed ms, R^2, and the largest deviation per
+    real token measured, fitted and simulated."""
+    times = {int(row["iteration"]): row[ITERATION_MS]
+             for row in read_iterations(log_lines) if ITERATION_MS in row}
+    iterations = [k for k in sorted(times) if k > warmup]
+    if len(iterations) < 4:
+        raise SystemExit(f"the log has {len(iterations)} iteration times after the warm-up "
+                         f"of {warmup}: too few to fit three costs")
+    features, real = [], []
+    for k in iterations:
+        costs, real_tokens = iteration_costs(dataset, layout, k - 1, hidden_size)
+        makespan = per_real_token(costs, real_tokens, pp_size)["dpp"] * real_tokens
+        features.append([makespan, len(costs), 1.0])
+        real.append(real_tokens)
+    design, measured = np.array(features), np.array([times[k] for k in iterations])
+    coefficients = np.linalg.lstsq(design, measured, rcond=None)[0]
+    fitted, real = design @ coefficients, np.array(real, dtype=float)
+    return {"iterations": (iterations[0], iterations[-1]),
+            "per_makespan": float(coefficients[0]), "per_microbatch_ms": float(coefficients[1]),
+            "fixed_ms": float(coefficients[2]),
+            "r2": float(1 - np.var(measured - fitted) / np.var(measured)),
+            "residual_ms": float(np.std(measured - fitted)),
+            "measured": largest_deviation(list(measured / real)),
+            "fitted": largest_deviation(list(fitted / real)),
+            "simulated": largest_deviation(list(design[:, 0] / real))}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -97,8 +139,13 @@ def main(argv=None) -> None:
                         help="also a row with this token budget per microbatch")
     parser.add_argument("--iterations", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=4, help="iterations left out")
+    parser.add_argument("--log", type=Path, default=None,
+                        help="a GPU run's log of this corpus and layout: fit its iteration "
+                             "times (the module's docstring)")
     args = parser.parse_args(argv)
-    samples = args.iterations * args.global_batch_size
+    log_lines = args.log.read_text(errors="replace").splitlines() if args.log else []
+    logged = [int(row["iteration"]) for row in read_iterations(log_lines)]
+    samples = max([args.iterations, *logged]) * args.global_batch_size
     train, _, _ = build_document_datasets(
         DocumentDataConfig([args.data_path], None, args.split, args.seq_length, args.seed),
         (samples, 0, 0))
@@ -118,6 +165,16 @@ def main(argv=None) -> None:
         low, high = row["microbatches"]
         lines.append(f"{name:40s} {f'{low}-{high}':>8s} "
                      + " ".join(f"{row[s]:14.1%}" for s in SCHEDULES))
+    if args.log:
+        fit = fit_to_run(train, layout, args.pp, args.hidden_size, log_lines, args.warmup)
+        first, last = fit["iterations"]
+        lines += [
+            f"{args.log.name}, iterations {first}-{last} (the layout of the last row): ms = "
+            f"{fit['per_makespan']:.3f} x DPP's makespan + {fit['per_microbatch_ms']:.2f} ms "
+            f"x microbatches + {fit['fixed_ms']:.1f} ms (R^2 {fit['r2']:.2f}, residual "
+            f"{fit['residual_ms']:.1f} ms)",
+            f"largest deviation per real token: measured {fit['measured']:.1%}, the fit "
+            f"{fit['fitted']:.1%}, the simulator alone {fit['simulated']:.1%}"]
     sys.stdout.write("\n".join(lines) + "\n")
 
 

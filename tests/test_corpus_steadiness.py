@@ -6,11 +6,18 @@ the number of microbatches."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 from megatron.trainer.data.documents import DocumentDataConfig, build_document_datasets
 from megatron.trainer.data.microbatches import BatchLayout
-from profiling.corpus_steadiness import SCHEDULES, steadiness
+from profiling.corpus_steadiness import (
+    SCHEDULES,
+    fit_to_run,
+    iteration_costs,
+    per_real_token,
+    steadiness,
+)
 
 
 def _dataset(folder, lengths):
@@ -42,3 +49,32 @@ def test_one_length_is_steady_and_many_lengths_are_not(tmp_path):
     assert all(row[name] > 0 for name in SCHEDULES), row
     low, high = steadiness(varied, budget, 4, 64, 10, 2)["microbatches"]
     assert low < high
+
+
+def test_a_runs_times_fit_the_plans_makespan_microbatches_and_a_fixed_cost(tmp_path):
+    """A log whose iteration k took 2 ms per unit of DPP's simulated makespan of the batch at
+    (k - 1) x 16 samples, 3 ms per microbatch and 10 ms fixed: the fit recovers the three
+    costs exactly, and its deviation per real token is the log's. With the times of the next
+    iteration's batch the fit is worse: it reads each iteration's own plan."""
+    varied = _dataset(tmp_path / "varied",
+                      np.random.default_rng(0).integers(3, 66, size=200).tolist())
+    budget = BatchLayout(2, 16, group_by_length=True, pad_to_multiple=8, microbatch_tokens=128)
+
+    def ms(index):
+        costs, real = iteration_costs(varied, budget, index, 64)
+        return 2 * per_real_token(costs, real, 4)["dpp"] * real + 3 * len(costs) + 10
+
+    def log(times):
+        return [f" iteration {k:8d}/{len(times):8d} | elapsed time per iteration (ms): {t:.6f} |"
+                for k, t in enumerate(times, start=1)]
+
+    fit = fit_to_run(varied, budget, 4, 64, log([ms(k) for k in range(9)]), warmup=2)
+    assert fit["iterations"] == (3, 9)
+    assert (fit["per_makespan"], fit["per_microbatch_ms"], fit["fixed_ms"]) == pytest.approx(
+        (2, 3, 10), abs=1e-4)
+    assert fit["r2"] == pytest.approx(1) and fit["measured"] == pytest.approx(fit["fitted"])
+    assert fit["measured"] > 0
+    shifted = fit_to_run(varied, budget, 4, 64, log([ms(k + 1) for k in range(9)]), warmup=2)
+    assert shifted["r2"] < 0.99
+    with pytest.raises(SystemExit, match="too few"):
+        fit_to_run(varied, budget, 4, 64, log([ms(k) for k in range(4)]), warmup=2)
