@@ -34,6 +34,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from megatron.trainer.launch import read_iterations
 
 log = logging.getLogger("megatron_lm_plugin_check")
@@ -291,6 +293,7 @@ def summary_lines(results: dict, warmup: int, repeats: int = 1) -> list[str]:
                              f"{worst:.2e} ({'within' if worst <= 1e-5 else 'ABOVE'} 1e-5)")
             else:
                 lines.append(f"{name} vs {baseline}: no comparable losses")
+
     def speeds(repeat: int, pair: tuple[str, str]) -> list[float] | None:
         names = [repeat_name(name, repeat) for name in pair]
         if not all(n in results and results[n]["status"] == 0 for n in names):
@@ -316,9 +319,36 @@ def summary_lines(results: dict, warmup: int, repeats: int = 1) -> list[str]:
                          f"{', '.join(f'{r:.4f}' for r in each)})" if len(each) > 1 else ""))
     if len(ratios) == 2:
         gap = abs(ratios["megatron-lm"] / ratios["ours"] - 1)
+        if both:
+            low, high = gap_interval(results, both, warmup)
+            lines.append(f"Megatron-LM's ratio over ours - 1: {low:+.2%} to {high:+.2%} (90 % "
+                         f"of {RESAMPLINGS} resamplings of each run's iterations: what the "
+                         "iterations' own spread allows)")
         lines.append(f"DPP/1F1B ratio, Megatron-LM's trainer against ours: {gap:.2%} apart "
                      f"({'within' if gap <= 0.02 else 'ABOVE'} 2 %)")
     return lines
+
+
+RESAMPLINGS = 2000
+
+
+def gap_interval(results: dict, passes: list[int], warmup: int) -> tuple[float, float]:
+    """The 5th and 95th percentile of Megatron-LM's DPP / 1F1B ratio over ours, minus 1, when
+    each run's iterations after the warm-up are drawn again with replacement (the medians,
+    and the median over `passes`, as the summary takes them; a fixed seed)."""
+    rng = np.random.default_rng(0)
+
+    def medians(name: str) -> np.ndarray:
+        steady = np.asarray(results[name]["ms"][warmup:])
+        return np.median(rng.choice(steady, size=(RESAMPLINGS, steady.size)), axis=1)
+
+    ratio = {}
+    for trainer, (dpp, baseline) in RATIOS.items():
+        # tokens/s are inverse to ms: DPP / 1F1B tokens/s = 1F1B ms / DPP ms
+        each = [medians(repeat_name(baseline, r)) / medians(repeat_name(dpp, r)) for r in passes]
+        ratio[trainer] = np.median(np.stack(each), axis=0)
+    gaps = ratio["megatron-lm"] / ratio["ours"] - 1
+    return float(np.percentile(gaps, 5)), float(np.percentile(gaps, 95))
 
 
 def _tokens_per_s(result: dict, warmup: int) -> float | None:

@@ -159,3 +159,22 @@ def test_resume_runs_only_what_has_no_complete_log(tmp_path, monkeypatch):
     summary = (tmp_path / "summary.txt").read_text().splitlines()
     assert summary[-1] == ("DPP/1F1B ratio, Megatron-LM's trainer against ours: 0.00% apart "
                            "(within 2 %)")
+
+
+def test_the_gaps_interval_follows_the_iterations_spread():
+    """Runs of constant iterations leave the gap nothing to vary: its interval is the point
+    (Megatron-LM 1.25 over ours 1.0: +25 %). With Megatron-LM's 1F1B iterations spread by
+    +-10 % the interval widens around the same median and the summary prints it."""
+    def result(times):
+        return {"status": 0, "losses": [], "ms": [9999.0, *times]}
+
+    steady = {"mlm-bf16-1f1b": result([1250.0] * 9), "mlm-bf16-dpp": result([1000.0] * 9),
+              "ours-bf16-1f1b": result([1000.0] * 9), "ours-bf16-dpp": result([1000.0] * 9)}
+    low, high = megatron_lm_plugin_check.gap_interval(steady, [0], warmup=1)
+    assert (low, high) == pytest.approx((0.25, 0.25))
+    noisy = dict(steady, **{"mlm-bf16-1f1b": result(
+        [1125.0, 1375.0, 1250.0, 1150.0, 1350.0, 1250.0, 1200.0, 1300.0, 1250.0])})
+    low, high = megatron_lm_plugin_check.gap_interval(noisy, [0], warmup=1)
+    assert low < 0.24 and high > 0.26 and low < 0.25 < high
+    lines = megatron_lm_plugin_check.summary_lines(noisy, warmup=1)
+    assert lines[-2].startswith(f"Megatron-LM's ratio over ours - 1: {low:+.2%} to {high:+.2%}")
