@@ -386,7 +386,8 @@ def run(name: str, flags: list[str], args, out: Path) -> dict:
                            if measured[0][2] else None),
         "mfu_percent": statistics.median(float(r[3]) for r in measured) if measured[0][3] else None,
         "peak_mb": max(per_rank) if per_rank else None, "peak_mb_per_rank": per_rank,
-        "peak_in_first_step": first_step, "iterations": len(measured), "wall_s": round(time.time() - started, 1),
+        "peak_in_first_step": first_step, "iterations": len(measured),
+        "wall_s": round(time.time() - started, 1),
         **variable_length_figures(text, rows, args.warmup),
     }
 
@@ -406,9 +407,10 @@ def variable_length_lines(results: list[dict], base: dict) -> list[str]:
     lines = [f"{'config':24s} {'real tok/s':>10s} {'padding%':>9s} {'us/real tok':>11s} "
              f"{'max dev%':>9s}  peak MB per rank"]
     for r in rows:
-        first_step = r.get("peak_in_first_step") or [False] * len(r.get("peak_mb_per_rank") or [])
+        peaks = r.get("peak_mb_per_rank") or []
+        first_step = r.get("peak_in_first_step") or [False] * len(peaks)
         ranks = " ".join(f"{mb:.0f}{'*' if early else ''}" for mb, early in
-                         zip(r.get("peak_mb_per_rank") or [], first_step, strict=True))
+                         zip(peaks, first_step, strict=True))
         lines.append(f"{r['name']:24s} {r['real_tokens_per_s']:10.0f} {r['padding_percent']:9.1f} "
                      f"{r['us_per_real_token']:11.3f} {r['max_deviation_percent']:9.1f}  {ranks}")
     if any(any(r.get("peak_in_first_step") or []) for r in rows):
