@@ -29,6 +29,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -124,30 +125,60 @@ def make_shim(folder: Path) -> Path:
 
 def launch(command: list[str], cwd: Path, log_path: Path, timeout: float,
            env: dict | None = None) -> int | str:
-    """Run torchrun; past `timeout` it is stopped with its ranks, which torchrun starts in
-    sessions of their own (left alone they would hold the GPUs for the next run): SIGTERM
-    first, which torchrun passes on to them, then SIGKILL to any that remain."""
-    import psutil
-
+    """Run torchrun; past `timeout`, or when this check is itself stopped (an outer time
+    limit's SIGTERM, see `exit_on_sigterm`), it is stopped with its ranks, which torchrun
+    starts in sessions of their own: left alone they would hold the GPUs and the port for the
+    next run or the next call."""
     with open(log_path, "w") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, cwd=cwd,
                                    env=env, start_new_session=True)
         try:
             return process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            try:
-                torchrun = psutil.Process(process.pid)
-                processes = [torchrun, *torchrun.children(recursive=True)]
-            except psutil.NoSuchProcess:  # it ended just now
-                processes = []
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-            _gone, alive = psutil.wait_procs(processes, timeout=STOP_GRACE_S)
-            for remaining in alive:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    remaining.kill()
-            process.wait()
+            stop(process)
             return "timeout"
+        except BaseException:
+            stop(process)
+            raise
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM to torchrun's session, which torchrun passes on to its ranks, then SIGKILL to
+    any of them that remain after STOP_GRACE_S."""
+    import psutil
+
+    try:
+        torchrun = psutil.Process(process.pid)
+        processes = [torchrun, *torchrun.children(recursive=True)]
+    except psutil.NoSuchProcess:  # it ended just now
+        processes = []
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    _gone, alive = psutil.wait_procs(processes, timeout=STOP_GRACE_S)
+    for remaining in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            remaining.kill()
+    process.wait()
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM (`timeout` around a call) unwinds like Ctrl-C, through `launch`'s stop."""
+    def _exit(signum, _frame):
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, _exit)
+
+
+def check_port_free(port: int) -> None:
+    """One clear error before any run, not every run failing on torchrun's store."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # as torch's store binds: a finished run's connections in TIME_WAIT do not count
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError as error:
+            raise SystemExit(
+                f"--port {port} is taken ({error.strerror}): a run of an earlier call may still "
+                "be going (`pgrep -af torch.distributed.run`), or pass another --port") from None
 
 
 def trainer_programs(megatron_lm: Path, out: Path) -> dict:
@@ -231,7 +262,11 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    programs = None if args.from_logs else trainer_programs(args.megatron_lm, out)
+    programs = None
+    if not args.from_logs:
+        check_port_free(args.port)
+        exit_on_sigterm()
+        programs = trainer_programs(args.megatron_lm, out)
 
     results = {}
     for repeat in range(args.repeats):

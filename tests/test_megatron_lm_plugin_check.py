@@ -1,12 +1,15 @@
 """profiling/megatron_lm_plugin_check.py's `make` stand-in: Megatron-LM's initialize runs make
 in megatron/core/datasets, which megatron-core's wheels ship built but without a Makefile;
 the stand-in succeeds only there and leaves every other call to the real make. A run past its
-timeout is stopped with its ranks."""
+timeout, or whose check is stopped, is stopped with its ranks;
+a taken port is one error before any run."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -41,29 +44,65 @@ def test_make_stand_in_runs_the_real_make_where_a_makefile_is(tmp_path):
     assert _make(shim, tmp_path) != 0
 
 
+# a stand-in of torchrun: its rank in a session of its own, deaf to SIGTERM, its pid in argv[1]
+STAND_IN = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
+            "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "time.sleep(60)'], start_new_session=True); "
+            "open(sys.argv[1], 'w').write(str(p.pid)); time.sleep(60)")
+
+
+def _wait_gone(pid: int) -> None:
+    for _ in range(50):  # the orphan is reaped by init shortly after the kill
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"the rank process {pid} outlived its run")
+
+
 def test_timeout_ends_the_whole_run(tmp_path, monkeypatch):
     """torchrun's ranks (in sessions of their own) go with it, not left holding the GPUs."""
     child = tmp_path / "child.pid"
-    # a stand-in of torchrun: its rank in a session of its own, and deaf to SIGTERM
-    command = [sys.executable, "-c",
-               "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
-               "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-               "time.sleep(60)'], start_new_session=True); "
-               "open(sys.argv[1], 'w').write(str(p.pid)); time.sleep(60)", str(child)]
+    command = [sys.executable, "-c", STAND_IN, str(child)]
     monkeypatch.setattr(megatron_lm_plugin_check, "STOP_GRACE_S", 1)
     started = time.monotonic()
     status = megatron_lm_plugin_check.launch(command, tmp_path, tmp_path / "run.log", timeout=3)
     assert status == "timeout"
     assert time.monotonic() - started < 15
-    pid = int(child.read_text())
-    for _ in range(50):  # the orphan is reaped by init shortly after the kill
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+    _wait_gone(int(child.read_text()))
+
+
+def test_sigterm_to_the_check_ends_the_run_in_flight(tmp_path):
+    """An outer time limit (`timeout 560 python ...`) stops the check mid-run: the run's ranks
+    go too; left behind they held the port, and every run of the next call failed at once."""
+    child = tmp_path / "child.pid"
+    check = subprocess.Popen([sys.executable, "-c", (
+        "import sys; from pathlib import Path; from profiling import megatron_lm_plugin_check "
+        "as c; c.STOP_GRACE_S = 1; c.exit_on_sigterm(); "
+        f"c.launch([sys.executable, '-c', {STAND_IN!r}, {str(child)!r}], Path({str(tmp_path)!r}), "
+        f"Path({str(tmp_path / 'run.log')!r}), timeout=120)")],
+        cwd=megatron_lm_plugin_check.ROOT)
+    for _ in range(300):
+        if child.exists() and child.read_text():
             break
         time.sleep(0.1)
     else:
-        pytest.fail(f"the rank process {pid} outlived the timeout")
+        check.kill()
+        pytest.fail("the stand-in run never started")
+    check.send_signal(signal.SIGTERM)
+    assert check.wait(timeout=30) == 128 + signal.SIGTERM
+    _wait_gone(int(child.read_text()))
+
+
+def test_a_taken_port_is_one_error_before_any_run():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with pytest.raises(SystemExit, match=f"--port {port} is taken"):
+            megatron_lm_plugin_check.check_port_free(port)
+    megatron_lm_plugin_check.check_port_free(port)  # free again once closed
 
 
 def test_summary_takes_each_trainers_median_ratio_over_the_repeats():
