@@ -12,7 +12,8 @@ time per iteration, tokens/s (tokens actually trained), TFLOP/s/GPU and MFU.
 
 Variable lengths (issue 35): `docs-*` train the documents of `--corpus` (a prefix of
 tools/build_length_corpus.py's corpus, tokenized), `cv-*` mock data cut to lengths drawn
-with --seq-length-cv 0.5; each padded to buckets of --pad-to-multiple (128 on GPU). Their
+with --seq-length-cv 0.5 (`cv-*-tokens`: one draw per sample, microbatches by a token
+budget of 2,048); each padded to buckets of --pad-to-multiple (128 on GPU). Their
 rows add real (non-pad) tokens/s, the padding share, the median time per real token and
 the largest deviation of an iteration's from it, and every rank's peak memory.
 
@@ -196,6 +197,10 @@ for suffix, graph_flags in GRAPH_CHOICES.items():
                                               *TOKEN_BUDGET, *VARIABLE_SCHEDULES["dpp"],
                                               "--dpp-defer-weights", *graph_flags],
     }
+    # --seq-length-cv 0.5's lengths drawn per sample under the same budget (no corpus)
+    for schedule in ("1f1b", "1f1b-cost", "dpp"):
+        CONFIGS[f"cv-{schedule}-tokens{suffix}"] = [*VARIABLE, *TOKEN_BUDGET,
+                                                    *VARIABLE_SCHEDULES[schedule], *graph_flags]
     for schedule, schedule_flags in VARIABLE_SCHEDULES.items():
         CONFIGS[f"docs-{schedule}{suffix}"] = ["--corpus", "--variable-seq-lengths",
                                                *schedule_flags, *graph_flags]
@@ -252,12 +257,15 @@ RATIOS = (
                    ("dpp-tokens", "1f1b-cost-tokens"),
                    ("dpp-tokens-deferred", "1f1b-tokens"))),
     *((f"docs-grouped-dpp{graphs}", f"docs-packed{graphs}") for graphs in GRAPH_CHOICES),
+    *((f"cv-{a}{graphs}", f"cv-{b}{graphs}") for graphs in GRAPH_CHOICES
+      for a, b in (("dpp-tokens", "1f1b-tokens"), ("dpp-tokens", "1f1b-cost-tokens"),
+                   ("dpp-tokens", "dpp"))),
 )
 # variable lengths: ratios of real (non-pad) tokens/s, where padding is what differs
 REAL_RATIOS = tuple((a, b) for a, b in RATIOS if a.startswith(("docs-", "cv-")))
 REAL_RATIOS += tuple((f"{v}{graphs}", f"fixed-1024{graphs}") for graphs in GRAPH_CHOICES
                      for v in ("docs-dpp", "docs-1f1b", "docs-grouped-dpp", "docs-grouped-1f1b",
-                               "cv-dpp", "cv-1f1b"))
+                               "cv-dpp", "cv-1f1b", "cv-dpp-tokens", "cv-1f1b-tokens"))
 
 # TFLOP/s and MFU are logged only on a GPU whose peak the trainer knows (metrics.py)
 LINE = re.compile(

@@ -13,6 +13,10 @@ over the iterations after the warm-up. No host cost, hop or recording: what the 
 
     python profiling/corpus_steadiness.py --data-path /tmp/varlen/corpus_text_document \
         --microbatch-tokens 2048 [--log RUN.log]
+    python profiling/corpus_steadiness.py --seq-length-cv 0.5 --microbatch-tokens 2048
+
+`--seq-length-cv X` plans from the lengths the trainer draws under `--seq-length-cv X
+--microbatch-tokens N` (data.DrawnLengthSamples, --seed as the trainer's) instead of a corpus.
 
 `--log`: a GPU run's log of the same corpus and layout (profiling/bench_gpt.py's docs-*
 configurations): its iteration times fitted, by least squares, to DPP's simulated makespan,
@@ -35,6 +39,7 @@ from megatron.dpp.baselines import largest_deviation  # noqa: E402
 from megatron.dpp.plan import StageConfig  # noqa: E402
 from megatron.dpp.policy import microbatch_order_for  # noqa: E402
 from megatron.dpp.simulator import CostModel, Durations, simulate  # noqa: E402
+from megatron.trainer.data.data import DrawnLengthSamples  # noqa: E402
 from megatron.trainer.data.documents import (  # noqa: E402
     DocumentDataConfig,
     build_document_datasets,
@@ -126,7 +131,11 @@ def fit_to_run(dataset, layout: BatchLayout, pp_size: int, hidden_size: int,
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data-path", required=True, help="a .bin/.idx prefix")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data-path", help="a .bin/.idx prefix")
+    source.add_argument("--seq-length-cv", type=float,
+                        help="instead of a corpus: the trainer's drawn lengths, one per sample, "
+                             "as --seq-length-cv under --microbatch-tokens draws them")
     parser.add_argument("--split", default="98,1,1")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--seq-length", type=int, default=2048)
@@ -146,9 +155,12 @@ def main(argv=None) -> None:
     log_lines = args.log.read_text(errors="replace").splitlines() if args.log else []
     logged = [int(row["iteration"]) for row in read_iterations(log_lines)]
     samples = max([args.iterations, *logged]) * args.global_batch_size
-    train, _, _ = build_document_datasets(
-        DocumentDataConfig([args.data_path], None, args.split, args.seq_length, args.seed),
-        (samples, 0, 0))
+    if args.data_path is None:
+        train = DrawnLengthSamples(None, args.seq_length, args.seq_length_cv, args.seed)
+    else:
+        train, _, _ = build_document_datasets(
+            DocumentDataConfig([args.data_path], None, args.split, args.seq_length, args.seed),
+            (samples, 0, 0))
     layouts = {f"{args.micro_batch_size} rows, grouped by length": BatchLayout(
         args.micro_batch_size, args.global_batch_size, group_by_length=True,
         pad_to_multiple=args.pad_to_multiple)}

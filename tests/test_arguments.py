@@ -445,6 +445,7 @@ def test_megatron_lm_gpt_flags_train(tmp_path):
 
 DOCUMENTS = with_flags(BASE, mock_data=None, data_path="corpus_text_document",
                        variable_seq_lengths=True)
+DRAWN_BUDGET = with_flags(BASE, seq_length_cv=0.5, microbatch_tokens=64)
 VARIABLE_LENGTH_REFUSALS = {
     # name: (flags, world size, the one-line reason)
     "mock_data": (with_flags(DOCUMENTS, data_path=None, mock_data=True), 1,
@@ -467,9 +468,23 @@ VARIABLE_LENGTH_REFUSALS = {
     "padding_with_fixed_lengths": (with_flags(BASE, pad_to_multiple=64), 1,
                                    "--pad-to-multiple needs --variable-seq-lengths or "
                                    "--seq-length-cv"),
-    "token_budget_without_documents": (with_flags(BASE, seq_length_cv=0.5,
-                                                  microbatch_tokens=4096), 1,
-                                       "--microbatch-tokens needs --variable-seq-lengths"),
+    "token_budget_with_fixed_lengths": (with_flags(BASE, microbatch_tokens=4096), 1,
+                                        "--microbatch-tokens needs --variable-seq-lengths or "
+                                        "--seq-length-cv"),
+    "grouping_drawn_microbatches": (with_flags(BASE, seq_length_cv=0.5, group_by_length=True),
+                                    1, "--group-by-length needs --variable-seq-lengths, or "
+                                    "--seq-length-cv with --microbatch-tokens"),
+    "drawn_budget_rampup": (with_flags(DRAWN_BUDGET, rampup_batch_size=[2, 2, 8],
+                                       global_batch_size=8), 1,
+                            "--seq-length-cv with --microbatch-tokens with --rampup-batch-size"),
+    "drawn_budget_reset_position_ids": (with_flags(DRAWN_BUDGET, reset_position_ids=True), 1,
+                                        "--seq-length-cv with --microbatch-tokens with "
+                                        "--reset-position-ids"),
+    "drawn_budget_eval_batch": (with_flags(DRAWN_BUDGET, eval_global_batch_size=4), 1,
+                                "--eval-global-batch-size with --seq-length-cv and "
+                                "--microbatch-tokens"),
+    "documents_eval_batch": (with_flags(DOCUMENTS, eval_global_batch_size=4), 1,
+                             "--eval-global-batch-size with --variable-seq-lengths"),
     "token_budget_below_a_sample": (with_flags(DOCUMENTS, microbatch_tokens=8), 1,
                                     "--microbatch-tokens 8 is less than --seq-length"),
     "token_budget_interleaved": (
@@ -511,4 +526,8 @@ def test_bert_refuses_variable_seq_lengths():
 
     args = parse_args(DOCUMENTS, world_size=1)
     with pytest.raises(ArgumentError, match="--variable-seq-lengths is for GPT"):
+        setup(BERT_TASK, args, None)
+    args = parse_args(DRAWN_BUDGET, world_size=1)
+    with pytest.raises(ArgumentError, match="--seq-length-cv with --microbatch-tokens is for "
+                                            "GPT"):
         setup(BERT_TASK, args, None)

@@ -78,3 +78,24 @@ def test_a_runs_times_fit_the_plans_makespan_microbatches_and_a_fixed_cost(tmp_p
     assert shifted["r2"] < 0.99
     with pytest.raises(SystemExit, match="too few"):
         fit_to_run(varied, budget, 4, 64, log([ms(k) for k in range(4)]), warmup=2)
+
+
+def test_drawn_lengths_instead_of_a_corpus(capsys):
+    """--seq-length-cv plans from the trainer's drawn lengths: the budget row's microbatch
+    counts are those of plan_global_batch over the same draws, and the draws vary the
+    iterations."""
+    from megatron.trainer.data.data import DrawnLengthSamples
+    from megatron.trainer.data.microbatches import plan_global_batch
+    from profiling.corpus_steadiness import main
+
+    main(["--seq-length-cv", "0.5", "--seq-length", "256", "--hidden-size", "64",
+          "--pad-to-multiple", "16", "--global-batch-size", "16", "--microbatch-tokens", "512",
+          "--iterations", "10", "--warmup", "2", "--seed", "7"])
+    budget_row = capsys.readouterr().out.splitlines()[-1]
+    layout = BatchLayout(2, 16, group_by_length=True, pad_to_multiple=16, microbatch_tokens=512)
+    drawn = DrawnLengthSamples(None, 256, 0.5, seed=7)
+    counts = [len(plan_global_batch(drawn, k * 16, layout).samples[0]) for k in range(10)]
+    assert budget_row.split()[:5] == ["token", "budget", "512,", "grouped", "by"]
+    assert budget_row.split()[6] == f"{min(counts)}-{max(counts)}"
+    assert min(counts) < max(counts)
+    assert all(float(value.rstrip("%")) > 0 for value in budget_row.split()[7:])

@@ -1,7 +1,8 @@
 """Token-budget micro-batching (`--microbatch-tokens`) and bucketed padding
 (`--pad-to-multiple` with `--seq-length-cv`): the plan's cut, and training equal to PP=1 on
 the same samples under megatron-core's schedule and DPP while the number of microbatches
-changes from one iteration to the next."""
+changes from one iteration to the next; the same for `--seq-length-cv`'s lengths drawn per
+sample under a budget."""
 
 from __future__ import annotations
 
@@ -144,3 +145,76 @@ def test_bucketed_synthetic_lengths_train_as_unpadded():
     per_rank = run_ranks(2, train_runs, [dpp], 2)
     assert [entry["lm loss"] for entry in per_rank[-1][0]["losses"]] == pytest.approx(
         reference, rel=2e-5)
+
+
+class FullSamples:
+    """GPT samples of `seq_length` tokens whose ids tell sample and position apart."""
+
+    def __init__(self, count: int, seq_length: int):
+        self.count, self.seq_length = count, seq_length
+
+    def __len__(self):
+        return self.count
+
+    def __getitem__(self, index):
+        import torch
+
+        tokens = torch.arange(self.seq_length, dtype=torch.int64) + 1000 * index
+        return {"tokens": tokens, "labels": tokens + 1,
+                "loss_mask": torch.ones(self.seq_length), "position_ids": torch.arange(
+                    self.seq_length)}
+
+
+def test_drawn_lengths_cut_each_sample_to_its_own_draw():
+    """--seq-length-cv under a budget: each sample is its own draw (the synthetic path's
+    lognormal, indexed by the sample), the first tokens of the full sample; past the end
+    the order wraps as Megatron's does while the draw keeps the index; the budget then cuts
+    the global batches into varying numbers of microbatches."""
+    from megatron.trainer.data.data import DrawnLengthSamples, variable_length
+
+    samples = DrawnLengthSamples(FullSamples(40, 64), 64, 0.5, seed=3)
+    lengths = samples.sample_lengths(range(50))
+    assert list(lengths) == [variable_length(64, 0.5, 3, k) for k in range(50)]
+    assert len(set(lengths)) > 3
+    for index in (0, 7, 45):
+        sample = samples[index]
+        assert set(sample) == {"tokens", "labels", "loss_mask"}
+        assert len(sample["tokens"]) == len(sample["labels"]) == lengths[index]
+        assert sample["tokens"].tolist() == list(range(1000 * (index % 40),
+                                                       1000 * (index % 40) + lengths[index]))
+    layout = BatchLayout(2, 8, 1, pad_to_multiple=16, microbatch_tokens=128)
+    counts = {len(plan_global_batch(samples, k * 8, layout).samples[0]) for k in range(5)}
+    assert len(counts) > 1, counts
+
+
+DRAWN = with_flags(SYNTHETIC, seq_length_cv=0.5, train_iters=3, microbatch_tokens=128,
+                   global_batch_size=8)
+
+
+@pytest.mark.long
+def test_drawn_lengths_under_a_budget_train_alike_in_every_schedule():
+    """--seq-length-cv 0.5 with --microbatch-tokens: the same samples cut into other
+    microbatches (a budget of 64 tokens: mostly one sample each; 128: several) give the same
+    per-token losses at PP=1, and megatron-core's 1F1B (natural and cost order) and DPP (with
+    the B/W split) at PP=2 give them too; the number of microbatches varies (checked)."""
+    from megatron.trainer.data.data import DrawnLengthSamples
+
+    lengths = DrawnLengthSamples(None, 64, 0.5, seed=11)
+    counts = [len(plan_global_batch(lengths, k * 8, BatchLayout(
+        2, 8, 1, microbatch_tokens=128)).samples[0]) for k in range(3)]
+    assert len(set(counts)) > 1, counts
+    pp2 = with_flags(DRAWN, pipeline_model_parallel_size=2)
+    (single,) = run_ranks(1, train_runs, [DRAWN, with_flags(DRAWN, microbatch_tokens=64),
+                                          with_flags(DRAWN, group_by_length=True)], 1)
+    reference = [entry["lm loss"] for entry in single[0]["losses"]]
+    assert len(reference) == 3 and all(0 < x < 20 for x in reference)
+    for run in single[1:]:
+        assert [entry["lm loss"] for entry in run["losses"]] == pytest.approx(
+            reference, rel=2e-5)
+    runs = {"core": pp2, "core_cost": with_flags(pp2, microbatch_order="cost"),
+            "dpp_split": with_flags(pp2, use_dpp=True, dpp_split_backward=True,
+                                    dpp_transport="torch")}
+    per_rank = run_ranks(2, train_runs, list(runs.values()), 2)
+    for index, name in enumerate(runs):
+        assert [entry["lm loss"] for entry in per_rank[-1][index]["losses"]] == pytest.approx(
+            reference, rel=2e-5), name

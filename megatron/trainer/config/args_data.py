@@ -12,6 +12,7 @@ from megatron.trainer.config.args_common import (
 )
 from megatron.trainer.config.configs import DataConfig
 from megatron.trainer.data.documents import split_document_ranges
+from megatron.trainer.data.microbatches import lengths_per_sample
 from megatron.trainer.data.tokenizer import TOKENIZER_TYPES
 
 
@@ -34,8 +35,9 @@ def data_args(g):
         "--reset-attention-mask": None,
         "--eod-mask-loss": None,
         "--seq-length-cv float = 0.0":
-            "synthetic variable-length microbatches (mock data too): lognormal CV of each "
-            "microbatch's token count, mean half of --seq-length; 0 = fixed length",
+            "synthetic variable lengths (mock data too): lognormal CV of each microbatch's "
+            "token count (with --microbatch-tokens: of each sample's, GPT), mean half of "
+            "--seq-length; 0 = fixed length",
     })
 
 
@@ -85,17 +87,18 @@ def add_variable_length_args(parser):
             "microbatch padded to its own longest sample, padding out of the loss; the loss "
             "is per token (calculate_per_token_loss)",
         "--group-by-length":
-            "with --variable-seq-lengths: microbatches of samples of similar length within "
-            "each global batch (the same samples, less padding; docs/variable_lengths.md)",
+            "with --variable-seq-lengths (or --seq-length-cv with --microbatch-tokens): "
+            "microbatches of samples of similar length within each global batch (the same "
+            "samples, less padding; docs/variable_lengths.md)",
         "--pad-to-multiple int":
             "with --variable-seq-lengths or --seq-length-cv: round each microbatch's length "
             "up to this multiple, so that few shapes (buckets) occur (default "
             f"{GPU_PAD_TO_MULTIPLE} on GPU, 1 on CPU; with --sequence-parallel also a "
             "multiple of the tensor-parallel size)",
         "--microbatch-tokens int":
-            "with --variable-seq-lengths: form microbatches by this budget of padded tokens "
-            "(rows x length) instead of --micro-batch-size rows; the number of microbatches "
-            "then varies between iterations",
+            "with --variable-seq-lengths or --seq-length-cv: form microbatches by this budget "
+            "of padded tokens (rows x length) instead of --micro-batch-size rows; the number "
+            "of microbatches then varies between iterations; the loss is per token",
         "--microbatch-order {natural,cost}":
             "the order an iteration's microbatches run in: cost = by their token counts, "
             "cheap first and last (megatron-core's schedules too); default cost with "
@@ -125,6 +128,15 @@ def validate_variable_lengths(args, need):
     else:
         need(args.pad_to_multiple is None or args.seq_length_cv > 0,
              "--pad-to-multiple needs --variable-seq-lengths or --seq-length-cv")
+    if lengths_per_sample(args) and not variable:  # --seq-length-cv's draws under a budget
+        for bad, why in (
+            (args.rampup_batch_size is not None, "with --rampup-batch-size: the microbatches "
+             "of a global batch are planned from a fixed global batch size"),
+            (args.reset_position_ids or args.reset_attention_mask, "with --reset-position-ids"
+             " / --reset-attention-mask: each sample is cut to its drawn length and padded "
+             "as one sequence"),
+        ):
+            need(not bad, f"--seq-length-cv with --microbatch-tokens {why}")
     if args.pad_to_multiple is None:
         # few shapes on GPU: each new one costs compilation, plans and graphs there
         args.pad_to_multiple = GPU_PAD_TO_MULTIPLE if cuda_available() else 1

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from megatron.trainer.checkpoint.checkpoint_config import CheckpointConfig
 from megatron.trainer.config.args_common import ArgumentError, one_line
+from megatron.trainer.data.microbatches import lengths_per_sample
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +162,10 @@ class DataConfig(FlagConfig):
     reset_attention_mask: bool
     eod_mask_loss: bool
 
+    @property
+    def lengths_per_sample(self) -> bool:
+        return lengths_per_sample(self)
+
     @staticmethod
     def rules(values, need: Need) -> None:
         need(values.mock_data or values.data_path,
@@ -172,10 +177,11 @@ class DataConfig(FlagConfig):
         need(values.num_workers == 0 or cv == 0,
              f"--num-workers {values.num_workers} with --seq-length-cv: the microbatches are "
              "cut to their lengths in the training process; use --num-workers 0")
-        if not values.variable_seq_lengths:
-            for flag, given in (("--group-by-length", values.group_by_length),
-                                ("--microbatch-tokens", values.microbatch_tokens is not None)):
-                need(not given, f"{flag} needs --variable-seq-lengths")
+        need(values.variable_seq_lengths or cv > 0 or values.microbatch_tokens is None,
+             "--microbatch-tokens needs --variable-seq-lengths or --seq-length-cv")
+        need(lengths_per_sample(values) or not values.group_by_length,
+             "--group-by-length needs --variable-seq-lengths, or --seq-length-cv with "
+             "--microbatch-tokens (each sample its own length)")
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.indexed_dataset import DType
 
 from megatron.trainer.data.fim import FimConfig, FimGPTDatasetConfig, fim_dataset_class
-from megatron.trainer.data.microbatches import padded_length
+from megatron.trainer.data.microbatches import lengths_per_sample, padded_length
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,14 @@ def _dataset_config_kwargs(args, tokenizer) -> dict:
 def build_gpt_datasets(args, tokenizer):
     if args.variable_seq_lengths:
         return build_gpt_document_datasets(args, tokenizer)
+    if lengths_per_sample(args):  # --seq-length-cv under --microbatch-tokens
+        return tuple(None if split is None else DrawnLengthSamples(
+            split, args.seq_length, args.seq_length_cv, args.seed)
+            for split in _build_gpt_datasets(args, tokenizer))
+    return _build_gpt_datasets(args, tokenizer)
+
+
+def _build_gpt_datasets(args, tokenizer):
     fim = FimConfig.from_args(args)  # --fim-data: fill-in-the-middle samples (fim.py)
     config_class = GPTDatasetConfig if fim is None else FimGPTDatasetConfig
     config = config_class(
@@ -352,6 +360,31 @@ def variable_length(seq_length: int, cv: float, seed: int, sample_index: int) ->
     mu = math.log(seq_length / 2) - sigma * sigma / 2
     draw = np.random.default_rng([seed, sample_index]).lognormal(mu, sigma)
     return int(min(seq_length, max(16, round(draw / 16) * 16)))
+
+
+class DrawnLengthSamples(torch.utils.data.Dataset):
+    """--seq-length-cv under --microbatch-tokens: every GPT sample cut to a length of its own,
+    drawn as `variable_length` draws a microbatch's (indexed by the sample), so that the
+    token budget forms microbatches from the lengths as it does from documents
+    (microbatches.plan_global_batch). A sample is {"tokens", "labels", "loss_mask"} of its
+    drawn length; position ids and padding come with its microbatch (pad_microbatch)."""
+
+    def __init__(self, samples, seq_length: int, cv: float, seed: int):
+        self.samples, self.seq_length, self.cv, self.seed = samples, seq_length, cv, seed
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def sample_lengths(self, indices) -> np.ndarray:
+        return np.array([variable_length(self.seq_length, self.cv, self.seed, int(index))
+                         for index in np.asarray(indices).reshape(-1)], dtype=np.int64)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        # Megatron's order wraps past the end (MicroBatchIterator); the draw keeps the index
+        sample = self.samples[index % len(self.samples)]
+        length = variable_length(self.seq_length, self.cv, self.seed, index)
+        return {key: torch.as_tensor(sample[key])[:length].clone()
+                for key in ("tokens", "labels", "loss_mask")}
 
 
 def microbatch_lengths(args, consumed_samples: int, global_batch: int) -> list[int]:

@@ -28,7 +28,9 @@ of the batch sorted by (length, index), so the ranks get alike lengths). Its sam
 that order, are cut greedily into microbatches: a sample joins the current microbatch while
 rows x padded length stays within N, else it starts the next one. So a microbatch holds as
 many short documents as the budget allows, and the number of microbatches differs between
-iterations (and DP ranks); every pipeline stage of a replica computes the same cut.
+iterations (and DP ranks); every pipeline stage of a replica computes the same cut. With
+`--seq-length-cv` the budget plans the same way over one drawn length per sample
+(data.DrawnLengthSamples) instead of documents.
 """
 
 from __future__ import annotations
@@ -65,6 +67,15 @@ def pad_microbatch(samples: Sequence[dict], pad_to_multiple: int = 1, pad_id: in
     position_ids = torch.arange(length, dtype=torch.int64).repeat(batch, 1)
     return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
             "position_ids": position_ids, "attention_mask": None}
+
+
+def lengths_per_sample(values) -> bool:
+    """Whether a run's microbatches are planned from each sample's own length
+    (plan_global_batch: the token budget, grouping): documents (`--variable-seq-lengths`),
+    or `--seq-length-cv`'s draws, one per sample, under `--microbatch-tokens`. `values`: the
+    parsed flags or a DataConfig (the same names)."""
+    return bool(values.variable_seq_lengths) or (
+        values.seq_length_cv > 0 and values.microbatch_tokens is not None)
 
 
 def padded_length(longest: int, pad_to_multiple: int = 1, max_length: int | None = None) -> int:

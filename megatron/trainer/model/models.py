@@ -26,6 +26,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron.trainer.core_compat import core_overrides
+from megatron.trainer.data.microbatches import lengths_per_sample
 from megatron.trainer.kernels import triton_dropout
 from megatron.trainer.kernels.cross_entropy import vocab_parallel_cross_entropy
 from megatron.trainer.kernels.fused_layers import install_fused_layers
@@ -100,9 +101,9 @@ def transformer_config_from_args(args) -> TransformerConfig:
         masked_softmax_fusion=not args.no_masked_softmax_fusion and _fused_softmax_available(),
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         apply_rope_fusion=rope_fusion(args),
-        # documents of different lengths: each token weighs the same in the gradient
-        # (megatron-core's per-microbatch mean would weigh a short document's tokens more)
-        calculate_per_token_loss=args.calculate_per_token_loss or args.variable_seq_lengths,
+        # samples of different lengths: each token weighs the same in the gradient
+        # (megatron-core's per-microbatch mean would weigh a short sample's tokens more)
+        calculate_per_token_loss=args.calculate_per_token_loss or lengths_per_sample(args),
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         pipeline_dtype=args.params_dtype,

@@ -44,6 +44,7 @@ from megatron.trainer.data.microbatches import (
     BatchLayout,
     DocumentMicrobatches,
     cost_ordered,
+    lengths_per_sample,
     padded_length,
     plan_global_batch,
     reorder_data_iterators,
@@ -137,6 +138,9 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     if args.variable_seq_lengths and not task.documents:
         raise ArgumentError(f"--variable-seq-lengths is for GPT; {task.name}'s samples are "
                             "not single documents")
+    if lengths_per_sample(args) and not task.documents:
+        raise ArgumentError(f"--seq-length-cv with --microbatch-tokens is for GPT; {task.name}"
+                            "'s samples are not cut to lengths of their own")
     check_data_paths(args)  # before the job starts: every rank reads its own files
     check_splits(args, by_document=task.splits_by_document)
     try:
@@ -288,7 +292,7 @@ def data_iterators(trainer: Trainer, dataset, consumed_samples: int):
         ) or parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
         if not needs_data:
             iterators.append(None)
-        elif configs.data.variable_seq_lengths:
+        elif configs.data.lengths_per_sample:
             iterators.append(DocumentMicrobatches(
                 dataset, batch_layout(configs), parallel_state.get_data_parallel_rank(),
                 consumed_samples))
@@ -302,7 +306,8 @@ def data_iterators(trainer: Trainer, dataset, consumed_samples: int):
 
 
 def batch_layout(configs: TrainerConfigs) -> BatchLayout:
-    """How --variable-seq-lengths makes a global batch's microbatches (microbatches.py)."""
+    """How a global batch of samples of their own lengths (--variable-seq-lengths, or
+    --seq-length-cv under --microbatch-tokens) becomes microbatches (microbatches.py)."""
     schedule, data = configs.schedule, configs.data
     return BatchLayout(schedule.micro_batch_size, schedule.global_batch_size,
                        configs.parallel.data_parallel_size, data.group_by_length,
@@ -316,7 +321,7 @@ def iteration_lengths(trainer: Trainer, consumed_samples: int, global_batch: int
     microbatch count under --microbatch-tokens; sequences, (padded length, rows, real
     tokens) of every microbatch of every data-parallel rank, for the throughput line."""
     configs, data = trainer.configs, trainer.configs.data
-    if data.variable_seq_lengths:
+    if data.lengths_per_sample:
         plan = plan_global_batch(trainer.datasets[0], consumed_samples, batch_layout(configs))
         sequences = [(length, len(samples), real) for samples_of_rank, lengths_of_rank,
                      real_of_rank in zip(plan.samples, plan.lengths, plan.real_tokens,
