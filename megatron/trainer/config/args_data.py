@@ -12,7 +12,7 @@ from megatron.trainer.config.args_common import (
 )
 from megatron.trainer.config.configs import DataConfig
 from megatron.trainer.data.documents import split_document_ranges
-from megatron.trainer.data.microbatches import lengths_per_sample
+from megatron.trainer.data.microbatches import lengths_per_sample, lengths_source
 from megatron.trainer.data.tokenizer import TOKENIZER_TYPES
 
 
@@ -114,10 +114,6 @@ def validate_variable_lengths(args, need):
              ".bin/.idx prefix; --mock-data has no documents)"),
             (args.seq_length_cv > 0, "and --seq-length-cv are two sources of lengths: give "
              "one"),
-            (args.rampup_batch_size is not None, "with --rampup-batch-size: the microbatches "
-             "of a global batch are planned from a fixed global batch size"),
-            (args.reset_position_ids or args.reset_attention_mask, "with --reset-position-ids"
-             " / --reset-attention-mask: each sample is one document already"),
             (not args.use_dpp and args.pipeline_model_parallel_size == 2
              and args.virtual_pipeline_model_parallel_size is not None,
              "with megatron-core's interleaved schedule at --pipeline-model-parallel-size 2: "
@@ -128,15 +124,15 @@ def validate_variable_lengths(args, need):
     else:
         need(args.pad_to_multiple is None or args.seq_length_cv > 0,
              "--pad-to-multiple needs --variable-seq-lengths or --seq-length-cv")
-    if lengths_per_sample(args) and not variable:  # --seq-length-cv's draws under a budget
+    if lengths_per_sample(args):  # documents, or --seq-length-cv's draws under a budget
         for bad, why in (
             (args.rampup_batch_size is not None, "with --rampup-batch-size: the microbatches "
              "of a global batch are planned from a fixed global batch size"),
             (args.reset_position_ids or args.reset_attention_mask, "with --reset-position-ids"
-             " / --reset-attention-mask: each sample is cut to its drawn length and padded "
-             "as one sequence"),
+             " / --reset-attention-mask: each sample is one sequence already, padded on its "
+             "own"),
         ):
-            need(not bad, f"--seq-length-cv with --microbatch-tokens {why}")
+            need(not bad, f"{lengths_source(args)} {why}")
     if args.pad_to_multiple is None:
         # few shapes on GPU: each new one costs compilation, plans and graphs there
         args.pad_to_multiple = GPU_PAD_TO_MULTIPLE if cuda_available() else 1

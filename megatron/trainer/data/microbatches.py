@@ -78,6 +78,12 @@ def lengths_per_sample(values) -> bool:
         values.seq_length_cv > 0 and values.microbatch_tokens is not None)
 
 
+def lengths_source(values) -> str:
+    """The flags that give a lengths_per_sample run its lengths, as messages name them."""
+    return ("--variable-seq-lengths" if values.variable_seq_lengths
+            else "--seq-length-cv with --microbatch-tokens")
+
+
 def padded_length(longest: int, pad_to_multiple: int = 1, max_length: int | None = None) -> int:
     """`longest` rounded up to a multiple of `pad_to_multiple`, not beyond max_length."""
     if pad_to_multiple < 1:

@@ -45,6 +45,7 @@ from megatron.trainer.data.microbatches import (
     DocumentMicrobatches,
     cost_ordered,
     lengths_per_sample,
+    lengths_source,
     padded_length,
     plan_global_batch,
     reorder_data_iterators,
@@ -135,12 +136,9 @@ def pretrain(task: ModelTask, argv=None, extra_args_provider=None) -> checkpoint
 
 def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     core_overrides.verify()  # megatron-core has what the trainer patches and relies on
-    if args.variable_seq_lengths and not task.documents:
-        raise ArgumentError(f"--variable-seq-lengths is for GPT; {task.name}'s samples are "
-                            "not single documents")
     if lengths_per_sample(args) and not task.documents:
-        raise ArgumentError(f"--seq-length-cv with --microbatch-tokens is for GPT; {task.name}"
-                            "'s samples are not cut to lengths of their own")
+        raise ArgumentError(f"{lengths_source(args)} is for GPT; {task.name}'s samples are "
+                            "not single sequences of their own lengths")
     check_data_paths(args)  # before the job starts: every rank reads its own files
     check_splits(args, by_document=task.splits_by_document)
     try:
