@@ -225,7 +225,7 @@ def logged_run(log_path: Path, iterations: int) -> dict:
     return result
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--megatron-lm", type=Path,
@@ -254,6 +254,11 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true",
                         help="a run whose log in --out is complete is read, not run again: "
                              "more passes of the same --out on a machine still held")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: at least 1")

@@ -2,10 +2,12 @@
 in megatron/core/datasets, which megatron-core's wheels ship built but without a Makefile;
 the stand-in succeeds only there and leaves every other call to the real make. A run past its
 timeout, or whose check is stopped, is stopped with its ranks;
-a taken port is one error before any run."""
+a taken port is one error before any run; tools/megatron_lm_plugin_check.sh hands its EXTRA
+flags to the check as one value."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -13,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -217,3 +220,21 @@ def test_the_gaps_interval_follows_the_iterations_spread():
     assert low < 0.24 and high > 0.26 and low < 0.25 < high
     lines = megatron_lm_plugin_check.summary_lines(noisy, warmup=1)
     assert lines[-2].startswith(f"Megatron-LM's ratio over ours - 1: {low:+.2%} to {high:+.2%}")
+
+
+def test_the_shell_script_hands_extra_flags_over_as_one_value(tmp_path):
+    """EXTRA="--manual-gc" (one flag) once reached the check as `--extra --manual-gc`, which
+    argparse took for a missing value: the call ended before any run."""
+    recorder = tmp_path / "python"
+    argv_file = tmp_path / "argv.json"
+    recorder.write_text(f"#!{sys.executable}\nimport json, sys\n"
+                        f"open({str(argv_file)!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
+    recorder.chmod(0o755)
+    script = Path(megatron_lm_plugin_check.ROOT) / "tools" / "megatron_lm_plugin_check.sh"
+    env = {**os.environ, "PYTHON": str(recorder), "INSTALL": "0", "EXTRA": "--manual-gc"}
+    subprocess.run(["bash", str(script), str(tmp_path / "out")], env=env, check=True,
+                   capture_output=True, timeout=60)
+    argv = json.loads(argv_file.read_text())
+    args = megatron_lm_plugin_check.build_parser().parse_args(argv[1:])
+    assert args.extra == "--manual-gc"
+    assert args.pp == 2 and args.out == tmp_path / "out"

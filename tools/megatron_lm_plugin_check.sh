@@ -50,5 +50,5 @@ if [ "${INSTALL:-1}" != 0 ]; then
 fi
 cd /tmp || exit 1  # outside the checkout: what runs is what was installed
 "$PY" "$ROOT/profiling/megatron_lm_plugin_check.py" --megatron-lm "$ROOT/.megatron-lm" \
-  --out "$OUT" --pp "$PP" --gpus "$GPUS" ${RUNS:+--runs "$RUNS"} ${EXTRA:+--extra "$EXTRA"} \
+  --out "$OUT" --pp "$PP" --gpus "$GPUS" ${RUNS:+--runs "$RUNS"} ${EXTRA:+"--extra=$EXTRA"} \
   ${REPEATS:+--repeats "$REPEATS"} ${RESUME:+--resume}
