@@ -40,6 +40,12 @@ def io_args(g):
         "--profile-step-end int = 12": None,
         "--profile-ranks int": dict(nargs="+", default=[0]),
         "--profile-dir str": "torch.profiler output (default: --tensorboard-dir, else profile)",
+        "--record-memory-history":
+            "the ranks of --profile-ranks record the CUDA allocator's history and write its "
+            "snapshot after the first iteration, every --log-interval and at the end "
+            "(docs/profiling.md)",
+        "--memory-snapshot-path str = snapshot.pickle":
+            "--record-memory-history's snapshot; each rank writes <path>-rank<R><suffix>",
     })
 
 
@@ -48,6 +54,8 @@ def validate_trace(args, need):
         need(args.trace or value is None, f"{flag} needs --trace")
     bad = [n for n in args.trace_iters or [] if n < 1]
     need(not bad, f"--trace-iters {' '.join(map(str, bad))}: iterations count from 1")
+    need(args.record_memory_history or args.memory_snapshot_path == "snapshot.pickle",
+         "--memory-snapshot-path needs --record-memory-history")
     need(args.manual_gc_interval >= 0,
          f"--manual-gc-interval {args.manual_gc_interval} must be >= 0")
     need(1 <= args.profile_step_start < args.profile_step_end,

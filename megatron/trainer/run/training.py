@@ -61,6 +61,7 @@ from megatron.trainer.run import metrics, replica_check
 from megatron.trainer.run.failures import exit_on_known_failures
 from megatron.trainer.run.initialize import initialize_distributed, setup_logging
 from megatron.trainer.run.manual_gc import ManualGC
+from megatron.trainer.run.memory_history import MemoryHistory, memory_history_refusal
 from megatron.trainer.run.optimizer import build_optimizer, build_scheduler, wrap_model_chunks
 from megatron.trainer.run.profiler import StepProfiler
 from megatron.trainer.run.rng import ForwardRng
@@ -103,6 +104,9 @@ class Trainer:
     timers: Timers
     tracer: object = field(default_factory=tracing.NullTracer)  # --trace: see start_tracing
     collector: ManualGC = field(default_factory=lambda: ManualGC(enabled=False))
+    # --record-memory-history: the allocator's snapshot after chosen iterations
+    memory_history: MemoryHistory = field(
+        default_factory=lambda: MemoryHistory(False, "", 0, 1))
     checkpointer: checkpointing.Checkpointer | None = None  # None: no --save / --load
     # --rerun-mode: megatron-core's rerun state machine (installed by setup)
     reruns: ResultValidation = field(default_factory=lambda: ResultValidation(RerunConfig()))
@@ -146,6 +150,9 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     except fast_path.GraphsRefused as refusal:
         raise ArgumentError(str(refusal)) from None
     configs = TrainerConfigs.from_args(args)  # the flags are settled from here on
+    refused = memory_history_refusal(args.record_memory_history, torch.cuda.is_available())
+    if refused:
+        raise ArgumentError(refused)
     metrics.require_wandb(configs.logging)
     _require_optimizer_instance_support(args)
     # before the job starts too: a missing or wrong tokenizer file is one line per rank
@@ -160,6 +167,10 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
         claim_save_directory(checkpoint.save, checkpoint.load is not None, stack)
     fast_path.log_fallbacks(args.fast_path_fallbacks + model_fallbacks)
     args.padded_vocab_size = _padded_vocab_size(tokenizer.vocab_size, args)
+    # from before the model is built, so that the snapshot accounts for every allocation
+    history = stack.enter_context(MemoryHistory(
+        args.record_memory_history and dist.get_rank() in args.profile_ranks,
+        args.memory_snapshot_path, dist.get_rank(), configs.logging.log_interval))
     config = transformer_config_from_args(args)
     if config.gradient_accumulation_fusion:
         stack.enter_context(weight_grad_accumulation_fusion())
@@ -209,7 +220,8 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     return Trainer(args, task, device, model, optimizer, scheduler, config,
                    _batch_calculator(configs), datasets, state, schedule,
                    ForwardRng(args.seed, device), configs, timers, collector=collector,
-                   checkpointer=checkpointer, reruns=reruns, block_graphs=block_graphs)
+                   checkpointer=checkpointer, reruns=reruns, block_graphs=block_graphs,
+                   memory_history=history)
 
 
 def _dataset_watch(args) -> StallWatch:
@@ -509,6 +521,7 @@ def train(trainer: Trainer) -> None:
             state.floating_point_operations += flops
         state.iteration += 1
         trainer.collector.after_step(state.iteration)
+        trainer.memory_history.after_step(state.iteration)
         state.consumed_samples += result["batch"]
         interval_iters += 1
         losses = result["losses"]
