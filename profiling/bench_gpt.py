@@ -17,7 +17,9 @@ budget of 2,048); each padded to buckets of --pad-to-multiple (128 on GPU). Thei
 rows add real (non-pad) tokens/s, the padding share, the median time per real token and
 the largest deviation of an iteration's from it, and every rank's peak memory.
 
-Writes results.json, results.csv (one row per configuration) and table.txt under --out.
+Writes results.json, results.csv (one row per configuration) and table.txt under --out;
+with --memory-snapshots also memory.txt: what each rank held at its peak, by call site, and
+the difference between the configurations compared (DPP against 1F1B fed the same order).
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the `profiling` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from profiling import memory_peak  # noqa: E402
 
 log = logging.getLogger("bench_gpt")
 
@@ -344,7 +351,36 @@ def observer_flags(name: str, args, out: Path) -> list[str]:
         flags += ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(first),
                   "--profile-step-end", str(end), "--profile-ranks",
                   *map(str, range(args.gpus)), "--profile-dir", str(out / f"profile-{name}")]
+    if args.memory_snapshots:
+        flags += ["--record-memory-history", "--memory-snapshot-path",
+                  str(snapshot_folder(out, name) / "snapshot.pickle"), "--profile-ranks",
+                  *map(str, range(args.gpus))]
     return flags
+
+
+def snapshot_folder(out: Path, name: str) -> Path:
+    """--memory-snapshots: a configuration's snapshots, one per rank (two folders down: the
+    device tool does not bring back these large files, only memory.txt)."""
+    return out / "snapshots" / name
+
+
+def memory_lines(names: list[str], out: Path, ranks: int, top: int = 8) -> list[str]:
+    """Each rank's peak by call site (profiling/memory_peak.py) for the configurations whose
+    snapshots are there, and the difference per site for each pair of RATIOS that ran."""
+    peaks = {}
+    for name in names:
+        paths = [snapshot_folder(out, name) / f"snapshot-rank{rank}.pickle" for rank in range(ranks)]
+        if all(path.exists() for path in paths):
+            peaks[name] = [memory_peak.find_peak(memory_peak.load(path)) for path in paths]
+    lines = []
+    for name, per_rank in peaks.items():
+        for rank, peak in enumerate(per_rank):
+            lines += memory_peak.report(f"{name} rank {rank}", peak, top)
+    for a, b in RATIOS:
+        if a in peaks and b in peaks:
+            for rank, (peak, other) in enumerate(zip(peaks[a], peaks[b], strict=True)):
+                lines += memory_peak.compare(f"{a} rank {rank}", peak, b, other, top)
+    return lines
 
 
 def pipeline_flags(flags: list[str], pp: int) -> list[str]:
@@ -453,6 +489,11 @@ def main() -> None:
     parser.add_argument("--trace", action="store_true", help="--trace the last iteration")
     parser.add_argument("--profile", action="store_true",
                         help="torch.profiler over the measured iterations, every rank")
+    parser.add_argument("--memory-snapshots", action="store_true",
+                        help="every rank records the CUDA allocator's history; memory.txt: "
+                             "what was live at each rank's peak, and the differences between "
+                             "the pairs compared (a snapshot is written every iteration: "
+                             "take throughput from a run without it)")
     parser.add_argument("--find-syncs", action="store_true",
                         help="count device syncs per call site (slows the run)")
     parser.add_argument("--installed", action="store_true",
@@ -497,6 +538,9 @@ def main() -> None:
             lines.append(f"acceptance {name}: {ratio:.3f}x {fastest} (>= {share}: "
                          f"{'met' if ratio >= share else 'NOT met'}), MFU {got:.1f} % (>= {mfu}: "
                          f"{'met' if got >= mfu else 'NOT met'})")
+    if args.memory_snapshots:
+        memory = memory_lines([r["name"] for r in base.values()], out, args.gpus)
+        (out / "memory.txt").write_text("\n".join(memory) + "\n")
     write_csv(out / "results.csv", results)
     table = "\n".join(lines)
     (out / "table.txt").write_text(table + "\n")

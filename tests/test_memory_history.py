@@ -164,3 +164,33 @@ def test_the_trainer_refuses_before_the_job_starts():
                       world_size=1)
     with pytest.raises(ArgumentError, match="--record-memory-history records the CUDA"):
         setup(GPT_TASK, args, None)
+
+
+def test_the_bench_reports_each_rank_and_the_pairs_it_compares(tmp_path):
+    """bench_gpt.py --memory-snapshots: every rank's snapshot per configuration, and for a
+    pair of its RATIOS the difference per call site, rank by rank."""
+    from types import SimpleNamespace
+
+    from profiling import bench_gpt
+
+    a, b = "cv-dpp-tokens-graphs", "cv-1f1b-cost-tokens-graphs"
+    assert (a, b) in bench_gpt.RATIOS
+    options = SimpleNamespace(warmup=0, iters=2, trace=False, profile=False, memory_snapshots=True,
+                              gpus=2)
+    flags = bench_gpt.observer_flags(a, options, tmp_path)
+    assert flags[flags.index("--memory-snapshot-path") + 1] == str(
+        tmp_path / "snapshots" / a / "snapshot.pickle")
+    assert flags[flags.index("--profile-ranks") + 1:] == ["0", "1"]
+    held = {a: ([8, 6], [4, 3]), b: ([8, 4], [4, 3])}  # rank 0 holds 2 MB more under a
+    for name, ranks in held.items():
+        folder = bench_gpt.snapshot_folder(tmp_path, name)
+        folder.mkdir(parents=True)
+        for rank, (first, second) in enumerate(ranks):
+            state = snapshot([alloc(1, first, SCHEDULE), alloc(2, second, GRAPHS)], [first, second])
+            (folder / f"snapshot-rank{rank}.pickle").write_bytes(pickle.dumps(state))
+    lines = bench_gpt.memory_lines([a, b, "fixed-1024-graphs"], tmp_path, ranks=2)
+    assert f"{a} rank 0 - {b} at their peaks: +2.0 MB (+0.0 MB from before the histories)" in lines
+    assert f"{a} rank 1 - {b} at their peaks: +0.0 MB (+0.0 MB from before the histories)" in lines
+    assert "+2.00 MB  megatron/trainer/model/cuda_graphs.py:77 f" in [line.strip() for line in lines]
+    assert any(line.startswith(f"{b} rank 1: peak 7.0 MB") for line in lines)
+    assert not any("fixed-1024" in line for line in lines)  # no snapshots: not reported
