@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Issue 35's GPU rows on a machine of 4 GPUs, one part per device call (each within its 10
+# minutes): ../shared/GPU.md's GPT with 22 layers (`--decoder-last-pipeline-num-layers 4`),
+# PP=4, CUDA graphs per length bucket, through profiling/bench_gpt.py (30 iterations, the
+# first 4 left out), after `bash prerequisite.sh` on the same machine.
+#
+#   tools/variable_lengths_check.sh OUT PART
+#
+#   cv      `--seq-length-cv 0.5 --microbatch-tokens 2048 --group-by-length`: --use-dpp,
+#           megatron-core 1F1B fed the same order and in natural order, fixed 1,024-token
+#           microbatches
+#   corpus  the documents of tools/build_length_corpus.py (built and tokenized into
+#           /tmp/varlen first, about a minute) at the same token budget: --use-dpp, 1F1B fed
+#           the same order, packed fixed-length training of the same documents
+#   memory  the first steps of --use-dpp and 1F1B fed the same order under PART cv's flags,
+#           every rank's allocator history (`--memory-snapshots`): OUT/memory-memory.txt
+#           names what each stage holds at its peak beyond 1F1B, by call site
+#
+# CONFIGS: the bench configurations instead of the part's; GPUS (default 4) stages and GPUs.
+# OUT gets flat files, few enough for the device tool (it brings back 8): PART-table.txt,
+# PART-results.json, PART-logs.tar.gz (the runs' logs), PART-memory.txt (memory),
+# PART-bench.log.
+set -uo pipefail
+
+if [ $# -ne 2 ]; then
+  sed -n '2,22p' "$0" >&2
+  exit 2
+fi
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OUT=$(realpath -m "$1")
+PART=$2
+GPUS=${GPUS:-4}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+cd "$ROOT" || exit 1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
+RUNS=$(mktemp -d)  # the bench's folder: its snapshots and logs stay here, summaries go to OUT
+trap 'rm -rf "$RUNS"' EXIT
+
+BENCH=(--gpus "$GPUS" --pp "$GPUS" --microbatches 16 --warmup 4 --iters 26 --timeout 140
+       "--extra=--num-layers 22 --decoder-last-pipeline-num-layers 4")
+case $PART in
+  cv)
+    configs=cv-dpp-tokens-graphs,cv-1f1b-cost-tokens-graphs,cv-1f1b-tokens-graphs,fixed-1024-graphs ;;
+  corpus)
+    configs=docs-dpp-tokens-graphs,docs-1f1b-cost-tokens-graphs,docs-packed-graphs
+    if [ ! -e /tmp/varlen/corpus_text_document.idx ]; then
+      mkdir -p /tmp/varlen
+      { "$PY" tools/build_length_corpus.py --output /tmp/varlen/corpus.json --documents 2000 \
+          --seed 1 &&
+        "$PY" tools/preprocess_data.py --input /tmp/varlen/corpus.json \
+          --output-prefix /tmp/varlen/corpus --tokenizer-type GPT2BPETokenizer \
+          --vocab-file datasets_gpt/vocab.json --merge-file datasets_gpt/merges.txt \
+          --append-eod --workers 8; } > "$OUT/$PART-corpus.log" 2>&1 ||
+        { echo "building the corpus failed: $OUT/$PART-corpus.log" >&2; exit 1; }
+    fi
+    BENCH+=(--corpus /tmp/varlen/corpus_text_document) ;;
+  memory)
+    configs=cv-dpp-tokens-graphs,cv-1f1b-cost-tokens-graphs
+    BENCH=(--gpus "$GPUS" --pp "$GPUS" --microbatches 16 --warmup 0 --iters 2 --timeout 240
+           "--extra=--num-layers 22 --decoder-last-pipeline-num-layers 4" --memory-snapshots) ;;
+  *)
+    echo "PART must be cv, corpus or memory, not $PART" >&2
+    exit 2 ;;
+esac
+
+"$PY" profiling/bench_gpt.py "${BENCH[@]}" --configs "${CONFIGS:-$configs}" --out "$RUNS" \
+  > "$OUT/$PART-bench.log" 2>&1
+status=$?
+for file in table.txt results.json memory.txt; do
+  [ -e "$RUNS/$file" ] && cp "$RUNS/$file" "$OUT/$PART-${file}"
+done
+(cd "$RUNS" && tar -czf "$OUT/$PART-logs.tar.gz" ./*.log)
+cat "$OUT/$PART-table.txt" 2>/dev/null
+grep -h "DPP transport\|GPU path" "$RUNS"/*.log | sed 's/^\[[^]]*\] //' | sort | uniq -c
+exit $status
