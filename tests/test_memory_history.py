@@ -194,3 +194,17 @@ def test_the_bench_reports_each_rank_and_the_pairs_it_compares(tmp_path):
     assert "+2.00 MB  megatron/trainer/model/cuda_graphs.py:77 f" in [line.strip() for line in lines]
     assert any(line.startswith(f"{b} rank 1: peak 7.0 MB") for line in lines)
     assert not any("fixed-1024" in line for line in lines)  # no snapshots: not reported
+
+
+def test_an_unwritable_snapshot_path_is_one_named_error(tmp_path):
+    from megatron.trainer.run.failures import known_failure
+    from megatron.trainer.run.memory_history import MemorySnapshotError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    history = MemoryHistory(True, str(blocker / "s.pickle"), 0, 1, memory=RecordingMemory())
+    with pytest.raises(MemorySnapshotError, match="--memory-snapshot-path: cannot write .*file/"
+                                                  "s-rank0.pickle") as error:
+        history.write()
+    message, status = known_failure(error.value)
+    assert "cannot write" in message and status == 1

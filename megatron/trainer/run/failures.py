@@ -27,6 +27,7 @@ from megatron.trainer.data.batch_schedule import BatchScheduleError
 from megatron.trainer.data.data import DataError
 from megatron.trainer.data.tokenizer import TokenizerError, TokenizerFlagError
 from megatron.trainer.model.models import ModelFlagError
+from megatron.trainer.run.memory_history import MemorySnapshotError
 from megatron.trainer.run.replica_check import ReplicaMismatch
 
 log = logging.getLogger("megatron.trainer.run.failures")
@@ -49,7 +50,7 @@ def known_failure(error: BaseException) -> tuple[str, int] | None:
     if isinstance(error, CheckpointError):
         return f"checkpoint: {error}", EXIT_FAILED
     if isinstance(error, CoreInternalsError | BatchScheduleError | ReplicaMismatch
-                  | NonFiniteResult):
+                  | NonFiniteResult | MemorySnapshotError):
         return str(error), EXIT_FAILED
     if isinstance(error, ResultValidationStop):  # Megatron-LM's exit statuses 16 and 17
         return str(error), error.status
