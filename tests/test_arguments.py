@@ -481,10 +481,10 @@ VARIABLE_LENGTH_REFUSALS = {
                                         "--seq-length-cv with --microbatch-tokens with "
                                         "--reset-position-ids"),
     "drawn_budget_eval_batch": (with_flags(DRAWN_BUDGET, eval_global_batch_size=4), 1,
-                                "--eval-global-batch-size with --seq-length-cv and "
-                                "--microbatch-tokens"),
+                                "--seq-length-cv with --microbatch-tokens with "
+                                "--eval-global-batch-size"),
     "documents_eval_batch": (with_flags(DOCUMENTS, eval_global_batch_size=4), 1,
-                             "--eval-global-batch-size with --variable-seq-lengths"),
+                             "--variable-seq-lengths with --eval-global-batch-size"),
     "token_budget_below_a_sample": (with_flags(DOCUMENTS, microbatch_tokens=8), 1,
                                     "--microbatch-tokens 8 is less than --seq-length"),
     "token_budget_interleaved": (

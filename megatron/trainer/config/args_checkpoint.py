@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from megatron.trainer.config.args_common import add_flags
-from megatron.trainer.data.microbatches import lengths_per_sample
 
 CKPT_FORMATS = ("torch_dist", "torch")
 
@@ -140,7 +139,3 @@ def validate_checkpoint_args_and_eval(args, need):
         need((batch // rows) % pp == 0,
              f"--eval-global-batch-size {batch}: {batch // rows} microbatches, not a multiple "
              f"of --pipeline-model-parallel-size {pp} (virtual stages run them in groups of it)")
-    need(not lengths_per_sample(args),
-         "--eval-global-batch-size with " + ("--variable-seq-lengths" if args.variable_seq_lengths
-                                             else "--seq-length-cv and --microbatch-tokens")
-         + ": evaluation reads the samples in the training global batch's plan")

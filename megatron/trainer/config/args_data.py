@@ -131,6 +131,8 @@ def validate_variable_lengths(args, need):
             (args.reset_position_ids or args.reset_attention_mask, "with --reset-position-ids"
              " / --reset-attention-mask: each sample is one sequence already, padded on its "
              "own"),
+            (args.eval_global_batch_size is not None, "with --eval-global-batch-size: "
+             "evaluation reads the samples in the training global batch's plan"),
         ):
             need(not bad, f"{lengths_source(args)} {why}")
     if args.pad_to_multiple is None:
