@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import pickle
 import sys
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,32 +56,33 @@ def allocated_now(snapshot: dict) -> int:
                for block in segment.get("blocks", []) if block.get("state") in LIVE_STATES)
 
 
-def find_peak(snapshot: dict) -> Peak:
-    trace = device_trace(snapshot)
-    live: dict[int, tuple[int, str]] = {}
-    running = high = 0
-    high_event = -1
-    for index, event in enumerate(trace):
-        action = event.get("action")
-        if action == "alloc":
+def replay(trace: list[dict], until: int | None = None):
+    """(event index, bytes allocated, live {address: event}) after each event up to `until`:
+    a block counts from its allocation until its free completes."""
+    live: dict[int, dict] = {}
+    running = 0
+    for index, event in enumerate(trace if until is None else trace[:until + 1]):
+        if event.get("action") == "alloc":
             running += event["size"]
-            live[event["addr"]] = (event["size"], call_site(event.get("frames", [])))
-            if running > high:
-                high, high_event = running, index
-        elif action == "free_completed":
+            live[event["addr"]] = event
+        elif event.get("action") == "free_completed":
             running -= event["size"]
             live.pop(event["addr"], None)
+        yield index, running, live
+
+
+def find_peak(snapshot: dict) -> Peak:
+    trace = device_trace(snapshot)
+    high, high_event, running = 0, -1, 0
+    for index, running, _ in replay(trace):
+        if running > high:
+            high, high_event = running, index
     before = allocated_now(snapshot) - running
-    # the live set at the peak: replay again up to it (cheaper than copying it at every new high)
-    live.clear()
-    for event in trace[:high_event + 1]:
-        if event.get("action") == "alloc":
-            live[event["addr"]] = (event["size"], call_site(event.get("frames", [])))
-        elif event.get("action") == "free_completed":
-            live.pop(event["addr"], None)
+    # the live set at the peak: replayed again up to it (cheaper than copying it at each high)
+    last = deque(replay(trace, until=high_event), maxlen=1)
     sites = Counter()
-    for size, site in live.values():
-        sites[site] += size
+    for event in (last[0][2] if last else {}).values():
+        sites[call_site(event.get("frames", []))] += event["size"]
     return Peak(before + high, before, high_event, len(trace), sites)
 
 

@@ -4,8 +4,9 @@ The ranks of --profile-ranks record every allocation and free with the Python st
 made it, from before the model is built, and write torch's memory snapshot after the run's
 first iteration (where CUDA graphs record their buckets and most peaks are set), every
 --log-interval iterations and when the run ends, an error (an out-of-memory one too)
-included: --memory-snapshot-path with `-rank<R>` before its suffix, replaced whole each time. https://pytorch.org/memory_viz opens it; profiling/memory_peak.py names what
-was live at the peak (and compares two runs). Megatron-LM writes only the last rank's
+included: --memory-snapshot-path with `-rank<R>` before its suffix, replaced whole each
+time. https://pytorch.org/memory_viz opens it; profiling/memory_peak.py names what was live
+at the peak (and compares two runs). Megatron-LM writes only the last rank's
 snapshot, to the path as given.
 """
 
