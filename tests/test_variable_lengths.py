@@ -128,7 +128,7 @@ def held_activation_bytes(rank, flags, world_size):
     peaks = {}
     with contextlib.ExitStack() as stack:
         trainer = setup(GPT_TASK, args, stack)
-        costs, _ = iteration_lengths(trainer, 0, args.global_batch_size)
+        costs, _, _ = iteration_lengths(trainer, 0, args.global_batch_size)
         core = get_forward_backward_func()
         for name in ("1f1b", "1f1b_cost", "dpp+0", "dpp+2"):
             iterator = data_iterators(trainer, trainer.datasets[0], 0)

@@ -216,6 +216,21 @@ RERUN_FAILED_CALL = Internal(
     "trainer/core_compat/reruns.py ResultValidation.verdict (names the check that failed)",
     read_by=("self.failed_validation_call = validation_call",),
     read_in=f"{_RERUNS}:RerunStateMachine.validate_result")
+# planned_p2p.py: megatron-core's 1F1B takes each microbatch's shape from the plan
+_P2P = "megatron.core.pipeline_parallel.p2p_communication"
+P2P_SHAPE_EXCHANGE = Internal(
+    f"{_P2P}:P2PCommunicator._communicate_shapes", "replaced",
+    "trainer/core_compat/planned_p2p.py PlannedShapesP2P",
+    positional=(("self", "tensor_send_next", "tensor_send_prev", "recv_prev", "recv_next"),),
+    read_by=("self._communicate_shapes(",), read_in=f"{_P2P}:P2PCommunicator._communicate")
+ONE_F_ONE_B_COMMUNICATOR = Internal(
+    f"{_SCHEDULES}:forward_backward_pipelining_without_interleaving", "called",
+    "trainer/run/training.py train_step (planned_p2p.planned_schedule_arguments)",
+    keywords=("p2p_communicator", "pg_collection"))
+DEFAULT_PROCESS_GROUPS = Internal(
+    "megatron.core.process_groups_config:ProcessGroupCollection.use_mpu_process_groups",
+    "called", "trainer/core_compat/planned_p2p.py planned_schedule_arguments",
+    keywords=("required_pgs",))
 # positional calls of public constructors
 DATASET_BUILDER = Internal(
     "megatron.core.datasets.blended_megatron_dataset_builder:"

@@ -31,6 +31,7 @@ from megatron.trainer.config import fast_path
 from megatron.trainer.config.arguments import ArgumentError, parse_args
 from megatron.trainer.config.configs import LoggingConfig, TokenizerConfig, TrainerConfigs
 from megatron.trainer.core_compat import core_overrides, no_apex
+from megatron.trainer.core_compat.planned_p2p import planned_schedule_arguments
 from megatron.trainer.core_compat.reruns import (
     RerunConfig,
     ResultValidation,
@@ -114,6 +115,8 @@ class Trainer:
     # whether the ranks have met after the first step's recordings (record_warm_shapes)
     block_graphs: list = field(default_factory=list)
     graphs_settled: bool = False
+    # megatron-core's 1F1B told each microbatch's shape by the plan (core_compat/planned_p2p)
+    planned_p2p: bool = False
 
     @property
     def reporting(self) -> bool:
@@ -211,6 +214,10 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
                  ", each backward split into B and W" if weight_grads is not None else ""),
              "Transformer Engine" if use_transformer_engine(args) else "megatron.core + SDPA")
     schedule = forward_backward_func(args, weight_grads)
+    planned_p2p = _plans_boundary_shapes(configs, config)
+    if planned_p2p:
+        log.info("megatron-core's 1F1B with variable lengths: each microbatch's shape comes "
+                 "from the plan (no shape exchange and device sync per message)")
     if hasattr(schedule, "close"):
         stack.callback(schedule.close)
     reruns = ResultValidation(RerunConfig.from_args(args))
@@ -221,7 +228,17 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
                    _batch_calculator(configs), datasets, state, schedule,
                    ForwardRng(args.seed, device), configs, timers, collector=collector,
                    checkpointer=checkpointer, reruns=reruns, block_graphs=block_graphs,
-                   memory_history=history)
+                   planned_p2p=planned_p2p, memory_history=history)
+
+
+def _plans_boundary_shapes(configs: TrainerConfigs, config) -> bool:
+    """Whether megatron-core's schedule takes its receive shapes from the plan: its
+    non-interleaved 1F1B across stages with variable lengths (the interleaved schedule's
+    order of chunks is its own, so it keeps its exchange of shapes)."""
+    parallel = configs.parallel
+    return (not configs.schedule.use_dpp and parallel.pipeline_model_parallel_size > 1
+            and parallel.virtual_pipeline_model_parallel_size is None
+            and bool(config.variable_seq_lengths))
 
 
 def _dataset_watch(args) -> StallWatch:
@@ -325,11 +342,12 @@ def batch_layout(configs: TrainerConfigs) -> BatchLayout:
 
 
 def iteration_lengths(trainer: Trainer, consumed_samples: int, global_batch: int):
-    """(costs, sequences) of the global batch at `consumed_samples`: costs, the token count
-    (padding included) of each of this pipeline's microbatches (None when all are alike),
-    which the cost order and DPP's memory cap use, and whose number is the iteration's
-    microbatch count under --microbatch-tokens; sequences, (padded length, rows, real
-    tokens) of every microbatch of every data-parallel rank, for the throughput line."""
+    """(costs, sequences, microbatches) of the global batch at `consumed_samples`: costs,
+    the token count (padding included) of each of this pipeline's microbatches (None when
+    all are alike), which the cost order and DPP's memory cap use, and whose number is the
+    iteration's microbatch count under --microbatch-tokens; sequences, (padded length, rows,
+    real tokens) of every microbatch of every data-parallel rank, for the throughput line;
+    microbatches, (padded length, rows) of this pipeline's, in the plan's order."""
     configs, data = trainer.configs, trainer.configs.data
     if data.lengths_per_sample:
         plan = plan_global_batch(trainer.datasets[0], consumed_samples, batch_layout(configs))
@@ -338,14 +356,18 @@ def iteration_lengths(trainer: Trainer, consumed_samples: int, global_batch: int
                                          strict=True)
                      for samples, length, real in zip(samples_of_rank, lengths_of_rank,
                                                       real_of_rank, strict=True)]
-        return plan.token_counts(parallel_state.get_data_parallel_rank()), sequences
+        dp_rank = parallel_state.get_data_parallel_rank()
+        microbatches = [(length, len(samples)) for samples, length
+                        in zip(plan.samples[dp_rank], plan.lengths[dp_rank], strict=True)]
+        return plan.token_counts(dp_rank), sequences, microbatches
     lengths = microbatch_lengths(trainer.args, consumed_samples, global_batch)
     padded = [padded_length(length, data.pad_to_multiple, configs.model.seq_length)
               for length in lengths]
     rows = configs.schedule.micro_batch_size * configs.parallel.data_parallel_size
     costs = padded if data.seq_length_cv > 0 else None
-    return costs, [(width, rows, length * rows) for width, length
-                   in zip(padded, lengths, strict=True)]
+    sequences = [(width, rows, length * rows) for width, length in zip(padded, lengths,
+                                                                       strict=True)]
+    return costs, sequences, [(width, configs.schedule.micro_batch_size) for width in padded]
 
 
 def microbatch_count(trainer: Trainer, costs) -> int:
@@ -374,8 +396,12 @@ def train_step(trainer: Trainer, iterator) -> dict:
     schedule = trainer.configs.schedule
     iteration = trainer.state.iteration + 1
     batch = trainer.batch_calculator.get_current_global_batch_size()
-    costs, sequences = iteration_lengths(trainer, trainer.state.consumed_samples, batch)
+    costs, sequences, microbatches = iteration_lengths(trainer, trainer.state.consumed_samples,
+                                                       batch)
     num_microbatches = microbatch_count(trainer, costs)
+    order = None  # megatron-core's schedule reads the microbatches in this order
+    if costs is not None and not schedule.use_dpp and schedule.microbatch_order == "cost":
+        order = cost_ordered(costs, trainer.configs.parallel.pipeline_model_parallel_size)
     trainer.tracer.begin_iteration(iteration, num_microbatches)
     forward_backward = trainer.timers("forward-backward", log_level=1)
     forward_backward.start()
@@ -392,12 +418,16 @@ def train_step(trainer: Trainer, iterator) -> dict:
         if costs is not None and schedule.use_dpp:
             trainer.schedule.set_microbatch_costs(costs,
                                                   reorder=schedule.microbatch_order == "cost")
-        elif costs is not None and schedule.microbatch_order == "cost":
-            order = cost_ordered(costs, trainer.configs.parallel.pipeline_model_parallel_size)
+        elif order is not None:
             schedule_iterator = reorder_data_iterators(iterator, order)
+        p2p = {}
+        if trainer.planned_p2p:
+            p2p = planned_schedule_arguments(parallel_state.get_pipeline_model_parallel_group(),
+                                             trainer.config,
+                                             _boundary_shapes(trainer, microbatches, order))
         losses = _run_schedule(
             trainer, trainer.reruns.checked(trainer.forward_step_func(iteration)),
-            schedule_iterator, num_microbatches, forward_only=False)
+            schedule_iterator, num_microbatches, forward_only=False, **p2p)
     forward_backward.stop()
     verdict = trainer.reruns.verdict(iteration)
     if verdict is not None:
@@ -647,8 +677,9 @@ def _validation_scalars(config: LoggingConfig, results: dict[str, float]) -> dic
 
 
 def _run_schedule(trainer, forward_step_func, data_iterator, num_microbatches: int,
-                  forward_only: bool) -> list[dict]:
-    """One pass of the pipeline schedule (megatron-core's or DPP's) over the microbatches."""
+                  forward_only: bool, **p2p) -> list[dict]:
+    """One pass of the pipeline schedule (megatron-core's or DPP's) over the microbatches;
+    `p2p`: megatron-core's communicator and process groups where the step brings its own."""
     seq_length = trainer.configs.model.seq_length
     return trainer.schedule(
         forward_step_func=forward_step_func,
@@ -659,4 +690,16 @@ def _run_schedule(trainer, forward_step_func, data_iterator, num_microbatches: i
         micro_batch_size=trainer.configs.schedule.micro_batch_size,
         decoder_seq_length=seq_length,
         forward_only=forward_only,
+        **p2p,
     )
+
+
+def _boundary_shapes(trainer: Trainer, microbatches, order) -> list[tuple[int, int, int]]:
+    """[s, b, h] of the tensor between two stages for each microbatch, in the schedule's
+    order (context parallelism, and sequence parallelism across the tensor-parallel ranks,
+    split s)."""
+    parallel = trainer.configs.parallel
+    split = parallel.context_parallel_size * (
+        parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1)
+    ordered = microbatches if order is None else [microbatches[i] for i in order]
+    return [(length // split, rows, trainer.config.hidden_size) for length, rows in ordered]

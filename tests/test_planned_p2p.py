@@ -1,0 +1,107 @@
+"""megatron-core's 1F1B with variable lengths takes each microbatch's shape from the plan
+(core_compat/planned_p2p.py) instead of exchanging it, with a device sync, before every
+message: the shapes handed out in order, a sent tensor off the plan named, and training at
+PP=2 that never calls megatron-core's exchange and still gives PP=1's losses."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import run_ranks
+from tests.test_microbatch_tokens import DRAWN
+from tests.trainer_runs import train_runs, with_flags
+
+PLANNED_LINE = "each microbatch's shape comes from the plan"
+
+
+def _exchanges_by_plan(rank):
+    import torch
+    import torch.distributed as dist
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    from megatron.trainer.core_compat.planned_p2p import PlannedShapeError, PlannedShapesP2P
+
+    dist.init_process_group("gloo", rank=rank, world_size=1)
+    try:
+        p2p = PlannedShapesP2P(dist.group.WORLD, ModelParallelConfig(),
+                               [(128, 2, 8), (256, 1, 8), (64, 4, 8)])
+        seen = {
+            # microbatch 0's activation out, microbatch 0's in
+            "send_recv": p2p._communicate_shapes(torch.empty(128, 2, 8), None, True, False),
+            # microbatch 1's activation in, microbatch 0's gradient in
+            "recv_both": p2p._communicate_shapes(None, None, True, True),
+            "send_only": p2p._communicate_shapes(None, torch.empty(128, 2, 8), False, False),
+        }
+        errors = []
+        try:  # microbatch 1 is (256, 1, 8)
+            p2p._communicate_shapes(torch.empty(128, 2, 8), None, False, False)
+        except PlannedShapeError as error:
+            errors.append(str(error))
+        # the third activation received is microbatch 2's; a fourth is past the plan
+        seen["third"] = p2p._communicate_shapes(None, None, True, False)
+        try:
+            p2p._communicate_shapes(None, None, True, False)
+        except PlannedShapeError as error:
+            errors.append(str(error))
+        return seen, errors
+    finally:
+        dist.destroy_process_group()
+
+
+def test_shapes_come_from_the_plan_in_order_and_sends_are_checked():
+    seen, errors = run_ranks(1, _exchanges_by_plan)[0]
+    assert seen["send_recv"] == ([128, 2, 8], [0, 0, 0])
+    assert seen["recv_both"] == ([256, 1, 8], [128, 2, 8])
+    assert seen["send_only"] == ([0, 0, 0], [0, 0, 0])
+    assert seen["third"] == ([64, 4, 8], [0, 0, 0])
+    assert len(errors) == 2, errors
+    assert "send_next" in errors[0] and "microbatch 1" in errors[0]
+    assert "(128, 2, 8)" in errors[0] and "(256, 1, 8)" in errors[0]
+    assert "recv_prev" in errors[1] and "beyond the plan's 3 microbatches" in errors[1]
+
+
+def _training_counting_exchanges(rank, runs, world_size):
+    """train_runs, with the calls of megatron-core's own shape exchange and of the planned
+    one counted: (results, {class name: calls})."""
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    from megatron.trainer.core_compat import planned_p2p
+
+    calls = {"P2PCommunicator": 0, "PlannedShapesP2P": 0}
+    originals = {}
+    for owner in (p2p_communication.P2PCommunicator, planned_p2p.PlannedShapesP2P):
+        exchange = originals[owner] = owner.__dict__["_communicate_shapes"]
+
+        # megatron-core's signature: the trainer checks it at start-up
+        def counted(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next,
+                    exchange=exchange, name=owner.__name__):
+            calls[name] += 1
+            return exchange(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next)
+
+        owner._communicate_shapes = counted
+    try:
+        return train_runs(rank, runs, world_size), calls
+    finally:
+        for owner, exchange in originals.items():
+            owner._communicate_shapes = exchange
+
+
+def test_one_f_one_b_trains_on_planned_shapes_without_the_exchange():
+    """--seq-length-cv under a token budget: 4-5 microbatches of varying shapes per
+    iteration. At PP=2 megatron-core's 1F1B, natural and cost order, passes every message
+    through the planned shapes, never calls its own exchange on either stage, and gives
+    PP=1's losses."""
+    (single,) = run_ranks(1, train_runs, [DRAWN], 1)[0]
+    reference = [entry["lm loss"] for entry in single["losses"]]
+    assert len(reference) == 3 and all(0 < x < 20 for x in reference)
+    pp2 = with_flags(DRAWN, pipeline_model_parallel_size=2)
+    runs = {"natural": pp2, "cost": with_flags(pp2, microbatch_order="cost")}
+    per_rank = run_ranks(2, _training_counting_exchanges, list(runs.values()), 2)
+    for rank, (results, calls) in enumerate(per_rank):
+        assert calls["P2PCommunicator"] == 0 and calls["PlannedShapesP2P"] >= 2 * 3 * 4, (
+            rank, calls)
+        for name, run in zip(runs, results, strict=True):
+            assert any(PLANNED_LINE in message for _, message in run["logs"]), (rank, name)
+    for name, run in zip(runs, per_rank[-1][0], strict=True):
+        assert [entry["lm loss"] for entry in run["losses"]] == pytest.approx(
+            reference, rel=2e-5), name
