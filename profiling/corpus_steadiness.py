@@ -10,6 +10,8 @@ simulator (megatron/dpp/simulator.py, backward twice the forward, half of it W) 
 ZB-H1 fed DPP's cost order and DPP's rule (its default W placement) on each iteration; a
 row gives the largest deviation of an iteration's makespan per real token from the median
 over the iterations after the warm-up. No host cost, hop or recording: what the microbatches alone make vary.
+A last table gives DPP's speed over each schedule on the same plans: the median over those
+iterations of the schedule's makespan over DPP's.
 
     python profiling/corpus_steadiness.py --data-path /tmp/varlen/corpus_text_document \
         --microbatch-tokens 2048 [--log RUN.log]
@@ -28,6 +30,7 @@ gives (the plan with those costs, no noise) and that the simulator alone gives.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -85,7 +88,9 @@ def per_real_token(costs: list[float], real_tokens: int, pp_size: int) -> dict[s
 
 def steadiness(dataset, layout: BatchLayout, pp_size: int, hidden_size: int, iterations: int,
                warmup: int) -> dict:
-    """The microbatch counts met and each schedule's largest deviation after `warmup`."""
+    """The microbatch counts met, each schedule's largest deviation after `warmup`, and
+    `dpp_speedup`: per schedule, the median over those iterations of its makespan over
+    DPP's."""
     times = {name: [] for name in SCHEDULES}
     counts = []
     for iteration in range(iterations):
@@ -93,7 +98,10 @@ def steadiness(dataset, layout: BatchLayout, pp_size: int, hidden_size: int, ite
         counts.append(len(costs))
         for name, value in per_real_token(costs, real_tokens, pp_size).items():
             times[name].append(value)
-    return {"microbatches": (min(counts), max(counts)),
+    dpp = times["dpp"][warmup:]
+    speedup = {name: statistics.median(t / d for t, d in zip(values[warmup:], dpp, strict=True))
+               for name, values in times.items()}
+    return {"microbatches": (min(counts), max(counts)), "dpp_speedup": speedup,
             **{name: largest_deviation(values[warmup:]) for name, values in times.items()}}
 
 
@@ -171,12 +179,16 @@ def main(argv=None) -> None:
     lines = [f"largest deviation of the time per real token from the median, iterations "
              f"{args.warmup + 1}-{args.iterations}, PP={args.pp}",
              f"{'microbatches':40s} {'count':>8s} " + " ".join(f"{s:>14s}" for s in SCHEDULES)]
+    speedups = [f"DPP's speed over each (the median of their makespan over DPP's), PP={args.pp}"]
     for name, layout in layouts.items():
         row = steadiness(train, layout, args.pp, args.hidden_size, args.iterations,
                          args.warmup)
         low, high = row["microbatches"]
         lines.append(f"{name:40s} {f'{low}-{high}':>8s} "
                      + " ".join(f"{row[s]:14.1%}" for s in SCHEDULES))
+        speedups.append(f"{name:40s} {'':>8s} "
+                        + " ".join(f"{row['dpp_speedup'][s]:13.3f}x" for s in SCHEDULES))
+    lines += speedups
     if args.log:
         fit = fit_to_run(train, layout, args.pp, args.hidden_size, log_lines, args.warmup)
         first, last = fit["iterations"]

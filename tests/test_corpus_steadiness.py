@@ -40,6 +40,10 @@ def test_one_length_is_steady_and_many_lengths_are_not(tmp_path):
     for layout in (rows, budget):
         row = steadiness(uniform, layout, pp_size=4, hidden_size=64, iterations=10, warmup=2)
         assert all(row[name] == 0 for name in SCHEDULES), row
+        # the split backward's W fills 1F1B's drain; ZB-H1 defers W further, at more memory
+        speedup = row["dpp_speedup"]
+        assert speedup["dpp"] == 1 and speedup["1f1b ordered"] > 1.01, speedup
+        assert speedup["zb-h1 ordered"] <= 1, speedup
     # 16 samples a batch in rows of 3 (3 x 40 <= 128): 6 microbatches
     assert steadiness(uniform, budget, 4, 64, 10, 2)["microbatches"] == (6, 6)
 
@@ -91,7 +95,12 @@ def test_drawn_lengths_instead_of_a_corpus(capsys):
     main(["--seq-length-cv", "0.5", "--seq-length", "256", "--hidden-size", "64",
           "--pad-to-multiple", "16", "--global-batch-size", "16", "--microbatch-tokens", "512",
           "--iterations", "10", "--warmup", "2", "--seed", "7"])
-    budget_row = capsys.readouterr().out.splitlines()[-1]
+    out = capsys.readouterr().out.splitlines()
+    budget_row = next(line for line in out if line.startswith("token budget"))
+    # and DPP's speed over each schedule on the same plans, DPP's own 1.000x
+    speeds = next(line for line in out[out.index(budget_row) + 1:]
+                  if line.startswith("token budget"))
+    assert speeds.split()[-1] == "1.000x" and len(speeds.split()) == 9
     layout = BatchLayout(2, 16, group_by_length=True, pad_to_multiple=16, microbatch_tokens=512)
     drawn = DrawnLengthSamples(None, 256, 0.5, seed=7)
     counts = [len(plan_global_batch(drawn, k * 16, layout).samples[0]) for k in range(10)]
