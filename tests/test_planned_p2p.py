@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed import run_ranks
-from tests.test_microbatch_tokens import DRAWN
+from tests.test_microbatch_tokens import DRAWN, SYNTHETIC
 from tests.trainer_runs import train_runs, with_flags
 
 PLANNED_LINE = "each microbatch's shape comes from the plan"
@@ -105,3 +105,20 @@ def test_one_f_one_b_trains_on_planned_shapes_without_the_exchange():
     for name, run in zip(runs, per_rank[-1][0], strict=True):
         assert [entry["lm loss"] for entry in run["losses"]] == pytest.approx(
             reference, rel=2e-5), name
+
+
+def test_a_length_per_microbatch_takes_the_planned_shapes_too():
+    """--seq-length-cv without a budget (a length drawn per microbatch of 2, buckets of 32):
+    at PP=2 megatron-core's 1F1B receives by the plan on both stages and gives PP=1's
+    losses."""
+    flags = with_flags(SYNTHETIC, pad_to_multiple=32)
+    (single,) = run_ranks(1, train_runs, [flags], 1)[0]
+    reference = [entry["lm loss"] for entry in single["losses"]]
+    assert len(reference) == 2 and all(0 < x < 20 for x in reference)
+    per_rank = run_ranks(2, _training_counting_exchanges,
+                         [with_flags(flags, pipeline_model_parallel_size=2)], 2)
+    for rank, (_, calls) in enumerate(per_rank):
+        assert calls["P2PCommunicator"] == 0 and calls["PlannedShapesP2P"] > 0, (rank, calls)
+    assert [entry["lm loss"] for entry in per_rank[-1][0][0]["losses"]] == pytest.approx(
+        reference, rel=2e-5)
+
