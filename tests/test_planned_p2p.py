@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from megatron.trainer.core_compat.planned_p2p import boundary_messages
 from tests.distributed import run_ranks
 from tests.test_microbatch_tokens import DRAWN, SYNTHETIC
 from tests.trainer_runs import train_runs, with_flags
@@ -19,12 +20,17 @@ def _exchanges_by_plan(rank):
     import torch.distributed as dist
     from megatron.core.model_parallel_config import ModelParallelConfig
 
-    from megatron.trainer.core_compat.planned_p2p import PlannedShapeError, PlannedShapesP2P
+    from megatron.trainer.core_compat.planned_p2p import (
+        PlannedShapeError,
+        PlannedShapesP2P,
+        boundary_messages,
+    )
 
     dist.init_process_group("gloo", rank=rank, world_size=1)
     try:
+        shapes = [(128, 2, 8), (256, 1, 8), (64, 4, 8)]
         p2p = PlannedShapesP2P(dist.group.WORLD, ModelParallelConfig(),
-                               [(128, 2, 8), (256, 1, 8), (64, 4, 8)])
+                               boundary_messages(shapes, 1, 3, 1, 3))
         seen = {
             # microbatch 0's activation out, microbatch 0's in
             "send_recv": p2p._communicate_shapes(torch.empty(128, 2, 8), None, True, False),
@@ -55,9 +61,35 @@ def test_shapes_come_from_the_plan_in_order_and_sends_are_checked():
     assert seen["send_only"] == ([0, 0, 0], [0, 0, 0])
     assert seen["third"] == ([64, 4, 8], [0, 0, 0])
     assert len(errors) == 2, errors
-    assert "send_next" in errors[0] and "microbatch 1" in errors[0]
+    assert "send_next" in errors[0] and "message 1" in errors[0]
     assert "(128, 2, 8)" in errors[0] and "(256, 1, 8)" in errors[0]
-    assert "recv_prev" in errors[1] and "beyond the plan's 3 microbatches" in errors[1]
+    assert "recv_prev" in errors[1] and "beyond the plan's 3" in errors[1]
+
+
+@pytest.mark.parametrize("pp_size,num_chunks,microbatches,group",
+                         [(2, 1, 5, 2), (2, 2, 4, 2), (4, 2, 8, 4), (3, 3, 7, 3), (4, 2, 10, 5)])
+def test_each_message_a_stage_sends_is_the_one_its_peer_expects(pp_size, num_chunks,
+                                                                 microbatches, group):
+    """Messages between two stages arrive in the order sent: every stage's activations out
+    are its next stage's activations in (the last stage's go to the first, whose later
+    chunks take them), its gradients out its previous stage's gradients in, and each
+    direction passes (chunks - 1) x microbatches messages on the outer stages' wrapping
+    edges and chunks x microbatches elsewhere."""
+    shapes = [(16 * (i + 1), 1 + i % 3, 8) for i in range(microbatches)]
+    stages = [boundary_messages(shapes, stage, pp_size, num_chunks, group)
+              for stage in range(pp_size)]
+    for stage in range(pp_size):
+        following = (stage + 1) % pp_size
+        if num_chunks == 1 and stage == pp_size - 1:
+            continue  # no edge from the last stage back to the first
+        assert stages[stage]["send_next"] == stages[following]["recv_prev"], stage
+        assert stages[following]["send_prev"] == stages[stage]["recv_next"], stage
+    if num_chunks > 1:
+        assert len(stages[0]["recv_prev"]) == (num_chunks - 1) * microbatches
+        assert len(stages[-1]["send_next"]) == (num_chunks - 1) * microbatches
+        assert len(stages[0]["send_next"]) == num_chunks * microbatches
+    # every microbatch's shape, each as often as it crosses the edge
+    assert sorted(stages[0]["send_next"]) == sorted(shapes * num_chunks)
 
 
 def _training_counting_exchanges(rank, runs, world_size):
@@ -121,4 +153,22 @@ def test_a_length_per_microbatch_takes_the_planned_shapes_too():
         assert calls["P2PCommunicator"] == 0 and calls["PlannedShapesP2P"] > 0, (rank, calls)
     assert [entry["lm loss"] for entry in per_rank[-1][0][0]["losses"]] == pytest.approx(
         reference, rel=2e-5)
+
+
+def test_the_interleaved_schedule_takes_the_planned_shapes_too():
+    """megatron-core's interleaved schedule (PP=4, two chunks a stage, 4 microbatches of a
+    length drawn for each), natural and cost order: no shape exchange on any stage, PP=1's
+    losses."""
+    flags = with_flags(SYNTHETIC, pad_to_multiple=32, num_layers=8)
+    (single,) = run_ranks(1, train_runs, [flags], 1)[0]
+    reference = [entry["lm loss"] for entry in single["losses"]]
+    interleaved = with_flags(flags, pipeline_model_parallel_size=4,
+                             num_layers_per_virtual_pipeline_stage=1)
+    runs = [interleaved, with_flags(interleaved, microbatch_order="cost")]
+    per_rank = run_ranks(4, _training_counting_exchanges, runs, 4)
+    for rank, (_, calls) in enumerate(per_rank):
+        assert calls["P2PCommunicator"] == 0 and calls["PlannedShapesP2P"] > 0, (rank, calls)
+    for run in per_rank[-1][0]:
+        assert [entry["lm loss"] for entry in run["losses"]] == pytest.approx(
+            reference, rel=2e-5)
 

@@ -216,7 +216,7 @@ RERUN_FAILED_CALL = Internal(
     "trainer/core_compat/reruns.py ResultValidation.verdict (names the check that failed)",
     read_by=("self.failed_validation_call = validation_call",),
     read_in=f"{_RERUNS}:RerunStateMachine.validate_result")
-# planned_p2p.py: megatron-core's 1F1B takes each microbatch's shape from the plan
+# planned_p2p.py: megatron-core's schedules take each microbatch's shape from the plan
 _P2P = "megatron.core.pipeline_parallel.p2p_communication"
 P2P_SHAPE_EXCHANGE = Internal(
     f"{_P2P}:P2PCommunicator._communicate_shapes", "replaced",
@@ -227,6 +227,17 @@ ONE_F_ONE_B_COMMUNICATOR = Internal(
     f"{_SCHEDULES}:forward_backward_pipelining_without_interleaving", "called",
     "trainer/run/training.py train_step (planned_p2p.planned_schedule_arguments)",
     keywords=("p2p_communicator", "pg_collection"))
+INTERLEAVED_COMMUNICATOR = Internal(
+    f"{_SCHEDULES}:forward_backward_pipelining_with_interleaving", "called",
+    "trainer/run/training.py train_step (planned_p2p.planned_schedule_arguments)",
+    keywords=("p2p_communicator", "pg_collection"))
+# the interleaved schedule's order of (microbatch, chunk), which its messages follow
+SCHEDULE_TABLE = Internal(
+    f"{_SCHEDULES}:get_schedule_table", "called",
+    "trainer/core_compat/planned_p2p.py boundary_messages",
+    positional=(("num_microbatches", "num_model_chunks", "microbatch_group_size_per_vp_stage"),),
+    read_by=("get_schedule_table(",),
+    read_in=f"{_SCHEDULES}:forward_backward_pipelining_with_interleaving")
 DEFAULT_PROCESS_GROUPS = Internal(
     "megatron.core.process_groups_config:ProcessGroupCollection.use_mpu_process_groups",
     "called", "trainer/core_compat/planned_p2p.py planned_schedule_arguments",

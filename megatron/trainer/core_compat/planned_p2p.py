@@ -6,8 +6,9 @@ _communicate_shapes): a device sync per exchange, which drains the GPU's queue a
 idle while the host launches again. Every stage of this trainer plans the global batch
 itself (data/microbatches.py), so each microbatch's shape is known on every stage before the
 step: PlannedShapesP2P takes the receive shapes from that plan, in the order the schedule
-runs the microbatches, and checks each tensor it sends against it, so that a plan that
-disagrees with the data stops the run with one error instead of a mismatched receive.
+passes the microbatches (boundary_messages: megatron-core's 1F1B and its interleaved
+schedule), and checks each tensor it sends against it, so that a plan that disagrees with
+the data stops the run with one error instead of a mismatched receive.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import dataclasses
 from collections.abc import Sequence
 
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.pipeline_parallel.schedules import get_schedule_table
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-# what megatron-core's non-interleaved schedule builds for itself when given no
-# communicator (those of the names the installed version declares)
+# what megatron-core's schedules build for themselves when given no communicator (those of
+# the names the installed version declares)
 _DEFAULT_GROUPS = ("tp", "cp", "pp", "embd", "pos_embd", "dp", "dp_cp", "tp_dp_cp")
 _DIRECTIONS = ("send_next", "send_prev", "recv_prev", "recv_next")
 
@@ -29,24 +31,25 @@ class PlannedShapeError(RuntimeError):
 
 
 class PlannedShapesP2P(P2PCommunicator):
-    """P2P of megatron-core's 1F1B for one step whose microbatch shapes are `shapes`
-    ([s, b, h] of each stage boundary's tensor, in the order the schedule runs them). In
-    1F1B every direction (activations sent and received, gradients sent and received) passes
-    the microbatches in that one order, so each keeps its own count of those done."""
+    """P2P of megatron-core's schedule for one step whose messages' shapes are known:
+    `messages` gives, for each direction (activations sent and received, gradients sent and
+    received), the [s, b, h] of every message it passes on this stage, in order."""
 
-    def __init__(self, pp_group, config, shapes: Sequence[Sequence[int]]):
+    def __init__(self, pp_group, config, messages: dict[str, Sequence[Sequence[int]]]):
         super().__init__(pp_group=pp_group, config=config)
-        self.shapes = [tuple(int(d) for d in shape) for shape in shapes]
+        self.messages = {direction: [tuple(int(d) for d in shape)
+                                     for shape in messages[direction]]
+                         for direction in _DIRECTIONS}
         self._done = dict.fromkeys(_DIRECTIONS, 0)
 
     def _next(self, direction: str) -> tuple[int, tuple[int, ...]]:
-        index = self._done[direction]
-        if index == len(self.shapes):
+        index, planned = self._done[direction], self.messages[direction]
+        if index == len(planned):
             raise PlannedShapeError(
-                f"pipeline p2p ({direction}): a message beyond the plan's {len(self.shapes)} "
-                "microbatches of this step")
+                f"pipeline p2p ({direction}): a message beyond the plan's {len(planned)} "
+                "of this step")
         self._done[direction] = index + 1
-        return index, self.shapes[index]
+        return index, planned[index]
 
     def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
         for direction, tensor in (("send_next", tensor_send_next),
@@ -55,19 +58,41 @@ class PlannedShapesP2P(P2PCommunicator):
                 index, planned = self._next(direction)
                 if tuple(tensor.shape) != planned:
                     raise PlannedShapeError(
-                        f"pipeline p2p ({direction}): microbatch {index} of this step (in the "
-                        f"schedule's order) has shape {tuple(tensor.shape)}, the plan "
-                        f"{planned}")
+                        f"pipeline p2p ({direction}): message {index} of this step has shape "
+                        f"{tuple(tensor.shape)}, the plan {planned}")
         return ([*self._next("recv_prev")[1]] if recv_prev else [0, 0, 0],
                 [*self._next("recv_next")[1]] if recv_next else [0, 0, 0])
 
 
-def planned_schedule_arguments(pp_group, config, shapes: Sequence[Sequence[int]]) -> dict:
-    """Keyword arguments of megatron-core's non-interleaved schedule for one step with the
-    planned shapes: the communicator, and megatron-core's own default process groups (the
-    schedule takes a communicator only together with them)."""
+def boundary_messages(shapes: Sequence[Sequence[int]], stage: int, pp_size: int,
+                      num_chunks: int, group_size: int) -> dict[str, list]:
+    """The shapes of the messages each direction passes on `stage` in one step, given each
+    microbatch's shape in the order the schedule reads them. 1F1B passes the microbatches in
+    that order in every direction. The interleaved schedule runs megatron-core's table of
+    (microbatch, chunk) forward and, chunk by chunk in the same order, backward with the
+    chunks reversed; the first stage's first chunk receives no activation and sends no
+    gradient, the last stage's last chunk sends no activation and receives no gradient."""
+    if num_chunks == 1:
+        return dict.fromkeys(_DIRECTIONS, list(shapes))
+    table = get_schedule_table(len(shapes), num_chunks, group_size)
+    first, last = stage == 0, stage == pp_size - 1
+    backward = [(microbatch, num_chunks - 1 - chunk) for microbatch, chunk in table]
+    return {
+        "recv_prev": [shapes[mb] for mb, chunk in table if not (first and chunk == 0)],
+        "send_next": [shapes[mb] for mb, chunk in table
+                      if not (last and chunk == num_chunks - 1)],
+        "recv_next": [shapes[mb] for mb, chunk in backward
+                      if not (last and chunk == num_chunks - 1)],
+        "send_prev": [shapes[mb] for mb, chunk in backward if not (first and chunk == 0)],
+    }
+
+
+def planned_schedule_arguments(pp_group, config, messages: dict[str, list]) -> dict:
+    """Keyword arguments of megatron-core's schedule for one step with the planned shapes
+    (`messages`: boundary_messages): the communicator, and megatron-core's own default
+    process groups (its schedules take a communicator only together with them)."""
     declared = {field.name for field in dataclasses.fields(ProcessGroupCollection)}
     groups = ProcessGroupCollection.use_mpu_process_groups(
         required_pgs=[name for name in _DEFAULT_GROUPS if name in declared])
-    return {"p2p_communicator": PlannedShapesP2P(pp_group, config, shapes),
+    return {"p2p_communicator": PlannedShapesP2P(pp_group, config, messages),
             "pg_collection": groups}

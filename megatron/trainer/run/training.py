@@ -31,7 +31,10 @@ from megatron.trainer.config import fast_path
 from megatron.trainer.config.arguments import ArgumentError, parse_args
 from megatron.trainer.config.configs import LoggingConfig, TokenizerConfig, TrainerConfigs
 from megatron.trainer.core_compat import core_overrides, no_apex
-from megatron.trainer.core_compat.planned_p2p import planned_schedule_arguments
+from megatron.trainer.core_compat.planned_p2p import (
+    boundary_messages,
+    planned_schedule_arguments,
+)
 from megatron.trainer.core_compat.reruns import (
     RerunConfig,
     ResultValidation,
@@ -115,7 +118,7 @@ class Trainer:
     # whether the ranks have met after the first step's recordings (record_warm_shapes)
     block_graphs: list = field(default_factory=list)
     graphs_settled: bool = False
-    # megatron-core's 1F1B told each microbatch's shape by the plan (core_compat/planned_p2p)
+    # megatron-core's schedule told each microbatch's shape by the plan (core_compat/planned_p2p)
     planned_p2p: bool = False
 
     @property
@@ -216,8 +219,8 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     schedule = forward_backward_func(args, weight_grads)
     planned_p2p = _plans_boundary_shapes(configs, config)
     if planned_p2p:
-        log.info("megatron-core's 1F1B with variable lengths: each microbatch's shape comes "
-                 "from the plan (no shape exchange and device sync per message)")
+        log.info("megatron-core's schedule with variable lengths: each microbatch's shape "
+                 "comes from the plan (no shape exchange and device sync per message)")
     if hasattr(schedule, "close"):
         stack.callback(schedule.close)
     reruns = ResultValidation(RerunConfig.from_args(args))
@@ -232,12 +235,9 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
 
 
 def _plans_boundary_shapes(configs: TrainerConfigs, config) -> bool:
-    """Whether megatron-core's schedule takes its receive shapes from the plan: its
-    non-interleaved 1F1B across stages with variable lengths (the interleaved schedule's
-    order of chunks is its own, so it keeps its exchange of shapes)."""
-    parallel = configs.parallel
-    return (not configs.schedule.use_dpp and parallel.pipeline_model_parallel_size > 1
-            and parallel.virtual_pipeline_model_parallel_size is None
+    """Whether megatron-core's schedule (1F1B or interleaved) takes its receive shapes from
+    the plan in training steps: across stages with variable lengths."""
+    return (not configs.schedule.use_dpp and configs.parallel.pipeline_model_parallel_size > 1
             and bool(config.variable_seq_lengths))
 
 
@@ -424,7 +424,7 @@ def train_step(trainer: Trainer, iterator) -> dict:
         if trainer.planned_p2p:
             p2p = planned_schedule_arguments(parallel_state.get_pipeline_model_parallel_group(),
                                              trainer.config,
-                                             _boundary_shapes(trainer, microbatches, order))
+                                             _boundary_messages(trainer, microbatches, order))
         losses = _run_schedule(
             trainer, trainer.reruns.checked(trainer.forward_step_func(iteration)),
             schedule_iterator, num_microbatches, forward_only=False, **p2p)
@@ -694,12 +694,17 @@ def _run_schedule(trainer, forward_step_func, data_iterator, num_microbatches: i
     )
 
 
-def _boundary_shapes(trainer: Trainer, microbatches, order) -> list[tuple[int, int, int]]:
-    """[s, b, h] of the tensor between two stages for each microbatch, in the schedule's
-    order (context parallelism, and sequence parallelism across the tensor-parallel ranks,
-    split s)."""
-    parallel = trainer.configs.parallel
+def _boundary_messages(trainer: Trainer, microbatches, order) -> dict[str, list]:
+    """The shapes of this stage's pipeline messages in one step (planned_p2p.
+    boundary_messages) from each microbatch's [s, b, h] between two stages, in the order the
+    schedule reads them (context parallelism, and sequence parallelism across the
+    tensor-parallel ranks, split s)."""
+    parallel, config = trainer.configs.parallel, trainer.config
     split = parallel.context_parallel_size * (
         parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1)
     ordered = microbatches if order is None else [microbatches[i] for i in order]
-    return [(length // split, rows, trainer.config.hidden_size) for length, rows in ordered]
+    pp_size = parallel.pipeline_model_parallel_size
+    return boundary_messages(
+        [(length // split, rows, config.hidden_size) for length, rows in ordered],
+        parallel_state.get_pipeline_model_parallel_rank(), pp_size, len(trainer.model),
+        config.microbatch_group_size_per_vp_stage or pp_size)
