@@ -170,11 +170,6 @@ BAD_VALUES = {
     "rampup_zero_samples": (dict(rampup_batch_size=[2, 2, 0], global_batch_size=8), 1,
                             ["--rampup-batch-size 2 2 0: start, increment and samples must "
                              "be >= 1"]),
-    "seq_length_cv_with_core_interleaved_at_pp2": (
-        dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
-             global_batch_size=8, seq_length_cv=0.5), 2,
-        ["--seq-length-cv 0.5 with megatron-core's interleaved schedule at "
-         "--pipeline-model-parallel-size 2", "--use-dpp"]),
 }
 
 
@@ -206,10 +201,6 @@ AT_START = {
              num_layers_per_virtual_pipeline_stage=1), 2,
         "--rampup-batch-size 2 1 40: global batch size 3 (from iteration 5) gives 3 "
         "microbatches"),
-    "seq_length_cv_with_core_interleaved": (
-        dict(seq_length_cv=0.5, global_batch_size=8, pipeline_model_parallel_size=2,
-             num_layers_per_virtual_pipeline_stage=1), 2,
-        "--seq-length-cv 0.5 with megatron-core's interleaved schedule"),
 }
 
 
@@ -317,14 +308,20 @@ def test_derived_values():
     assert args.ffn_hidden_size == 4 * 32 and args.kv_channels == 8
 
 
-def test_variable_lengths_with_virtual_stages_accepted_where_they_work():
-    """Only megatron-core's interleaved schedule at PP=2 mixes up the shapes."""
+def test_variable_lengths_with_virtual_stages_accepted():
+    """megatron-core's interleaved schedule at PP=2 too (--seq-length-cv and
+    --variable-seq-lengths): it no longer exchanges shapes with the one neighbour
+    (core_compat/planned_p2p.py)."""
     for overrides, world in (
         (dict(use_dpp=True, pipeline_model_parallel_size=2, global_batch_size=8), 2),
+        (dict(pipeline_model_parallel_size=2, global_batch_size=8), 2),
         (dict(pipeline_model_parallel_size=4, num_layers=8, global_batch_size=16), 4),
     ):
         parse_args(with_flags(BASE, seq_length_cv=0.5, virtual_pipeline_model_parallel_size=2,
                               **overrides), world_size=world)
+    parse_args(with_flags(DOCUMENTS, pipeline_model_parallel_size=2,
+                          virtual_pipeline_model_parallel_size=2, global_batch_size=8),
+               world_size=2)
 
 
 UNEVEN_ACCEPTED = {
@@ -456,11 +453,6 @@ VARIABLE_LENGTH_REFUSALS = {
                "--variable-seq-lengths with --rampup-batch-size"),
     "reset_position_ids": (with_flags(DOCUMENTS, reset_position_ids=True), 1,
                            "--variable-seq-lengths with --reset-position-ids"),
-    "core_interleaved_pp2": (
-        with_flags(DOCUMENTS, pipeline_model_parallel_size=2,
-                   virtual_pipeline_model_parallel_size=2, global_batch_size=8), 2,
-        "--variable-seq-lengths with megatron-core's interleaved schedule at "
-        "--pipeline-model-parallel-size 2"),
     "grouping_without_documents": (with_flags(BASE, group_by_length=True), 1,
                                    "--group-by-length needs --variable-seq-lengths"),
     "cost_order_with_fixed_lengths": (with_flags(BASE, microbatch_order="cost"), 1,

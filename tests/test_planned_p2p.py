@@ -5,6 +5,8 @@ PP=2 that never calls megatron-core's exchange and still gives PP=1's losses."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from megatron.trainer.core_compat.planned_p2p import boundary_messages
@@ -171,4 +173,33 @@ def test_the_interleaved_schedule_takes_the_planned_shapes_too():
     for run in per_rank[-1][0]:
         assert [entry["lm loss"] for entry in run["losses"]] == pytest.approx(
             reference, rel=2e-5)
+
+
+def test_evaluation_and_the_interleaved_schedule_at_pp2_take_the_planned_shapes():
+    """PP=2 with two chunks a stage, a length drawn per microbatch, a validation step after
+    each iteration: megatron-core's interleaved schedule (once refused here: its batched
+    shape exchange with the one neighbour swapped the activation's and the gradient's) and
+    1F1B never call the exchange, in training or evaluation, and give PP=1's training and
+    validation losses."""
+    flags = with_flags(SYNTHETIC, pad_to_multiple=32, eval_iters=1, eval_interval=1)
+    (single,) = run_ranks(1, train_runs, [flags], 1)[0]
+    reference = [entry["lm loss"] for entry in single["losses"]]
+    validation = [message for _, message in single["logs"] if "validation at" in message]
+    assert len(validation) == 2, single["logs"]
+    pp2 = with_flags(flags, pipeline_model_parallel_size=2)
+    runs = [pp2, with_flags(pp2, num_layers_per_virtual_pipeline_stage=1)]
+    per_rank = run_ranks(2, _training_counting_exchanges, runs, 2)
+    for rank, (_, calls) in enumerate(per_rank):
+        assert calls["P2PCommunicator"] == 0 and calls["PlannedShapesP2P"] > 0, (rank, calls)
+    for run in per_rank[-1][0]:
+        assert [entry["lm loss"] for entry in run["losses"]] == pytest.approx(
+            reference, rel=2e-5)
+        lines = [message for _, message in run["logs"] if "validation at" in message]
+        assert _losses(lines) == pytest.approx(_losses(validation), rel=2e-5)
+        assert len(_losses(lines)) == 2
+
+
+def _losses(lines: list[str]) -> list[float]:
+    """The loss values of validation lines."""
+    return [float(value) for line in lines for value in re.findall(r"value: (\S+)", line)]
 

@@ -72,7 +72,8 @@ def assert_same_losses(losses, reference, name):
 
 @pytest.mark.long
 def test_variable_lengths_train_as_pp1_in_every_schedule(sample_prefix):
-    """PP=2 and PP=4 under megatron-core's schedule (natural and cost order) and DPP (also
+    """PP=2 and PP=4 under megatron-core's schedule (natural and cost order, interleaved at
+    PP=2, TP=2 with sequence parallelism: the planned shapes split by TP) and DPP (also
     with the B/W split, with virtual stages, with TP=2 and sequence parallelism padded to
     a multiple of 6; PP=4 with random delivery delays), PP=2 x DP=2 with grouping, and
     PP=1 with all-padding positions: PP=1's losses."""
@@ -90,13 +91,16 @@ def test_variable_lengths_train_as_pp1_in_every_schedule(sample_prefix):
               "pp2_dpp": with_flags(pp2, use_dpp=True),
               "pp2_dpp_split": with_flags(pp2, use_dpp=True, dpp_split_backward=True),
               "pp2_vpp2_dpp": with_flags(pp2, use_dpp=True,
-                                         num_layers_per_virtual_pipeline_stage=1)}
+                                         num_layers_per_virtual_pipeline_stage=1),
+              "pp2_vpp2_core": with_flags(pp2, num_layers_per_virtual_pipeline_stage=1)}
     pp4 = with_flags(flags, pipeline_model_parallel_size=4)
     quad = {"pp4_core": pp4, "pp4_dpp": with_flags(pp4, use_dpp=True),
             "pp4_dpp_split": with_flags(pp4, use_dpp=True, dpp_split_backward=True),
             "pp2_dp2_grouped_dpp": with_flags(pp2, use_dpp=True, group_by_length=True),
             "pp2_tp2_sp_dpp": with_flags(pp2, use_dpp=True, tensor_model_parallel_size=2,
-                                         sequence_parallel=True, pad_to_multiple=3)}
+                                         sequence_parallel=True, pad_to_multiple=3),
+            "pp2_tp2_sp_core": with_flags(pp2, tensor_model_parallel_size=2,
+                                          sequence_parallel=True, pad_to_multiple=3)}
     reference = None
     for world, runs, env in ((1, single, None), (2, double, None),
                              (4, quad, {"DPP_TEST_DELIVERY_JITTER_MS": "5"})):

@@ -58,13 +58,6 @@ def validate_data(args, need):
             split_document_ranges(args.split, 1)  # megatron.core reads "abc" as NaN weights
         except ValueError as error:
             need(False, str(error))
-    # megatron-core exchanges the shapes of variable-length microbatches in one batched p2p
-    # call, which at PP=2 with virtual stages swaps the activation's and the gradient's
-    need(args.seq_length_cv == 0 or args.use_dpp or args.pipeline_model_parallel_size != 2
-         or args.virtual_pipeline_model_parallel_size is None,
-         f"--seq-length-cv {args.seq_length_cv} with megatron-core's interleaved schedule at "
-         "--pipeline-model-parallel-size 2: its batched shape exchange with the one neighbour "
-         "mixes up activation and gradient shapes; use --use-dpp (or more pipeline stages)")
 
 
 def _parse_blend(args, need):
@@ -114,11 +107,6 @@ def validate_variable_lengths(args, need):
              ".bin/.idx prefix; --mock-data has no documents)"),
             (args.seq_length_cv > 0, "and --seq-length-cv are two sources of lengths: give "
              "one"),
-            (not args.use_dpp and args.pipeline_model_parallel_size == 2
-             and args.virtual_pipeline_model_parallel_size is not None,
-             "with megatron-core's interleaved schedule at --pipeline-model-parallel-size 2: "
-             "its batched shape exchange with the one neighbour mixes up activation and "
-             "gradient shapes; use --use-dpp (or more pipeline stages)"),
         ):
             need(not bad, f"--variable-seq-lengths {why}")
     else:

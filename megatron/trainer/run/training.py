@@ -236,7 +236,7 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
 
 def _plans_boundary_shapes(configs: TrainerConfigs, config) -> bool:
     """Whether megatron-core's schedule (1F1B or interleaved) takes its receive shapes from
-    the plan in training steps: across stages with variable lengths."""
+    the plan, in training and evaluation: across stages with variable lengths."""
     return (not configs.schedule.use_dpp and configs.parallel.pipeline_model_parallel_size > 1
             and bool(config.variable_seq_lengths))
 
@@ -341,8 +341,10 @@ def batch_layout(configs: TrainerConfigs) -> BatchLayout:
                        data.pad_to_multiple, data.microbatch_tokens)
 
 
-def iteration_lengths(trainer: Trainer, consumed_samples: int, global_batch: int):
-    """(costs, sequences, microbatches) of the global batch at `consumed_samples`: costs,
+def iteration_lengths(trainer: Trainer, consumed_samples: int, global_batch: int,
+                      dataset=None):
+    """(costs, sequences, microbatches) of the global batch at `consumed_samples` of
+    `dataset` (default the training set): costs,
     the token count (padding included) of each of this pipeline's microbatches (None when
     all are alike), which the cost order and DPP's memory cap use, and whose number is the
     iteration's microbatch count under --microbatch-tokens; sequences, (padded length, rows,
@@ -350,7 +352,8 @@ def iteration_lengths(trainer: Trainer, consumed_samples: int, global_batch: int
     microbatches, (padded length, rows) of this pipeline's, in the plan's order."""
     configs, data = trainer.configs, trainer.configs.data
     if data.lengths_per_sample:
-        plan = plan_global_batch(trainer.datasets[0], consumed_samples, batch_layout(configs))
+        plan = plan_global_batch(trainer.datasets[0] if dataset is None else dataset,
+                                 consumed_samples, batch_layout(configs))
         sequences = [(length, len(samples), real) for samples_of_rank, lengths_of_rank,
                      real_of_rank in zip(plan.samples, plan.lengths, plan.real_tokens,
                                          strict=True)
@@ -511,13 +514,23 @@ def evaluate(trainer: Trainer, dataset, consumed: int) -> dict[str, float]:
     gathered: list[dict] = []
     with torch.no_grad():
         for step in range(schedule.eval_iters):
-            if trainer.configs.data.microbatch_tokens is not None:  # the budget's cut
-                plan = plan_global_batch(dataset, consumed + step * schedule.global_batch_size,
-                                         batch_layout(trainer.configs))
-                num_microbatches = len(plan.samples[parallel_state.get_data_parallel_rank()])
+            p2p = {}
+            if trainer.configs.data.lengths_per_sample or trainer.planned_p2p:
+                # a plan's global batch per step, else the microbatches read so far
+                start = consumed + step * (schedule.global_batch_size
+                                           if trainer.configs.data.lengths_per_sample
+                                           else num_microbatches * rows)
+                costs, _, microbatches = iteration_lengths(trainer, start,
+                                                           num_microbatches * rows, dataset)
+                if trainer.configs.data.microbatch_tokens is not None:  # the budget's cut
+                    num_microbatches = len(costs)
+                if trainer.planned_p2p:
+                    p2p = planned_schedule_arguments(
+                        parallel_state.get_pipeline_model_parallel_group(), trainer.config,
+                        _boundary_messages(trainer, microbatches, None))
             gathered += _run_schedule(
                 trainer, trainer.forward_step_func(trainer.state.iteration), iterator,
-                num_microbatches, forward_only=True)
+                num_microbatches, forward_only=True, **p2p)
     for chunk in trainer.model:
         chunk.train()
     return reduce_losses(gathered, trainer.task.loss_names)
