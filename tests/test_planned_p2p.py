@@ -120,25 +120,31 @@ def _training_counting_exchanges(rank, runs, world_size):
             owner._communicate_shapes = exchange
 
 
+def _trains_as_pp1_by_the_plan(flags: list[str], runs: list[list[str]], world: int):
+    """PP=1 on `flags`, then `runs` on `world` ranks: on every rank megatron-core's exchange
+    is never called and the planned one is, and the last rank's losses are PP=1's. Returns
+    the PP=1 run and the last rank's runs."""
+    (single,) = run_ranks(1, train_runs, [flags], 1)[0]
+    reference = [entry["lm loss"] for entry in single["losses"]]
+    assert len(reference) >= 2 and all(0 < x < 20 for x in reference)
+    per_rank = run_ranks(world, _training_counting_exchanges, runs, world)
+    for rank, (_, calls) in enumerate(per_rank):
+        assert calls["P2PCommunicator"] == 0 and calls["PlannedShapesP2P"] > 0, (rank, calls)
+    for index, run in enumerate(per_rank[-1][0]):
+        assert [entry["lm loss"] for entry in run["losses"]] == pytest.approx(
+            reference, rel=2e-5), index
+    return single, per_rank[-1][0]
+
+
 def test_one_f_one_b_trains_on_planned_shapes_without_the_exchange():
     """--seq-length-cv under a token budget: 4-5 microbatches of varying shapes per
     iteration. At PP=2 megatron-core's 1F1B, natural and cost order, passes every message
-    through the planned shapes, never calls its own exchange on either stage, and gives
-    PP=1's losses."""
-    (single,) = run_ranks(1, train_runs, [DRAWN], 1)[0]
-    reference = [entry["lm loss"] for entry in single["losses"]]
-    assert len(reference) == 3 and all(0 < x < 20 for x in reference)
+    through the planned shapes, never calls its own exchange on either stage, logs so, and
+    gives PP=1's losses."""
     pp2 = with_flags(DRAWN, pipeline_model_parallel_size=2)
-    runs = {"natural": pp2, "cost": with_flags(pp2, microbatch_order="cost")}
-    per_rank = run_ranks(2, _training_counting_exchanges, list(runs.values()), 2)
-    for rank, (results, calls) in enumerate(per_rank):
-        assert calls["P2PCommunicator"] == 0 and calls["PlannedShapesP2P"] >= 2 * 3 * 4, (
-            rank, calls)
-        for name, run in zip(runs, results, strict=True):
-            assert any(PLANNED_LINE in message for _, message in run["logs"]), (rank, name)
-    for name, run in zip(runs, per_rank[-1][0], strict=True):
-        assert [entry["lm loss"] for entry in run["losses"]] == pytest.approx(
-            reference, rel=2e-5), name
+    _, runs = _trains_as_pp1_by_the_plan(DRAWN, [pp2, with_flags(pp2, microbatch_order="cost")],
+                                         2)
+    assert all(any(PLANNED_LINE in message for _, message in run["logs"]) for run in runs)
 
 
 def test_a_length_per_microbatch_takes_the_planned_shapes_too():
@@ -146,15 +152,7 @@ def test_a_length_per_microbatch_takes_the_planned_shapes_too():
     at PP=2 megatron-core's 1F1B receives by the plan on both stages and gives PP=1's
     losses."""
     flags = with_flags(SYNTHETIC, pad_to_multiple=32)
-    (single,) = run_ranks(1, train_runs, [flags], 1)[0]
-    reference = [entry["lm loss"] for entry in single["losses"]]
-    assert len(reference) == 2 and all(0 < x < 20 for x in reference)
-    per_rank = run_ranks(2, _training_counting_exchanges,
-                         [with_flags(flags, pipeline_model_parallel_size=2)], 2)
-    for rank, (_, calls) in enumerate(per_rank):
-        assert calls["P2PCommunicator"] == 0 and calls["PlannedShapesP2P"] > 0, (rank, calls)
-    assert [entry["lm loss"] for entry in per_rank[-1][0][0]["losses"]] == pytest.approx(
-        reference, rel=2e-5)
+    _trains_as_pp1_by_the_plan(flags, [with_flags(flags, pipeline_model_parallel_size=2)], 2)
 
 
 def test_the_interleaved_schedule_takes_the_planned_shapes_too():
@@ -162,17 +160,10 @@ def test_the_interleaved_schedule_takes_the_planned_shapes_too():
     length drawn for each), natural and cost order: no shape exchange on any stage, PP=1's
     losses."""
     flags = with_flags(SYNTHETIC, pad_to_multiple=32, num_layers=8)
-    (single,) = run_ranks(1, train_runs, [flags], 1)[0]
-    reference = [entry["lm loss"] for entry in single["losses"]]
     interleaved = with_flags(flags, pipeline_model_parallel_size=4,
                              num_layers_per_virtual_pipeline_stage=1)
-    runs = [interleaved, with_flags(interleaved, microbatch_order="cost")]
-    per_rank = run_ranks(4, _training_counting_exchanges, runs, 4)
-    for rank, (_, calls) in enumerate(per_rank):
-        assert calls["P2PCommunicator"] == 0 and calls["PlannedShapesP2P"] > 0, (rank, calls)
-    for run in per_rank[-1][0]:
-        assert [entry["lm loss"] for entry in run["losses"]] == pytest.approx(
-            reference, rel=2e-5)
+    _trains_as_pp1_by_the_plan(
+        flags, [interleaved, with_flags(interleaved, microbatch_order="cost")], 4)
 
 
 def test_evaluation_and_the_interleaved_schedule_at_pp2_take_the_planned_shapes():
@@ -182,24 +173,17 @@ def test_evaluation_and_the_interleaved_schedule_at_pp2_take_the_planned_shapes(
     1F1B never call the exchange, in training or evaluation, and give PP=1's training and
     validation losses."""
     flags = with_flags(SYNTHETIC, pad_to_multiple=32, eval_iters=1, eval_interval=1)
-    (single,) = run_ranks(1, train_runs, [flags], 1)[0]
-    reference = [entry["lm loss"] for entry in single["losses"]]
-    validation = [message for _, message in single["logs"] if "validation at" in message]
-    assert len(validation) == 2, single["logs"]
     pp2 = with_flags(flags, pipeline_model_parallel_size=2)
-    runs = [pp2, with_flags(pp2, num_layers_per_virtual_pipeline_stage=1)]
-    per_rank = run_ranks(2, _training_counting_exchanges, runs, 2)
-    for rank, (_, calls) in enumerate(per_rank):
-        assert calls["P2PCommunicator"] == 0 and calls["PlannedShapesP2P"] > 0, (rank, calls)
-    for run in per_rank[-1][0]:
-        assert [entry["lm loss"] for entry in run["losses"]] == pytest.approx(
-            reference, rel=2e-5)
-        lines = [message for _, message in run["logs"] if "validation at" in message]
-        assert _losses(lines) == pytest.approx(_losses(validation), rel=2e-5)
-        assert len(_losses(lines)) == 2
+    single, runs = _trains_as_pp1_by_the_plan(
+        flags, [pp2, with_flags(pp2, num_layers_per_virtual_pipeline_stage=1)], 2)
+    validation = _losses(single["logs"])
+    assert len(validation) == 2, single["logs"]
+    for run in runs:
+        assert _losses(run["logs"]) == pytest.approx(validation, rel=2e-5)
 
 
-def _losses(lines: list[str]) -> list[float]:
-    """The loss values of validation lines."""
-    return [float(value) for line in lines for value in re.findall(r"value: (\S+)", line)]
+def _losses(logs) -> list[float]:
+    """The loss values of a run's validation lines."""
+    return [float(value) for _, line in logs if "validation at" in line
+            for value in re.findall(r"value: (\S+)", line)]
 

@@ -223,14 +223,10 @@ P2P_SHAPE_EXCHANGE = Internal(
     "trainer/core_compat/planned_p2p.py PlannedShapesP2P",
     positional=(("self", "tensor_send_next", "tensor_send_prev", "recv_prev", "recv_next"),),
     read_by=("self._communicate_shapes(",), read_in=f"{_P2P}:P2PCommunicator._communicate")
-ONE_F_ONE_B_COMMUNICATOR = Internal(
-    f"{_SCHEDULES}:forward_backward_pipelining_without_interleaving", "called",
-    "trainer/run/training.py train_step (planned_p2p.planned_schedule_arguments)",
-    keywords=("p2p_communicator", "pg_collection"))
-INTERLEAVED_COMMUNICATOR = Internal(
-    f"{_SCHEDULES}:forward_backward_pipelining_with_interleaving", "called",
-    "trainer/run/training.py train_step (planned_p2p.planned_schedule_arguments)",
-    keywords=("p2p_communicator", "pg_collection"))
+ONE_F_ONE_B_COMMUNICATOR, INTERLEAVED_COMMUNICATOR = (Internal(
+    f"{_SCHEDULES}:forward_backward_pipelining_{kind}_interleaving", "called",
+    "trainer/run/training.py train_step, evaluate (planned_p2p.planned_schedule_arguments)",
+    keywords=("p2p_communicator", "pg_collection")) for kind in ("without", "with"))
 # the interleaved schedule's order of (microbatch, chunk), which its messages follow
 SCHEDULE_TABLE = Internal(
     f"{_SCHEDULES}:get_schedule_table", "called",
