@@ -225,7 +225,7 @@ P2P_SHAPE_EXCHANGE = Internal(
     read_by=("self._communicate_shapes(",), read_in=f"{_P2P}:P2PCommunicator._communicate")
 ONE_F_ONE_B_COMMUNICATOR, INTERLEAVED_COMMUNICATOR = (Internal(
     f"{_SCHEDULES}:forward_backward_pipelining_{kind}_interleaving", "called",
-    "trainer/run/training.py train_step, evaluate (planned_p2p.planned_schedule_arguments)",
+    "trainer/run/training.py train_step, evaluate (planned_p2p.PlannedShapes.arguments)",
     keywords=("p2p_communicator", "pg_collection")) for kind in ("without", "with"))
 # the interleaved schedule's order of (microbatch, chunk), which its messages follow
 SCHEDULE_TABLE = Internal(
@@ -236,7 +236,7 @@ SCHEDULE_TABLE = Internal(
     read_in=f"{_SCHEDULES}:forward_backward_pipelining_with_interleaving")
 DEFAULT_PROCESS_GROUPS = Internal(
     "megatron.core.process_groups_config:ProcessGroupCollection.use_mpu_process_groups",
-    "called", "trainer/core_compat/planned_p2p.py planned_schedule_arguments",
+    "called", "trainer/core_compat/planned_p2p.py PlannedShapes",
     keywords=("required_pgs",))
 # positional calls of public constructors
 DATASET_BUILDER = Internal(

@@ -1,4 +1,4 @@
-"""megatron-core's 1F1B with every microbatch's shape known from the plan.
+"""megatron-core's pipeline schedules with every microbatch's shape known from the plan.
 
 With variable lengths (`config.variable_seq_lengths`) megatron-core's p2p sends each
 message's shape ahead of it and then calls torch.cuda.synchronize() (P2PCommunicator.
@@ -87,12 +87,27 @@ def boundary_messages(shapes: Sequence[Sequence[int]], stage: int, pp_size: int,
     }
 
 
-def planned_schedule_arguments(pp_group, config, messages: dict[str, list]) -> dict:
-    """Keyword arguments of megatron-core's schedule for one step with the planned shapes
-    (`messages`: boundary_messages): the communicator, and megatron-core's own default
-    process groups (its schedules take a communicator only together with them)."""
-    declared = {field.name for field in dataclasses.fields(ProcessGroupCollection)}
-    groups = ProcessGroupCollection.use_mpu_process_groups(
-        required_pgs=[name for name in _DEFAULT_GROUPS if name in declared])
-    return {"p2p_communicator": PlannedShapesP2P(pp_group, config, messages),
-            "pg_collection": groups}
+class PlannedShapes:
+    """One stage's planned p2p for megatron-core's schedule, built once (the process groups,
+    the stage's place); `arguments` gives each step's keyword arguments."""
+
+    def __init__(self, pp_group, stage: int, config, num_chunks: int, sequence_split: int):
+        self.pp_group, self.stage, self.config = pp_group, stage, config
+        self.pp_size = pp_group.size()
+        self.num_chunks = num_chunks
+        self.group_size = config.microbatch_group_size_per_vp_stage or self.pp_size
+        self.sequence_split = sequence_split  # CP, and TP under sequence parallelism
+        # megatron-core's own default groups: its schedules take a communicator only with them
+        declared = {field.name for field in dataclasses.fields(ProcessGroupCollection)}
+        self.groups = ProcessGroupCollection.use_mpu_process_groups(
+            required_pgs=[name for name in _DEFAULT_GROUPS if name in declared])
+
+    def arguments(self, microbatches: Sequence[tuple[int, int]]) -> dict:
+        """The schedule's `p2p_communicator` and `pg_collection` for one step whose
+        microbatches are (padded length, rows), in the order the schedule reads them."""
+        shapes = [(length // self.sequence_split, rows, self.config.hidden_size)
+                  for length, rows in microbatches]
+        messages = boundary_messages(shapes, self.stage, self.pp_size, self.num_chunks,
+                                     self.group_size)
+        return {"p2p_communicator": PlannedShapesP2P(self.pp_group, self.config, messages),
+                "pg_collection": self.groups}

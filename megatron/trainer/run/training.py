@@ -31,10 +31,7 @@ from megatron.trainer.config import fast_path
 from megatron.trainer.config.arguments import ArgumentError, parse_args
 from megatron.trainer.config.configs import LoggingConfig, TokenizerConfig, TrainerConfigs
 from megatron.trainer.core_compat import core_overrides, no_apex
-from megatron.trainer.core_compat.planned_p2p import (
-    boundary_messages,
-    planned_schedule_arguments,
-)
+from megatron.trainer.core_compat.planned_p2p import PlannedShapes
 from megatron.trainer.core_compat.reruns import (
     RerunConfig,
     ResultValidation,
@@ -118,8 +115,8 @@ class Trainer:
     # whether the ranks have met after the first step's recordings (record_warm_shapes)
     block_graphs: list = field(default_factory=list)
     graphs_settled: bool = False
-    # megatron-core's schedule told each microbatch's shape by the plan (core_compat/planned_p2p)
-    planned_p2p: bool = False
+    # megatron-core's schedule told each microbatch's shape by the plan (None: not needed)
+    planned_shapes: PlannedShapes | None = None
 
     @property
     def reporting(self) -> bool:
@@ -217,8 +214,8 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
                  ", each backward split into B and W" if weight_grads is not None else ""),
              "Transformer Engine" if use_transformer_engine(args) else "megatron.core + SDPA")
     schedule = forward_backward_func(args, weight_grads)
-    planned_p2p = _plans_boundary_shapes(configs, config)
-    if planned_p2p:
+    planned_shapes = _planned_shapes(configs, config, len(model))
+    if planned_shapes is not None:
         log.info("megatron-core's schedule with variable lengths: each microbatch's shape "
                  "comes from the plan (no shape exchange and device sync per message)")
     if hasattr(schedule, "close"):
@@ -231,14 +228,21 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
                    _batch_calculator(configs), datasets, state, schedule,
                    ForwardRng(args.seed, device), configs, timers, collector=collector,
                    checkpointer=checkpointer, reruns=reruns, block_graphs=block_graphs,
-                   planned_p2p=planned_p2p, memory_history=history)
+                   planned_shapes=planned_shapes, memory_history=history)
 
 
-def _plans_boundary_shapes(configs: TrainerConfigs, config) -> bool:
-    """Whether megatron-core's schedule (1F1B or interleaved) takes its receive shapes from
+def _planned_shapes(configs: TrainerConfigs, config, num_chunks: int) -> PlannedShapes | None:
+    """Where megatron-core's schedule (1F1B or interleaved) takes its receive shapes from
     the plan, in training and evaluation: across stages with variable lengths."""
-    return (not configs.schedule.use_dpp and configs.parallel.pipeline_model_parallel_size > 1
-            and bool(config.variable_seq_lengths))
+    parallel = configs.parallel
+    if configs.schedule.use_dpp or parallel.pipeline_model_parallel_size == 1 or (
+            not config.variable_seq_lengths):
+        return None
+    split = parallel.context_parallel_size * (
+        parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1)
+    return PlannedShapes(parallel_state.get_pipeline_model_parallel_group(),
+                         parallel_state.get_pipeline_model_parallel_rank(), config, num_chunks,
+                         split)
 
 
 def _dataset_watch(args) -> StallWatch:
@@ -424,10 +428,9 @@ def train_step(trainer: Trainer, iterator) -> dict:
         elif order is not None:
             schedule_iterator = reorder_data_iterators(iterator, order)
         p2p = {}
-        if trainer.planned_p2p:
-            p2p = planned_schedule_arguments(parallel_state.get_pipeline_model_parallel_group(),
-                                             trainer.config,
-                                             _boundary_messages(trainer, microbatches, order))
+        if trainer.planned_shapes is not None:
+            p2p = trainer.planned_shapes.arguments(
+                microbatches if order is None else [microbatches[i] for i in order])
         losses = _run_schedule(
             trainer, trainer.reruns.checked(trainer.forward_step_func(iteration)),
             schedule_iterator, num_microbatches, forward_only=False, **p2p)
@@ -515,7 +518,7 @@ def evaluate(trainer: Trainer, dataset, consumed: int) -> dict[str, float]:
     with torch.no_grad():
         for step in range(schedule.eval_iters):
             p2p = {}
-            if trainer.configs.data.lengths_per_sample or trainer.planned_p2p:
+            if trainer.configs.data.lengths_per_sample or trainer.planned_shapes is not None:
                 # a plan's global batch per step, else the microbatches read so far
                 start = consumed + step * (schedule.global_batch_size
                                            if trainer.configs.data.lengths_per_sample
@@ -524,10 +527,8 @@ def evaluate(trainer: Trainer, dataset, consumed: int) -> dict[str, float]:
                                                            num_microbatches * rows, dataset)
                 if trainer.configs.data.microbatch_tokens is not None:  # the budget's cut
                     num_microbatches = len(costs)
-                if trainer.planned_p2p:
-                    p2p = planned_schedule_arguments(
-                        parallel_state.get_pipeline_model_parallel_group(), trainer.config,
-                        _boundary_messages(trainer, microbatches, None))
+                if trainer.planned_shapes is not None:
+                    p2p = trainer.planned_shapes.arguments(microbatches)
             gathered += _run_schedule(
                 trainer, trainer.forward_step_func(trainer.state.iteration), iterator,
                 num_microbatches, forward_only=True, **p2p)
@@ -705,19 +706,3 @@ def _run_schedule(trainer, forward_step_func, data_iterator, num_microbatches: i
         forward_only=forward_only,
         **p2p,
     )
-
-
-def _boundary_messages(trainer: Trainer, microbatches, order) -> dict[str, list]:
-    """The shapes of this stage's pipeline messages in one step (planned_p2p.
-    boundary_messages) from each microbatch's [s, b, h] between two stages, in the order the
-    schedule reads them (context parallelism, and sequence parallelism across the
-    tensor-parallel ranks, split s)."""
-    parallel, config = trainer.configs.parallel, trainer.config
-    split = parallel.context_parallel_size * (
-        parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1)
-    ordered = microbatches if order is None else [microbatches[i] for i in order]
-    pp_size = parallel.pipeline_model_parallel_size
-    return boundary_messages(
-        [(length // split, rows, config.hidden_size) for length, rows in ordered],
-        parallel_state.get_pipeline_model_parallel_rank(), pp_size, len(trainer.model),
-        config.microbatch_group_size_per_vp_stage or pp_size)
