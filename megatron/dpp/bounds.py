@@ -1,0 +1,43 @@
+"""Lower bounds on a pipeline's makespan with the split backward, from the task durations
+alone (the simulator's `Durations.by_kind(split_backward=True)`: kind -> [stage][microbatch]).
+They say how much faster than a given schedule any schedule could be:
+
+* `memory_free_bound`, valid for every schedule at any memory and in any order: per rank r,
+  the cheapest microbatch's forwards on the ranks before r, then all of rank r's work;
+* `rank0_bound`, valid for every schedule that runs each kind (F, B, W) of rank 0 in the
+  microbatch order and holds at most p microbatches there from F to W (ZB-H1, and DPP at
+  slack 0, whatever it decides): after its p warm-up forwards rank 0 can only run B(j), W(j),
+  F(j + p) in turn (F(j + p) needs W(j); running W(j), F(j + p) before a ready B(j + 1) never
+  delays anything), and B(j) waits for its gradient, which here travels through the other
+  ranks without waiting for them (their contention dropped).
+"""
+
+from __future__ import annotations
+
+from megatron.dpp.actions import BACKWARD, FORWARD, WEIGHT
+
+
+def memory_free_bound(times: dict[str, list[list[float]]], p: int, m: int) -> float:
+    forward, backward, weight = times[FORWARD], times[BACKWARD], times[WEIGHT]
+    return max(min(sum(forward[s][k] for s in range(r)) for k in range(m))
+               + sum(forward[r][k] + backward[r][k] + weight[r][k] for k in range(m))
+               for r in range(p))
+
+
+def rank0_bound(times: dict[str, list[list[float]]], p: int, m: int,
+                order: list[int]) -> float:
+    """Rank 0's finish when it runs B(j) W(j) F(j + p) as early as the uncontended
+    gradient of j allows (the module's docstring)."""
+    forward, backward, weight = times[FORWARD], times[BACKWARD], times[WEIGHT]
+    trip = [sum(forward[s][k] + backward[s][k] for s in range(1, p)) for k in range(m)]
+    now, arrival = 0.0, [0.0] * m
+    for k in order[:p]:
+        now += forward[0][k]
+        arrival[k] = now + trip[k]
+    for n, j in enumerate(order):
+        now = max(now, arrival[j]) + backward[0][j] + weight[0][j]
+        if n + p < m:
+            k = order[n + p]
+            now += forward[0][k]
+            arrival[k] = now + trip[k]
+    return now
