@@ -10,8 +10,10 @@ simulator (megatron/dpp/simulator.py, backward twice the forward, half of it W) 
 ZB-H1 fed DPP's cost order and DPP's rule (its default W placement) on each iteration; a
 row gives the largest deviation of an iteration's makespan per real token from the median
 over the iterations after the warm-up. No host cost, hop or recording: what the microbatches alone make vary.
-A last table gives DPP's speed over each schedule on the same plans: the median over those
-iterations of the schedule's makespan over DPP's.
+Two last tables give, on the same plans, DPP's speed over each schedule (the median over
+those iterations of the schedule's makespan over DPP's) and the most any schedule could gain
+over each: its makespan over the memory-free lower bound (megatron/dpp/bounds.py: every
+schedule, at any memory and in any order, is at least that long).
 
     python profiling/corpus_steadiness.py --data-path /tmp/varlen/corpus_text_document \
         --microbatch-tokens 2048 [--log RUN.log]
@@ -39,6 +41,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron.dpp.baselines import largest_deviation  # noqa: E402
+from megatron.dpp.bounds import memory_free_bound  # noqa: E402
 from megatron.dpp.plan import StageConfig  # noqa: E402
 from megatron.dpp.policy import microbatch_order_for  # noqa: E402
 from megatron.dpp.simulator import CostModel, Durations, simulate  # noqa: E402
@@ -52,7 +55,8 @@ from megatron.trainer.launch import read_iterations  # noqa: E402
 
 ITERATION_MS = "elapsed time per iteration (ms)"
 
-SCHEDULES = ("1f1b ordered", "zb-h1 ordered", "dpp")
+SCHEDULES = ("1f1b natural", "1f1b ordered", "zb-h1 ordered", "dpp")
+BOUND = "lower bound"
 
 
 def iteration_costs(dataset, layout: BatchLayout, iteration: int,
@@ -66,7 +70,8 @@ def iteration_costs(dataset, layout: BatchLayout, iteration: int,
 
 
 def per_real_token(costs: list[float], real_tokens: int, pp_size: int) -> dict[str, float]:
-    """Each schedule's makespan over the iteration's real tokens."""
+    """Each schedule's makespan, and the lower bound on any schedule's, over the iteration's
+    real tokens."""
     model = CostModel()
     backward = model.backward_ratio * model.forward
     durations = Durations(
@@ -78,31 +83,38 @@ def per_real_token(costs: list[float], real_tokens: int, pp_size: int) -> dict[s
     order = microbatch_order_for(StageConfig(0, pp_size, 1, m, slack=0, split_backward=True),
                                  costs)
     runs = {
+        "1f1b natural": simulate("1f1b", pp_size, m, durations),
         "1f1b ordered": simulate("1f1b", pp_size, m, durations, microbatch_order=order),
         "zb-h1 ordered": simulate("zb-h1", pp_size, m, durations, microbatch_order=order),
         "dpp": simulate("dpp", pp_size, m, durations, slack=0, microbatch_costs=costs,
                         microbatch_order=order, split_backward=True),
     }
-    return {name: result.makespan / real_tokens for name, result in runs.items()}
+    bound = memory_free_bound(durations.by_kind(split_backward=True), pp_size, m)
+    return {BOUND: bound / real_tokens,
+            **{name: result.makespan / real_tokens for name, result in runs.items()}}
 
 
 def steadiness(dataset, layout: BatchLayout, pp_size: int, hidden_size: int, iterations: int,
                warmup: int) -> dict:
-    """The microbatch counts met, each schedule's largest deviation after `warmup`, and
+    """The microbatch counts met, each schedule's largest deviation after `warmup`,
     `dpp_speedup`: per schedule, the median over those iterations of its makespan over
-    DPP's."""
-    times = {name: [] for name in SCHEDULES}
+    DPP's, and `headroom`: the same over the lower bound on any schedule's makespan."""
+    times = {name: [] for name in (*SCHEDULES, BOUND)}
     counts = []
     for iteration in range(iterations):
         costs, real_tokens = iteration_costs(dataset, layout, iteration, hidden_size)
         counts.append(len(costs))
         for name, value in per_real_token(costs, real_tokens, pp_size).items():
             times[name].append(value)
-    dpp = times["dpp"][warmup:]
-    speedup = {name: statistics.median(t / d for t, d in zip(values[warmup:], dpp, strict=True))
-               for name, values in times.items()}
-    return {"microbatches": (min(counts), max(counts)), "dpp_speedup": speedup,
-            **{name: largest_deviation(values[warmup:]) for name, values in times.items()}}
+    def over(reference: str) -> dict[str, float]:
+        return {name: statistics.median(t / r for t, r in zip(times[name][warmup:],
+                                                              times[reference][warmup:],
+                                                              strict=True))
+                for name in SCHEDULES}
+
+    return {"microbatches": (min(counts), max(counts)), "dpp_speedup": over("dpp"),
+            "headroom": over(BOUND),
+            **{name: largest_deviation(times[name][warmup:]) for name in SCHEDULES}}
 
 
 def fit_to_run(dataset, layout: BatchLayout, pp_size: int, hidden_size: int,
@@ -180,6 +192,8 @@ def main(argv=None) -> None:
              f"{args.warmup + 1}-{args.iterations}, PP={args.pp}",
              f"{'microbatches':40s} {'count':>8s} " + " ".join(f"{s:>14s}" for s in SCHEDULES)]
     speedups = [f"DPP's speed over each (the median of their makespan over DPP's), PP={args.pp}"]
+    headroom = [f"the most any schedule could gain over each (the median of their makespan "
+                f"over the lower bound), PP={args.pp}"]
     for name, layout in layouts.items():
         row = steadiness(train, layout, args.pp, args.hidden_size, args.iterations,
                          args.warmup)
@@ -188,7 +202,9 @@ def main(argv=None) -> None:
                      + " ".join(f"{row[s]:14.1%}" for s in SCHEDULES))
         speedups.append(f"{name:40s} {'':>8s} "
                         + " ".join(f"{row['dpp_speedup'][s]:13.3f}x" for s in SCHEDULES))
-    lines += speedups
+        headroom.append(f"{name:40s} {'':>8s} "
+                        + " ".join(f"{row['headroom'][s]:13.3f}x" for s in SCHEDULES))
+    lines += speedups + headroom
     if args.log:
         fit = fit_to_run(train, layout, args.pp, args.hidden_size, log_lines, args.warmup)
         first, last = fit["iterations"]

@@ -44,6 +44,12 @@ def test_one_length_is_steady_and_many_lengths_are_not(tmp_path):
         speedup = row["dpp_speedup"]
         assert speedup["dpp"] == 1 and speedup["1f1b ordered"] > 1.01, speedup
         assert speedup["zb-h1 ordered"] <= 1, speedup
+        headroom = row["headroom"]
+        assert headroom["1f1b ordered"] == pytest.approx(
+            speedup["1f1b ordered"] * headroom["dpp"]), headroom
+        if layout is rows:  # 8 equal microbatches: ZB-H1 reaches the lower bound
+            assert headroom["zb-h1 ordered"] == pytest.approx(1), headroom
+        assert min(headroom.values()) >= 1, headroom
     # 16 samples a batch in rows of 3 (3 x 40 <= 128): 6 microbatches
     assert steadiness(uniform, budget, 4, 64, 10, 2)["microbatches"] == (6, 6)
 
@@ -51,6 +57,7 @@ def test_one_length_is_steady_and_many_lengths_are_not(tmp_path):
                       np.random.default_rng(0).integers(3, 66, size=200).tolist())
     row = steadiness(varied, rows, 4, 64, 10, 2)
     assert all(row[name] > 0 for name in SCHEDULES), row
+    assert all(value >= 1 for value in row["headroom"].values()), row
     low, high = steadiness(varied, budget, 4, 64, 10, 2)["microbatches"]
     assert low < high
 
@@ -100,7 +107,11 @@ def test_drawn_lengths_instead_of_a_corpus(capsys):
     # and DPP's speed over each schedule on the same plans, DPP's own 1.000x
     speeds = next(line for line in out[out.index(budget_row) + 1:]
                   if line.startswith("token budget"))
-    assert speeds.split()[-1] == "1.000x" and len(speeds.split()) == 9
+    assert speeds.split()[-1] == "1.000x" and len(speeds.split()) == 10
+    # and the most any schedule could gain over each: at least 1x
+    headroom = next(line for line in out[out.index(speeds) + 1:]
+                    if line.startswith("token budget")).split()[6:]
+    assert all(float(value.rstrip("x")) >= 1 for value in headroom), headroom
     layout = BatchLayout(2, 16, group_by_length=True, pad_to_multiple=16, microbatch_tokens=512)
     drawn = DrawnLengthSamples(None, 256, 0.5, seed=7)
     counts = [len(plan_global_batch(drawn, k * 16, layout).samples[0]) for k in range(10)]
