@@ -22,7 +22,10 @@ between each stage's lowest ranks, which are pipeline peers. Each iteration is s
 with its own estimate unless --latency is given. A positive difference: the run idled
 more than the simulator predicts (host overheads, send costs, clock error). The makespan's gap
 to a replay with zero latency is attributed to the message hops (the replay at the measured
-latency minus that at zero) and to the runtime beyond the replay (the rest).
+latency minus that at zero) and to the runtime beyond the replay (the rest). Lower bound: no
+schedule of the iteration's measured tasks, at any memory and in any order, is shorter than
+the busiest rank's work after its cheapest lead-in (megatron/dpp/bounds.py): the run's
+makespan over it is the most any schedule could gain.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ if __package__ in (None, ""):  # run as a script: make the `profiling` package i
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron.dpp.actions import BACKWARD, FORWARD, WEIGHT, Task, read_actions  # noqa: E402
+from megatron.dpp.bounds import memory_free_bound  # noqa: E402
 from megatron.dpp.config import DEFAULTS  # noqa: E402
 from megatron.dpp.simulator import SCHEDULES, Durations, replay, simulate  # noqa: E402
 from megatron.dpp.topology import PipelineTopology  # noqa: E402
@@ -199,10 +203,14 @@ def compare(path: str, schedule: str | None = None, slack: int | None = None,
                    "simulated_bubble": result.bubble[row["stage"]],
                    "difference_pp": 100.0 * (row["bubble"] - result.bubble[row["stage"]])}
                   for row in report["stages"]]
+        bound = memory_free_bound(durations.by_kind(split_backward=durations.weight is not None),
+                                  pp, len(durations.microbatch_factor),
+                                  PipelineTopology(pp, chunks))
         rows.append({"iteration": report["iteration"], "latency_ms": used,
                      "latency_samples": samples, "measured_makespan_ms": report["makespan_ms"],
                      "simulated_makespan_ms": result.makespan,
-                     "zero_latency_makespan_ms": ideal.makespan, "stages": stages})
+                     "zero_latency_makespan_ms": ideal.makespan, "lower_bound_ms": bound,
+                     "stages": stages})
     if not rows:
         raise TraceError(f"{path}: no forward/backward spans")
     return {"schedule": schedule, "slack": slack, "replayed": bool(executed),
@@ -244,6 +252,9 @@ def format_comparison(result: dict) -> str:
         lines.append(f"  the gap to the zero-latency replay ({row['zero_latency_makespan_ms']:.2f}"
                      f" ms): message hops {hops:+.2f} ms, the runtime beyond the replay "
                      f"(host decisions, launches) {rest:+.2f} ms")
+        lines.append(f"  no schedule of these tasks takes less than {row['lower_bound_ms']:.2f} ms "
+                     f"(the busiest rank's work after its cheapest lead-in): the run took "
+                     f"{row['measured_makespan_ms'] / row['lower_bound_ms']:.3f}x that")
         lines.append(header)
         lines += [_stage_line(stage) for stage in row["stages"]]
     if len(result["iterations"]) > 1:

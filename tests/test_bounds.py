@@ -10,6 +10,7 @@ from megatron.dpp.bounds import memory_free_bound, rank0_bound
 from megatron.dpp.plan import StageConfig
 from megatron.dpp.policy import microbatch_order_for
 from megatron.dpp.simulator import CostModel, sample_durations, simulate
+from megatron.dpp.topology import PipelineTopology
 
 
 @pytest.mark.parametrize("p", [2, 4])
@@ -60,3 +61,21 @@ def test_no_schedule_beats_the_bounds(model, p):
                 assert run.makespan >= max(free, in_order) - 1e-9, (seed, m, run.makespan)
                 closest = min(closest, run.makespan / max(free, in_order))
     assert closest < 1.1
+
+
+def test_two_chunks_a_rank_and_a_backward_run_whole():
+    """With two chunks a rank the bound counts each rank's two virtual stages and lies below
+    the interleaved schedule and DPP on them; without W it is the bound of B + W."""
+    p, m = 4, 8
+    topology = PipelineTopology(p, 2)
+    for seed in range(3):
+        durations = sample_durations(CostModel(cv=0.5), p, 2, m, seed, split_backward=True)
+        whole = durations.by_kind(split_backward=False)
+        bound = memory_free_bound(durations.by_kind(split_backward=True), p, m, topology)
+        assert memory_free_bound(whole, p, m, topology) == pytest.approx(bound)
+        for schedule in ("interleaved", "dpp"):
+            run = simulate(schedule, p, m, durations, num_chunks=2)
+            assert run.makespan >= bound - 1e-9, (seed, schedule)
+        # one rank's work alone is below the bound; all ranks' work over p is too
+        work = sum(sum(sum(row) for row in table) for table in whole.values())
+        assert work / p <= bound

@@ -55,6 +55,22 @@ def test_same_schedule_reproduces_the_bubble(tmp_path, capsys, schedule, chunks,
     assert iteration["simulated_makespan_ms"] == pytest.approx(iteration["measured_makespan_ms"])
     assert differences(result) == pytest.approx([0.0] * 4, abs=1e-6)
     assert all(0.0 < row["measured_bubble"] < 1.0 for row in iteration["stages"])
+    assert iteration["lower_bound_ms"] <= iteration["zero_latency_makespan_ms"] + 1e-9
+
+
+def test_the_lower_bound_is_the_busiest_ranks_work(tmp_path, capsys):
+    """A rank three times slower than the others: no schedule is faster than its work after
+    the cheapest lead-in, and 1F1B on 32 microbatches comes within 10 % of that."""
+    path = str(tmp_path / "slow.json")
+    simulate_main(["--pp", "4", "--microbatches", "32", "--slow-stage", "2", "--slow-factor",
+                   "3", "--schedules", "1f1b", "--trace", path, "--trace-schedule", "1f1b"])
+    capsys.readouterr()
+    (row,) = sim_compare.compare(path, "1f1b")["iterations"]
+    # the slow rank: 32 x (F + B) = 32 x 3 x 3 after two forwards on the ranks before it
+    assert row["lower_bound_ms"] == pytest.approx(32 * 9 + 2)
+    assert 1 < row["measured_makespan_ms"] / row["lower_bound_ms"] < 1.1
+    assert sim_compare.main([path, "--schedule", "1f1b"]) == 0
+    assert "no schedule of these tasks takes less than 290.00 ms" in capsys.readouterr().out
 
 
 def test_a_different_model_differs(tmp_path, capsys):

@@ -3,7 +3,8 @@ alone (the simulator's `Durations.by_kind(split_backward=True)`: kind -> [stage]
 They say how much faster than a given schedule any schedule could be:
 
 * `memory_free_bound`, valid for every schedule at any memory and in any order: per rank r,
-  the cheapest microbatch's forwards on the ranks before r, then all of rank r's work;
+  the cheapest microbatch's forwards on the ranks before r, then all of rank r's work
+  (a measured run's too: profiling/sim_compare.py);
 * `rank0_bound`, valid for every schedule that runs each kind (F, B, W) of rank 0 in the
   microbatch order and holds at most p microbatches there from F to W (ZB-H1, and DPP at
   slack 0, whatever it decides): after its p warm-up forwards rank 0 can only run B(j), W(j),
@@ -15,12 +16,22 @@ They say how much faster than a given schedule any schedule could be:
 from __future__ import annotations
 
 from megatron.dpp.actions import BACKWARD, FORWARD, WEIGHT
+from megatron.dpp.topology import PipelineTopology
 
 
-def memory_free_bound(times: dict[str, list[list[float]]], p: int, m: int) -> float:
-    forward, backward, weight = times[FORWARD], times[BACKWARD], times[WEIGHT]
-    return max(min(sum(forward[s][k] for s in range(r)) for k in range(m))
-               + sum(forward[r][k] + backward[r][k] + weight[r][k] for k in range(m))
+def memory_free_bound(times: dict[str, list[list[float]]], p: int, m: int,
+                      topology: PipelineTopology | None = None) -> float:
+    """With `topology` (several chunks a rank) a rank's work is its virtual stages', and its
+    lead-in the forwards of the virtual stages before its first. Without W in `times` (a
+    backward run whole) B is the whole backward."""
+    topology = topology or PipelineTopology(p, 1)
+    work = [0.0] * p
+    for v in range(topology.num_virtual_stages):
+        work[topology.placement(v)[0]] += sum(sum(times[kind][v]) for kind in times)
+    first = [min(v for v in range(topology.num_virtual_stages) if topology.placement(v)[0] == r)
+             for r in range(p)]
+    forward = times[FORWARD]
+    return max(min(sum(forward[v][k] for v in range(first[r])) for k in range(m)) + work[r]
                for r in range(p))
 
 
