@@ -208,6 +208,9 @@ for suffix, graph_flags in GRAPH_CHOICES.items():
     for schedule in ("1f1b", "1f1b-cost", "dpp"):
         CONFIGS[f"cv-{schedule}-tokens{suffix}"] = [*VARIABLE, *TOKEN_BUDGET,
                                                     *VARIABLE_SCHEDULES[schedule], *graph_flags]
+    CONFIGS[f"cv-dpp-tokens-deferred{suffix}"] = [*VARIABLE, *TOKEN_BUDGET,
+                                                  *VARIABLE_SCHEDULES["dpp"],
+                                                  "--dpp-defer-weights", *graph_flags]
     for schedule, schedule_flags in VARIABLE_SCHEDULES.items():
         CONFIGS[f"docs-{schedule}{suffix}"] = ["--corpus", "--variable-seq-lengths",
                                                *schedule_flags, *graph_flags]
@@ -266,7 +269,7 @@ RATIOS = (
     *((f"docs-grouped-dpp{graphs}", f"docs-packed{graphs}") for graphs in GRAPH_CHOICES),
     *((f"cv-{a}{graphs}", f"cv-{b}{graphs}") for graphs in GRAPH_CHOICES
       for a, b in (("dpp-tokens", "1f1b-tokens"), ("dpp-tokens", "1f1b-cost-tokens"),
-                   ("dpp-tokens", "dpp"))),
+                   ("dpp-tokens", "dpp-tokens-deferred"), ("dpp-tokens", "dpp"))),
 )
 # variable lengths: ratios of real (non-pad) tokens/s, where padding is what differs
 REAL_RATIOS = tuple((a, b) for a, b in RATIOS if a.startswith(("docs-", "cv-")))

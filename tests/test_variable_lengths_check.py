@@ -17,7 +17,13 @@ SCRIPT = ROOT / "tools" / "variable_lengths_check.sh"
 # stands in for the interpreter: records the bench's arguments, writes what the bench writes
 BENCH_STAND_IN = """#!{python}
 import json, pathlib, sys
+if sys.argv[1].endswith("sim_compare.py"):
+    print("compared", pathlib.Path(sys.argv[2]).name)
+    sys.exit(0)
 out = pathlib.Path(sys.argv[sys.argv.index("--out") + 1])
+if "--trace" in sys.argv:
+    (out / "trace-cv-dpp-tokens-graphs").mkdir()
+    (out / "trace-cv-dpp-tokens-graphs" / "trace-rank0.jsonl").write_text("{{}}\\n")
 (out / "table.txt").write_text("config table\\n")
 (out / "results.json").write_text(json.dumps(sys.argv[1:]))
 if "--memory-snapshots" in sys.argv:
@@ -60,6 +66,26 @@ def test_the_memory_part_records_two_short_runs(tmp_path):
     assert (out / "memory-memory.txt").read_text() == "peaks\n"
 
 
-def test_an_unknown_part_is_named(tmp_path):
+def test_the_trace_part_compares_each_traced_run_with_its_replay_and_bound(tmp_path):
+    result, out = run_part(tmp_path, "trace", GPUS="2")
+    assert result.returncode == 0, result.stderr
+    argv = json.loads((out / "trace-results.json").read_text())
+    assert argv[argv.index("--configs") + 1] == ("cv-dpp-tokens-graphs,cv-1f1b-cost-tokens-graphs,"
+                                                 "cv-dpp-tokens-deferred-graphs")
+    assert "--trace" in argv and argv[argv.index("--pp") + 1] == "2"
+    # two stages: 12 / 10 layers (the output layer and loss weigh about two)
+    assert "--extra=--num-layers 22 --decoder-last-pipeline-num-layers 10" in argv
+    assert (out / "trace-bound.txt").read_text() == (
+        "== cv-dpp-tokens-graphs\ncompared trace-cv-dpp-tokens-graphs\n")
+    with tarfile.open(out / "trace-traces.tar.gz") as traces:
+        assert "trace-cv-dpp-tokens-graphs/trace-rank0.jsonl" in traces.getnames()
+    assert "compared trace-cv-dpp-tokens-graphs" in result.stdout
+
+
+def test_an_unknown_part_or_gpu_count_is_named(tmp_path):
+    result, out = run_part(tmp_path, "cv", GPUS="5")
+    assert result.returncode == 2 and "GPUS must divide 24 layers" in result.stderr
+    assert not out.exists()
     result, _ = run_part(tmp_path, "fast")
-    assert result.returncode == 2 and "PART must be cv, corpus or memory, not fast" in result.stderr
+    assert result.returncode == 2
+    assert "PART must be cv, corpus, memory or trace, not fast" in result.stderr
