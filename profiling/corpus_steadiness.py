@@ -106,6 +106,7 @@ def steadiness(dataset, layout: BatchLayout, pp_size: int, hidden_size: int, ite
         counts.append(len(costs))
         for name, value in per_real_token(costs, real_tokens, pp_size).items():
             times[name].append(value)
+
     def over(reference: str) -> dict[str, float]:
         return {name: statistics.median(t / r for t, r in zip(times[name][warmup:],
                                                               times[reference][warmup:],

@@ -1,6 +1,6 @@
-"""Lower bounds on a pipeline's makespan with the split backward, from the task durations
-alone (the simulator's `Durations.by_kind(split_backward=True)`: kind -> [stage][microbatch]).
-They say how much faster than a given schedule any schedule could be:
+"""Lower bounds on a pipeline's makespan from the task durations alone (kind -> [virtual
+stage][microbatch], as the simulator's `Durations.by_kind` gives them). They say how much
+faster than a given schedule any schedule could be:
 
 * `memory_free_bound`, valid for every schedule at any memory and in any order: per rank r,
   the cheapest microbatch's forwards on the ranks before r, then all of rank r's work
@@ -38,7 +38,7 @@ def memory_free_bound(times: dict[str, list[list[float]]], p: int, m: int,
 def rank0_bound(times: dict[str, list[list[float]]], p: int, m: int,
                 order: list[int]) -> float:
     """Rank 0's finish when it runs B(j) W(j) F(j + p) as early as the uncontended
-    gradient of j allows (the module's docstring)."""
+    gradient of j allows (the module's docstring); one chunk a rank, the split backward."""
     forward, backward, weight = times[FORWARD], times[BACKWARD], times[WEIGHT]
     trip = [sum(forward[s][k] + backward[s][k] for s in range(1, p)) for k in range(m)]
     now, arrival = 0.0, [0.0] * m
