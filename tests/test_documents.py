@@ -199,6 +199,52 @@ def test_resume_at_consumed_samples_continues_the_same_batches(prefix, group):
             assert all(torch.equal(a[k], b[k]) for k in ("tokens", "labels", "loss_mask"))
 
 
+class _CountedReads:
+    """The dataset, counting the samples read."""
+
+    def __init__(self, dataset):
+        self.dataset, self.reads = dataset, 0
+
+    def __getattr__(self, name):
+        return getattr(self.dataset, name)
+
+    def __getitem__(self, index):
+        self.reads += 1
+        return self.dataset[index]
+
+
+def test_reading_the_next_global_batch_ahead_gives_the_same_microbatches(prefix):
+    """read_next_global_batch, called once a global batch is read (as the trainer does at
+    the end of a step), reads the whole next one: the microbatches that follow are those of
+    an iterator read one by one, and reading them touches the dataset no more. Called with
+    microbatches of this batch left, it reads nothing."""
+    (train, _, _) = datasets(prefix)
+    layout = BatchLayout(2, 8, 2, group_by_length=True, pad_to_multiple=4,
+                         microbatch_tokens=16)
+    for rank in range(2):
+        counted = _CountedReads(train)
+        ahead = DocumentMicrobatches(counted, layout, rank)
+        ahead.read_next_global_batch()
+        counts = [len(plan_global_batch(train, 8 * k, layout).samples[rank]) for k in range(3)]
+        assert counted.reads == 4  # a global batch of 8 samples, half of it this rank's
+        batches = []
+        for count in counts:
+            reads = counted.reads
+            batches += read(ahead, count)
+            assert counted.reads == reads  # read ahead: no sample read here
+            ahead.read_next_global_batch()
+            assert counted.reads == reads + 4
+        one_by_one = read(DocumentMicrobatches(train, layout, rank), sum(counts))
+        for a, b in zip(batches, one_by_one, strict=True):
+            assert all(torch.equal(a[k], b[k]) for k in ("tokens", "labels", "loss_mask"))
+        partly = DocumentMicrobatches(counted, layout, rank)
+        next(partly)
+        assert counts[0] > 1  # microbatches of the first batch left: nothing read ahead
+        reads = counted.reads
+        partly.read_next_global_batch()
+        assert counted.reads == reads
+
+
 def test_without_grouping_the_layout_is_megatrons(prefix):
     (train, _, _) = datasets(prefix)
     plan = plan_global_batch(train, 24, BatchLayout(2, 12, 3))

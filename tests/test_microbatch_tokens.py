@@ -218,3 +218,7 @@ def test_drawn_lengths_under_a_budget_train_alike_in_every_schedule():
     for index, name in enumerate(runs):
         assert [entry["lm loss"] for entry in per_rank[-1][index]["losses"]] == pytest.approx(
             reference, rel=2e-5), name
+        # both stages read data (tokens; labels): each has read the next global batch of 8
+        # by the end of a step, but none after the last
+        for rank in range(2):
+            assert per_rank[rank][index]["planned_samples"] == [[16], [24], [24]], (name, rank)

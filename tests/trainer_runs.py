@@ -80,7 +80,9 @@ def train_run(rank, flags, world_size, task_name="gpt", repeat=None):
 def train_runs(rank, runs, world_size, task_name="gpt", repeat=None, stopping=()):
     """Rank function: for each flag list, set up and train as `pretrain` does (on a training
     set of `repeat` samples when given). Returns one dict per run: `losses` (per iteration,
-    this rank's reduced losses; empty off the last stage), `grad_norms`, `batches`, `logs`
+    this rank's reduced losses; empty off the last stage), `grad_norms`, `batches`,
+    `planned_samples` (per iteration, the samples each data iterator that reads ahead has
+    planned so far), `logs`
     ((level, message) of megatron.trainer), `state`; a run that raises one of the exception
     types `stopping` has `stopped` (the exception's text and `status`) instead of `state`."""
     import torch.distributed as dist
@@ -97,13 +99,15 @@ def train_runs(rank, runs, world_size, task_name="gpt", repeat=None, stopping=()
         task = repeating(task, repeat)
     results = []
     for flags in runs:
-        record = {"losses": [], "grad_norms": [], "batches": []}
+        record = {"losses": [], "grad_norms": [], "batches": [], "planned_samples": []}
 
-        def recording_step(trainer, iterator, record=record):
-            out = original_step(trainer, iterator)
+        def recording_step(trainer, iterator, readers=(), record=record):
+            out = original_step(trainer, iterator, readers)
             record["losses"].append(out["losses"])
             record["grad_norms"].append(out["grad_norm"])
             record["batches"].append(out["batch"])
+            # how far each reading-ahead data iterator has planned, after the step
+            record["planned_samples"].append([reader.next_start for reader in readers])
             return out
 
         training.train_step = recording_step

@@ -13,7 +13,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -399,7 +399,10 @@ def start_tracing(trainer: Trainer) -> None:
         trainer.schedule.tracer = trainer.tracer
 
 
-def train_step(trainer: Trainer, iterator) -> dict:
+def train_step(trainer: Trainer, iterator,
+               readers: Sequence[DocumentMicrobatches] = ()) -> dict:
+    """One iteration. `readers`: the data iterators under `iterator` that read the next
+    global batch ahead, which they do once this step's schedule has launched its work."""
     schedule = trainer.configs.schedule
     iteration = trainer.state.iteration + 1
     batch = trainer.batch_calculator.get_current_global_batch_size()
@@ -434,6 +437,11 @@ def train_step(trainer: Trainer, iterator) -> dict:
         losses = _run_schedule(
             trainer, trainer.reruns.checked(trainer.forward_step_func(iteration)),
             schedule_iterator, num_microbatches, forward_only=False, **p2p)
+    if iteration < schedule.train_iters:
+        # the host reads the next step's microbatches while the GPU still runs this one's
+        # last backwards, not at the next step's first forward with the GPU idle
+        for reader in readers:
+            reader.read_next_global_batch()
     forward_backward.stop()
     verdict = trainer.reruns.verdict(iteration)
     if verdict is not None:
@@ -541,8 +549,10 @@ def train(trainer: Trainer) -> None:
     args, state = trainer.args, trainer.state
     schedule, logging_config = trainer.configs.schedule, trainer.configs.logging
     train_set, valid_set, _ = trainer.datasets
-    iterator = trainer.reruns.data_iterators(
-        data_iterators(trainer, train_set, state.consumed_samples))
+    sources = data_iterators(trainer, train_set, state.consumed_samples)
+    readers = [source for source in (sources if isinstance(sources, list) else [sources])
+               if isinstance(source, DocumentMicrobatches)]
+    iterator = trainer.reruns.data_iterators(sources)
     board = metrics.ScalarLog(logging_config, trainer.reporting, _run_config(args))
     peak = metrics.peak_tflops(torch.cuda.get_device_name() if torch.cuda.is_available() else "")
     for chunk in trainer.model:
@@ -555,7 +565,7 @@ def train(trainer: Trainer) -> None:
     while state.iteration < schedule.train_iters:
         trainer.batch_calculator.update(state.consumed_samples, True)
         profiler.step_begin(state.iteration + 1)
-        result = train_step(trainer, iterator)
+        result = train_step(trainer, iterator, readers)
         profiler.step_end(state.iteration + 1)
         for length, rows, real in result["sequences"]:
             interval_tokens += length * rows
