@@ -1,5 +1,7 @@
 """Bubble report of a traced or simulated pipeline run: per iteration and stage, busy time,
-bubble fraction, receive-wait time, peak in-flight microbatches and peak memory.
+bubble fraction, receive-wait time, peak in-flight microbatches, peak memory, and the
+iteration's first forward against the median forward (a first forward that waits for the
+host, reading the iteration's data say, stands out).
 
     python profiling/report.py traces                 # a --trace directory
     python profiling/report.py traces/trace.json      # profiling/aggregate.py's output
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -65,8 +68,13 @@ def iteration_reports(spans: list[Span], iterations: dict) -> list[dict]:
         for rank, rank_spans in per_rank.items():
             busy = sum(s.duration for s in rank_spans if s.kind in COMPUTE_KINDS)
             memory = iterations.get((rank, iteration), {}).get("peak_memory_bytes")
+            forwards = sorted((s for s in rank_spans if s.kind == "forward"),
+                              key=lambda s: s.start)
             stage_rows[rank_spans[0].stage].append({
                 "busy_ms": busy,
+                "first_forward_ms": forwards[0].duration if forwards else 0.0,
+                "median_forward_ms": (statistics.median(s.duration for s in forwards)
+                                      if forwards else 0.0),
                 "bubble": 1.0 - busy / makespan if makespan > 0 else 0.0,
                 "recv_wait_ms": sum(s.duration for s in rank_spans if s.kind == "recv_wait"),
                 "peak_in_flight": peak_in_flight(rank_spans),
@@ -93,6 +101,8 @@ def _stage_row(stage: int, rows: list[dict]) -> dict:
         "busy_ms": mean("busy_ms"),
         "bubble": mean("bubble"),
         "recv_wait_ms": mean("recv_wait_ms"),
+        "first_forward_ms": mean("first_forward_ms"),
+        "median_forward_ms": mean("median_forward_ms"),
         "peak_in_flight": max(r["peak_in_flight"] for r in rows),
         "peak_memory_mb": max(memories) if memories else None,
     }
@@ -103,12 +113,14 @@ def format_reports(reports: list[dict]) -> str:
     for report in reports:
         lines.append(f"iteration {report['iteration']}: makespan {report['makespan_ms']:.2f} ms"
                      f"  mean bubble {report['mean_bubble']:.3f}")
-        lines.append("  stage  ranks   busy ms  bubble  recv-wait ms  peak in-flight  peak MB")
+        lines.append("  stage  ranks   busy ms  bubble  recv-wait ms  peak in-flight  peak MB"
+                     "  first F ms  median F ms")
         for row in report["stages"]:
             memory = "-" if row["peak_memory_mb"] is None else f"{row['peak_memory_mb']:.1f}"
             lines.append(f"  {row['stage']:5d}  {row['ranks']:5d}  {row['busy_ms']:8.2f}  "
                          f"{row['bubble']:6.3f}  {row['recv_wait_ms']:12.2f}  "
-                         f"{row['peak_in_flight']:14d}  {memory:>7s}")
+                         f"{row['peak_in_flight']:14d}  {memory:>7s}  "
+                         f"{row['first_forward_ms']:10.2f}  {row['median_forward_ms']:11.2f}")
     if len(reports) > 1:
         mean = sum(r["mean_bubble"] for r in reports) / len(reports)
         lines.append(f"mean bubble over {len(reports)} iterations: {mean:.3f}")

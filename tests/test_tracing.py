@@ -13,7 +13,7 @@ import torch
 
 from megatron.dpp import tracing
 from megatron.dpp.actions import Task
-from megatron.dpp.simulator import CostModel, compare, write_trace
+from megatron.dpp.simulator import CostModel, Durations, compare, simulate, write_trace
 from profiling import aggregate, plot_timeline, report
 from tests.distributed import run_ranks
 from tests.trainer_runs import TINY, train_runs, with_flags
@@ -93,6 +93,21 @@ def test_report_matches_simulator(tmp_path):
     plot_timeline.plot([str(tmp_path / "1f1b.json"), str(tmp_path / "dpp.json")],
                        ["1F1B", "DPP"], str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_sets_the_first_forward_beside_the_median(tmp_path):
+    """A 1F1B run whose first microbatch's forward on stage 0 takes 5 units, every other
+    task its usual time: stage 0 reports a first forward of 5 against a median of 1, the
+    other stages 1 and 1."""
+    p, m = 3, 6
+    durations = Durations([[5.0 if (stage, k) == (0, 0) else 1.0 for k in range(m)]
+                           for stage in range(p)], [[2.0] * m for _ in range(p)], [1.0] * m)
+    path = str(tmp_path / "slow-first.json")
+    write_trace(path, simulate("1f1b", p, m, durations, record=True))
+    (measured,) = report.report_of(path)
+    assert [(row["first_forward_ms"], row["median_forward_ms"])
+            for row in measured["stages"]] == pytest.approx([(5, 1), (1, 1), (1, 1)])
+    assert "first F ms  median F ms" in report.format_reports([measured])
 
 
 def test_tracer_records_only_traced_iterations(tmp_path):
