@@ -245,6 +245,29 @@ def test_reading_the_next_global_batch_ahead_gives_the_same_microbatches(prefix)
         assert counted.reads == reads
 
 
+def test_a_global_batch_planned_again_reads_no_lengths(prefix):
+    """The trainer plans each step's batch after its data iterator planned it to read it
+    ahead: the second plan is the first, the lengths read once."""
+    (train, _, _) = datasets(prefix)
+
+    class CountedLengths(_CountedReads):
+        def sample_lengths(self, indices):
+            self.reads += 1
+            return self.dataset.sample_lengths(indices)
+
+    counted = CountedLengths(train)
+    layout = BatchLayout(2, 8, 2, group_by_length=True, pad_to_multiple=4,
+                         microbatch_tokens=16)
+    reader = DocumentMicrobatches(counted, layout, 0)
+    reader.read_next_global_batch()
+    reads = counted.reads
+    plan = plan_global_batch(counted, 0, BatchLayout(2, 8, 2, group_by_length=True,
+                                                     pad_to_multiple=4, microbatch_tokens=16))
+    assert counted.reads == reads and plan.samples[0] == plan_global_batch(train, 0, layout).samples[0]
+    plan_global_batch(counted, 8, layout)
+    assert counted.reads == reads + 1
+
+
 def test_without_grouping_the_layout_is_megatrons(prefix):
     (train, _, _) = datasets(prefix)
     plan = plan_global_batch(train, 24, BatchLayout(2, 12, 3))

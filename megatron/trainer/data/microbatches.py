@@ -39,6 +39,7 @@ import math
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -167,6 +168,9 @@ class GlobalBatchPlan:
                 zip(self.samples[dp_rank], self.lengths[dp_rank], strict=True)]
 
 
+# the step asks for its batch's plan (training.iteration_lengths) after the data iterator
+# planned it to read it ahead: the second ask is a lookup
+@lru_cache(maxsize=4)
 def plan_global_batch(dataset, consumed_samples: int, layout: BatchLayout) -> GlobalBatchPlan:
     """The microbatches of the global batch of samples [consumed_samples, + G), from the
     samples' lengths alone (dataset.sample_lengths reads only the index)."""
