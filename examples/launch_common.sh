@@ -65,7 +65,7 @@ dpp_count_gpus() {
 
 # the flags of the data: sample data (prepared once), a prefix, or mock data
 dpp_data_flags() {
-    local path=${DATA_PATH:-sample}
+    local path=${DATA_PATH:-sample} split_flags=()
     if [[ $path == mock ]]; then
         DATA_FLAGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size "${VOCAB_SIZE:-1024}")
         return
@@ -79,6 +79,7 @@ dpp_data_flags() {
                 bash "$DPP_REPO/$SAMPLE_DIR/prepare.sh"
         fi
         : "${TOKENIZER_TYPE:=$SAMPLE_TOKENIZER}" "${VOCAB_FILE:=$DPP_REPO/$SAMPLE_VOCAB}"
+        if ! dpp_extra_has --split; then split_flags=(--split "$SAMPLE_SPLIT"); fi
         if [[ -n $SAMPLE_MERGES ]]; then : "${MERGE_FILE:=$DPP_REPO/$SAMPLE_MERGES}"; fi
     elif [[ ! -f $path.idx ]]; then
         dpp_die "DATA_PATH=$path: $path.idx not found (give the prefix that tools/preprocess_data.py wrote, 'sample' or 'mock')"
@@ -86,7 +87,7 @@ dpp_data_flags() {
         dpp_data_tokenizer "$path"
     fi
     # the dataset index cache goes to the runs' directory, not next to the data
-    DATA_FLAGS=(--data-path "$path" --data-cache-path "$DATA_CACHE")
+    DATA_FLAGS=(--data-path "$path" --data-cache-path "$DATA_CACHE" "${split_flags[@]}")
     if [[ -n ${TOKENIZER_TYPE:-} ]]; then DATA_FLAGS+=(--tokenizer-type "$TOKENIZER_TYPE"); fi
     if [[ -n ${VOCAB_FILE:-} ]]; then DATA_FLAGS+=(--vocab-file "$VOCAB_FILE"); fi
     if [[ -n ${MERGE_FILE:-} ]]; then DATA_FLAGS+=(--merge-file "$MERGE_FILE"); fi

@@ -161,11 +161,17 @@ def stop(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def exit_on_sigterm() -> None:
-    """SIGTERM (`timeout` around a call) unwinds like Ctrl-C, through `launch`'s stop."""
+@contextlib.contextmanager
+def exit_on_sigterm():
+    """Inside, SIGTERM (`timeout` around a call) unwinds like Ctrl-C, through `launch`'s
+    stop; the handler that was there before comes back on the way out."""
     def _exit(signum, _frame):
         raise SystemExit(128 + signum)
-    signal.signal(signal.SIGTERM, _exit)
+    previous = signal.signal(signal.SIGTERM, _exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def check_port_free(port: int) -> None:
@@ -267,12 +273,17 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    programs = None
-    if not args.from_logs:
-        check_port_free(args.port)
-        exit_on_sigterm()
-        programs = trainer_programs(args.megatron_lm, out)
+    if args.from_logs:
+        run_all(args, out, None)
+        return
+    check_port_free(args.port)
+    with exit_on_sigterm():
+        run_all(args, out, trainer_programs(args.megatron_lm, out))
 
+
+def run_all(args, out: Path, programs: dict | None) -> None:
+    """Each pass's runs (read from their logs where --from-logs or --resume finds them
+    complete), the summary written after every run."""
     results = {}
     for repeat in range(args.repeats):
         for name in run_order(args.runs.split(","), repeat):

@@ -8,6 +8,7 @@ worker per two cores brings the suite inside one call there.
 """
 
 import os
+import signal
 
 import pytest
 
@@ -30,3 +31,41 @@ def pytest_collection_modifyitems(items):
     (`--dist load --maxschedchunk 1`), so every worker starts on a long test and the suite
     ends on short ones; started late, one long test would end it alone."""
     items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
+# the handlers a test may install for the code it runs, never keep: a later test in the same
+# worker (a child process it forks, say) would inherit them
+_GUARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+# pytest's own (set in each phase) and those torch sets once, on first use, for the process
+_SET_BY_LIBRARIES = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"}
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_behind():
+    """Fails a test that leaves a signal handler, an environment variable or the working
+    directory changed (and puts them back, so that the tests after it run as they would
+    alone)."""
+    handlers = {number: signal.getsignal(number) for number in _GUARDED_SIGNALS}
+    environment = dict(os.environ)
+    cwd = os.getcwd()
+    yield
+    left = [f"the {signal.Signals(number).name} handler" for number, handler in handlers.items()
+            if signal.getsignal(number) is not handler]
+    for number, handler in handlers.items():
+        signal.signal(number, handler)
+    changed = sorted(name for name in set(environment) | set(os.environ)
+                     if environment.get(name) != os.environ.get(name)
+                     and name not in _SET_BY_LIBRARIES)
+    left += [f"the environment variable {name}" for name in changed]
+    for name in changed:
+        if name in environment:
+            os.environ[name] = environment[name]
+        else:
+            del os.environ[name]
+    if os.getcwd() != cwd:
+        left.append(f"the working directory ({os.getcwd()} instead of {cwd})")
+        os.chdir(cwd)
+    if left:
+        pytest.fail("the test changed and did not restore " + ", ".join(left))

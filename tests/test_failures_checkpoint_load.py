@@ -91,7 +91,12 @@ def saved(tmp_path_factory):
 
 def test_each_damaged_or_foreign_checkpoint_is_one_line_naming_its_file(saved, tmp_path):
     roots = {}
-    for case, (damage, _, _) in DAMAGED.items():
+    # megatron.core >= 0.19 keeps the common state in the shard files: no common.pt to damage
+    # (tests/test_checkpoint_embedded_common.py covers that layout)
+    writes_common_pt = (saved["model"] / ITERATION / "common.pt").exists()
+    for case, (damage, name, _) in DAMAGED.items():
+        if name == "common.pt" and not writes_common_pt:
+            continue
         roots[case] = tmp_path / case.replace(" ", "_")
         shutil.copytree(saved["model"], roots[case])
         damage(str(roots[case] / ITERATION))

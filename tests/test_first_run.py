@@ -176,6 +176,14 @@ def test_the_console_drops_torchruns_report_and_repeated_errors():
     assert list(launch.console_lines(data_errors + ["after\n"])) == [data_errors[0], "after\n"]
 
 
+def test_the_console_drops_torchs_note_on_an_unused_cuda_toolkit():
+    """CPU ranks on a GPU machine (CUDA_VISIBLE_DEVICES=): torch's note at megatron-core's
+    import is not shown, the trainer's lines are."""
+    lines = ["No CUDA runtime is found, using CUDA_HOME='/usr/local/cuda'\n",
+             "pretrain_gpt.py: unknown flags: --bogus\n"]
+    assert list(launch.console_lines(lines)) == lines[1:]
+
+
 def test_the_console_keeps_a_ranks_own_traceback():
     bug = ["Traceback (most recent call last):\n", '  File "x.py", line 1, in <module>\n',
            "ZeroDivisionError: division by zero\n", "next\n"]

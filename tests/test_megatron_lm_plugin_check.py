@@ -82,9 +82,10 @@ def test_sigterm_to_the_check_ends_the_run_in_flight(tmp_path):
     child = tmp_path / "child.pid"
     check = subprocess.Popen([sys.executable, "-c", (
         "import sys; from pathlib import Path; from profiling import megatron_lm_plugin_check "
-        "as c; c.STOP_GRACE_S = 1; c.exit_on_sigterm(); "
-        f"c.launch([sys.executable, '-c', {STAND_IN!r}, {str(child)!r}], Path({str(tmp_path)!r}), "
-        f"Path({str(tmp_path / 'run.log')!r}), timeout=120)")],
+        "as c; c.STOP_GRACE_S = 1\n"
+        "with c.exit_on_sigterm():\n"
+        f"    c.launch([sys.executable, '-c', {STAND_IN!r}, {str(child)!r}], "
+        f"Path({str(tmp_path)!r}), Path({str(tmp_path / 'run.log')!r}), timeout=120)")],
         cwd=megatron_lm_plugin_check.ROOT)
     for _ in range(300):
         if child.exists() and child.read_text():

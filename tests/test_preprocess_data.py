@@ -243,8 +243,15 @@ def test_flags_are_checked(tmp_path, capsys):
         parse_args(["--input", "x", "--output-prefix", "y", *GPT_FLAGS, "--workers", "0"])
     assert "--workers must be >= 1, got 0" in capsys.readouterr().err
     source = write_lines(tmp_path / "in.json", [json_line("text")])
-    with pytest.raises(PreprocessError, match="no directory"):
-        run(source, tmp_path / "no" / "such" / "dir" / "out", *GPT_FLAGS)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(PreprocessError, match="cannot create the directory .*a-file/dir"):
+        run(source, tmp_path / "a-file" / "dir" / "out", *GPT_FLAGS)
+
+
+def test_the_output_directory_is_made(tmp_path):
+    source = write_lines(tmp_path / "in.json", [json_line("text")])
+    run(source, tmp_path / "data" / "my", *GPT_FLAGS)
+    assert (tmp_path / "data" / "my_text_document.idx").is_file()
 
 
 def test_progress_lines_report_rates(tmp_path, caplog):

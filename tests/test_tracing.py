@@ -105,8 +105,8 @@ def test_report_sets_the_first_forward_beside_the_median(tmp_path):
     path = str(tmp_path / "slow-first.json")
     write_trace(path, simulate("1f1b", p, m, durations, record=True))
     (measured,) = report.report_of(path)
-    assert [(row["first_forward_ms"], row["median_forward_ms"])
-            for row in measured["stages"]] == pytest.approx([(5, 1), (1, 1), (1, 1)])
+    assert [row["first_forward_ms"] for row in measured["stages"]] == pytest.approx([5, 1, 1])
+    assert [row["median_forward_ms"] for row in measured["stages"]] == pytest.approx([1, 1, 1])
     assert "first F ms  median F ms" in report.format_reports([measured])
 
 

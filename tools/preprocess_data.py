@@ -111,8 +111,11 @@ class IndexedDatasetWriters:
         from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
         directory = os.path.dirname(os.path.abspath(output_prefix))
-        if not os.path.isdir(directory):
-            raise PreprocessError(f"--output-prefix {output_prefix}: no directory {directory}")
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as error:
+            raise PreprocessError(f"--output-prefix {output_prefix}: cannot create the directory "
+                                  f"{directory}: {error.strerror}") from error
         dtype = DType.optimal_dtype(vocab_size)
         self.final_prefixes = {key: f"{output_prefix}_{key}_{level}" for key in json_keys}
         self.temp_prefixes = {

@@ -17,6 +17,10 @@ model_preset() {
 MODEL_PRESETS="tiny seed base"
 
 MODEL_ENTRY=pretrain_bert.py
+# --split for the sample data: 5 % each for validation and test give each split a few
+# samples even at the GPU size's 2,048-token sequences (Megatron's 969,30,1 leaves the test
+# split less than one)
+SAMPLE_SPLIT=90,5,5
 SAMPLE_DIR=datasets_bert
 SAMPLE_PREFIX=datasets_bert/bert_text_sentence
 SAMPLE_TOKENIZER=BertWordPieceLowerCase

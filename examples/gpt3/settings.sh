@@ -21,6 +21,10 @@ model_preset() {
 MODEL_PRESETS="tiny seed gpu-md 345m 857m 175b"
 
 MODEL_ENTRY=pretrain_gpt.py
+# --split for the sample data: 5 % each for validation and test give each split a few
+# samples even at the GPU size's 2,048-token sequences (Megatron's 969,30,1 leaves the test
+# split less than one)
+SAMPLE_SPLIT=90,5,5
 SAMPLE_DIR=datasets_gpt
 SAMPLE_PREFIX=datasets_gpt/gpt_text_document
 SAMPLE_TOKENIZER=GPT2BPETokenizer

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import re
 
 from megatron.trainer.config.args_common import GPU_PAD_TO_MULTIPLE
 from megatron.trainer.data.microbatches import MAX_WARM_SHAPES, shapes_by_length
@@ -35,6 +36,8 @@ GRAD_ACCUMULATION = "gradient-accumulation fusion"
 TRITON_FUSIONS = "Triton layer norm, bias-dropout-add and bias-GeLU"
 GELU_EPILOGUE = "bias-GeLU in the MLP's GEMM epilogues (cuBLASLt)"
 
+NO_GPU = "no CUDA GPU on this machine"
+GLOO_ON_GPU = "--distributed-backend gloo runs the ranks on the CPU"
 SPLIT_BACKWARD = "DPP's split backward (--dpp-split-backward: B and W tasks)"
 # docs/benchmarks/gpu_pp4_h200_2026-11-27.md and variable_lengths_h200_2026-11-27.md (4 H200s,
 # PP=4, 16 microbatches)
@@ -101,8 +104,7 @@ def resolve(args, machine: Machine) -> list[str]:
     returns one line per default that fell back, naming its reasons. Explicit choices are
     left as given."""
     gpu = on_gpu(args, machine)
-    no_gpu = ("no CUDA GPU on this machine" if not machine.cuda else
-              "--distributed-backend gloo runs the ranks on the CPU")
+    no_gpu = NO_GPU if not machine.cuda else GLOO_ON_GPU
     fallbacks = _resolve_dpp(args, machine, gpu, no_gpu)
 
     if args.cuda_graph_impl == "auto":
@@ -210,9 +212,24 @@ def resolve_for_model(args, masked_attention: bool) -> list[str]:
                   "--cuda-graph-impl none")]
 
 
+_FALLBACK = re.compile(r"^(?P<feature>.+?) off: (?P<reasons>.+) \((?P<switch>--\S+(?: \S+)?) "
+                       r"turns it off without this line\)$")
+
+
 def log_fallbacks(lines: list[str]) -> None:
+    """One line per fallback, except that the defaults every CPU run drops for the same
+    reason (no GPU) share one line: they say nothing new to someone training on a CPU."""
+    by_reason: dict[str, list[str]] = {}
     for line in lines:
-        log.info(line)
+        fallback = _FALLBACK.match(line)
+        reason = next((shared for shared in (NO_GPU, GLOO_ON_GPU)
+                       if fallback and fallback["reasons"].startswith(shared)), None)
+        if reason:
+            by_reason.setdefault(reason, []).append(fallback["feature"])
+        else:
+            log.info(line)
+    for reason, features in by_reason.items():
+        log.info("%s: the GPU defaults are off (%s)", reason, "; ".join(features))
 
 
 def _graph_conflicts(args, machine: Machine) -> list[str]:

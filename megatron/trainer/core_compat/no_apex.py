@@ -58,7 +58,9 @@ def foreach_multi_tensor_ops():
                                           (core_overrides.CLIP_GRADS_SCALE, foreach_scale),
                                           (core_overrides.OPTIMIZER_SCALE, foreach_scale))
         ]
-        log.info("grad norm: %s; grad clipping scale: %s; main-to-model copy: %s", *in_effect)
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            log.info("grad norm: %s; grad clipping scale: %s; main-to-model copy: %s",
+                     *in_effect)
         yield
 
 

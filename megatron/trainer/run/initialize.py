@@ -36,6 +36,9 @@ def setup_logging(rank: int, world_size: int) -> None:
         logging.getLogger("megatron.dpp").setLevel(level)
     if level > logging.DEBUG:
         logging.getLogger("megatron.core").setLevel(logging.WARNING)
+        # a WARNING at every start that reports the default (reruns off), not a problem
+        logging.getLogger("megatron.core.rerun_state_machine").addFilter(
+            lambda record: not record.getMessage().startswith("RerunStateMachine initialized"))
 
 
 def initialize_distributed(args, stack: contextlib.ExitStack) -> torch.device:

@@ -168,7 +168,8 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     checkpoint = configs.checkpoint
     if checkpoint.save:  # checked and locked before anything is built
         claim_save_directory(checkpoint.save, checkpoint.load is not None, stack)
-    fast_path.log_fallbacks(args.fast_path_fallbacks + model_fallbacks)
+    if dist.get_rank() == 0:  # the same on every rank
+        fast_path.log_fallbacks(args.fast_path_fallbacks + model_fallbacks)
     args.padded_vocab_size = _padded_vocab_size(tokenizer.vocab_size, args)
     # from before the model is built, so that the snapshot accounts for every allocation
     history = stack.enter_context(MemoryHistory(
