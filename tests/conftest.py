@@ -38,8 +38,9 @@ def pytest_collection_modifyitems(items):
 _GUARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
-# pytest's own (set in each phase) and those torch sets once, on first use, for the process
-_SET_BY_LIBRARIES = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"}
+# pytest's own (set in each phase) and those that torch's compiler, Triton and OpenMP
+# runtimes set once, on first use, for the process
+_SET_BY_LIBRARIES = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_", "_TORCHINDUCTOR_", "TRITON_", "KMP_")
 
 
 @pytest.fixture(autouse=True)
@@ -57,7 +58,7 @@ def _nothing_left_behind():
         signal.signal(number, handler)
     changed = sorted(name for name in set(environment) | set(os.environ)
                      if environment.get(name) != os.environ.get(name)
-                     and name not in _SET_BY_LIBRARIES)
+                     and not name.startswith(_SET_BY_LIBRARIES))
     left += [f"the environment variable {name}" for name in changed]
     for name in changed:
         if name in environment:

@@ -110,7 +110,11 @@ def test_each_damaged_or_foreign_checkpoint_is_one_line_naming_its_file(saved, t
     for index, case in enumerate(roots):
         messages = [rank[index].get("stopped", ("not stopped",))[0] for rank in results]
         assert all(rank[index]["losses"] == [] for rank in results), case  # before training
-        assert messages[0] == messages[1], (case, messages)
+        if case in DAMAGED:
+            assert messages[0] == messages[1], (case, messages)
+        else:  # megatron.core >= 0.19 checks shapes on each rank: each names a tensor it holds
+            assert all(message.startswith(f"{roots[case] / ITERATION} holds another model: ")
+                       for message in messages), (case, messages)
         message = messages[0]
         assert "\n" not in message and "Traceback" not in message, (case, message)
         if case in DAMAGED:

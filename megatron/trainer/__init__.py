@@ -6,3 +6,9 @@ import warnings
 # absent; the trainer reports which accelerators it uses once, in its start-up log.
 warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*", category=UserWarning)
 warnings.filterwarnings("ignore", message=r"full scope is deprecated", category=UserWarning)
+# megatron.core 0.19 at import: a model the trainer does not use is experimental
+warnings.filterwarnings("ignore", message=r"MimoModelConfig is experimental", category=UserWarning)
+# torch at each barrier of a NCCL job without an eager device: it uses the current device,
+# which the trainer sets before any barrier
+warnings.filterwarnings("ignore", message=r"barrier\(\): using the device under current context",
+                        category=UserWarning)

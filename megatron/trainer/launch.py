@@ -340,7 +340,8 @@ TORCHRUN_AGENT_NOISE = re.compile(
     r"elastic/multiprocessing/api\.py:\d+\] (Sending process \d+ closing signal|failed \(exitcode)")
 # torch's note, at megatron-core's import, on a machine with a CUDA toolkit whose GPUs the
 # run does not use (CUDA_VISIBLE_DEVICES= for CPU ranks): nothing the user must act on
-LIBRARY_NOISE = re.compile(r"No CUDA runtime is found, using CUDA_HOME=")
+LIBRARY_NOISE = re.compile(r"cpp_extension\.py:\d+\] No CUDA runtime is found, using CUDA_HOME="
+                           r"|^No CUDA runtime is found, using CUDA_HOME=")
 FAILURE_LINE = re.compile(r" ERROR megatron\.trainer\.run\.failures: (.*)$")
 USAGE_LINE = re.compile(r"^\S+\.py: \S")
 
@@ -369,7 +370,7 @@ def console_lines(lines):
         if line.rstrip("\n") == "Traceback (most recent call last):":
             traceback = [line]
             continue
-        if TORCHRUN_AGENT_NOISE.search(line) or LIBRARY_NOISE.match(line):
+        if TORCHRUN_AGENT_NOISE.search(line) or LIBRARY_NOISE.search(line):
             continue
         error = FAILURE_LINE.search(line)
         key = error.group(1) if error else line if USAGE_LINE.match(line) else None

@@ -21,6 +21,12 @@ from megatron.trainer.run.determinism import deterministic_mode
 log = logging.getLogger(__name__)
 
 
+# megatron.core's WARNINGs at every start that ask nothing of a user: the rerun machine's
+# default (off), and 0.19's notice that GPTModel takes bug fixes only (the trainer builds it)
+_CORE_NOISE = (("megatron.core.rerun_state_machine", "RerunStateMachine initialized"),
+               ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"))
+
+
 def setup_logging(rank: int, world_size: int) -> None:
     """INFO from rank 0 (set-up) and from the last rank (it holds the losses, as in
     Megatron); warnings from everyone. megatron.core's own chatter only at DEBUG."""
@@ -36,9 +42,9 @@ def setup_logging(rank: int, world_size: int) -> None:
         logging.getLogger("megatron.dpp").setLevel(level)
     if level > logging.DEBUG:
         logging.getLogger("megatron.core").setLevel(logging.WARNING)
-        # a WARNING at every start that reports the default (reruns off), not a problem
-        logging.getLogger("megatron.core.rerun_state_machine").addFilter(
-            lambda record: not record.getMessage().startswith("RerunStateMachine initialized"))
+        for name, start in _CORE_NOISE:
+            logging.getLogger(name).addFilter(
+                lambda record, start=start: not record.getMessage().startswith(start))
 
 
 def initialize_distributed(args, stack: contextlib.ExitStack) -> torch.device:
