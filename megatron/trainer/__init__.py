@@ -12,3 +12,8 @@ warnings.filterwarnings("ignore", message=r"MimoModelConfig is experimental", ca
 # which the trainer sets before any barrier
 warnings.filterwarnings("ignore", message=r"barrier\(\): using the device under current context",
                         category=UserWarning)
+# torch at every checkpoint load through megatron.core's dist_checkpointing, which still
+# calls the deprecated names; nothing a user of this trainer can change
+warnings.filterwarnings("ignore", message=r"`load_state_dict` is deprecated", category=FutureWarning)
+warnings.filterwarnings("ignore", message=r"Please use DTensor instead and we are deprecating "
+                        r"ShardedTensor", category=FutureWarning)
