@@ -14,8 +14,8 @@ import pytest
 from megatron.dpp.actions import Task, read_actions, write_actions
 from megatron.dpp.config import DEFAULTS
 from megatron.dpp.plan import check_plans
-from megatron.dpp.simulate import main as simulate_main
-from megatron.dpp.simulator import replay
+from megatron.dpp.sim.simulate import main as simulate_main
+from megatron.dpp.sim.simulator import replay
 from megatron.dpp.topology import PipelineTopology
 from profiling import sim_compare
 from profiling.aggregate import TraceError, load_spans, load_trace
@@ -27,7 +27,7 @@ COST = ["--cv", "0.5", "--jitter", "0.2", "--seed", "5"]
 
 def simulated_trace(tmp_path, schedule, pp=4, microbatches=12, chunks=1, slack=2,
                     latency=0.0) -> str:
-    """A Chrome trace written by `python -m megatron.dpp.simulate --trace` (random costs)."""
+    """A Chrome trace written by `python -m megatron.dpp.sim.simulate --trace` (random costs)."""
     path = str(tmp_path / f"{schedule}-{chunks}-{slack}-{latency}.json")
     simulate_main(["--pp", str(pp), "--microbatches", str(microbatches), "--chunks",
                    str(chunks), "--slack", str(slack), "--latency", str(latency), *COST,

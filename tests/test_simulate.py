@@ -7,8 +7,8 @@ import pytest
 from megatron.dpp.actions import BACKWARD, WEIGHT, Task
 from megatron.dpp.plan import StageConfig, static_order
 from megatron.dpp.policy import microbatch_order_for
-from megatron.dpp.simulate import main
-from megatron.dpp.simulator import CostModel, compare, sample_durations, simulate
+from megatron.dpp.sim.simulate import main
+from megatron.dpp.sim.simulator import CostModel, compare, sample_durations, simulate
 
 
 def uniform(p, m, chunks=1):

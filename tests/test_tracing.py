@@ -13,7 +13,7 @@ import torch
 
 from megatron.dpp import tracing
 from megatron.dpp.actions import Task
-from megatron.dpp.simulator import CostModel, Durations, compare, simulate, write_trace
+from megatron.dpp.sim.simulator import CostModel, Durations, compare, simulate, write_trace
 from profiling import aggregate, plot_timeline, report
 from tests.distributed import run_ranks
 from tests.trainer_runs import TINY, train_runs, with_flags

@@ -33,7 +33,7 @@ from megatron.dpp.actions import BACKWARD, FORWARD, WEIGHT
 from megatron.dpp.config import DEFAULTS
 from megatron.dpp.plan import StageConfig
 from megatron.dpp.policy import microbatch_order_for
-from megatron.dpp.simulator import CostModel, SimResult, sample_durations, simulate
+from megatron.dpp.sim.simulator import CostModel, SimResult, sample_durations, simulate
 
 SCHEDULES = ("1f1b plain", "1f1b ordered", "zb-h1 ordered", "dpp")
 

@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict
 
 from megatron.dpp.config import DEFAULTS
-from megatron.dpp.simulate_grid import (
+from megatron.dpp.sim.simulate_grid import (
     GRID_EXTRA_MODELS,
     GRID_MODELS,
     GRID_PP,
@@ -25,7 +25,7 @@ from megatron.dpp.simulate_grid import (
     format_split_grid,
     run_grid,
 )
-from megatron.dpp.simulator import SCHEDULES, CostModel, compare, write_trace
+from megatron.dpp.sim.simulator import SCHEDULES, CostModel, compare, write_trace
 
 
 def _single_report(args, cost: CostModel) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from megatron.dpp.config import DEFAULTS
 from megatron.dpp.plan import StageConfig
 from megatron.dpp.policy import microbatch_order_for
-from megatron.dpp.simulator import CostModel, SimResult, sample_durations, simulate
+from megatron.dpp.sim.simulator import CostModel, SimResult, sample_durations, simulate
 
 GRID_PP = (2, 4, 8, 16, 32, 64)
 GRID_SLACKS = (0, 2)
