@@ -1,10 +1,10 @@
-"""The simulator's command line (megatron/dpp/simulator.py: the cost models, schedules and
-replays; megatron/dpp/simulate_grid.py: the acceptance grid).
+"""The simulator's command line (megatron/dpp/sim/simulator.py: the cost models, schedules and
+replays; megatron/dpp/sim/simulate_grid.py: the acceptance grid).
 
-    python -m megatron.dpp.simulate --pp 8 --microbatches 32 --cv 0.5
-    python -m megatron.dpp.simulate --pp 8 --microbatches 32 --split-backward --slack 0
-    python -m megatron.dpp.simulate --grid
-    python -m megatron.dpp.simulate --grid --split-backward
+    python -m megatron.dpp.sim.simulate --pp 8 --microbatches 32 --cv 0.5
+    python -m megatron.dpp.sim.simulate --pp 8 --microbatches 32 --split-backward --slack 0
+    python -m megatron.dpp.sim.simulate --grid
+    python -m megatron.dpp.sim.simulate --grid --split-backward
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def _format_single(report: dict) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m megatron.dpp.simulate",
+        prog="python -m megatron.dpp.sim.simulate",
         description="Simulate pipeline schedules (1F1B, interleaved 1F1B, GPipe, ZB-H1, DPP) on "
                     "sampled task durations, or run the acceptance grid (--grid)."
     )

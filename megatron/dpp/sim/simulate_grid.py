@@ -1,7 +1,7 @@
 """The simulator's acceptance grid: DPP against 1F1B (and, with the split backward, ZB-H1
 fed DPP's microbatch order) over pipeline depths, cost models and seeds, as rows and as the
 markdown tables of docs/benchmarks/simulator.md and simulator_split.md
-(`python -m megatron.dpp.simulate --grid [--split-backward]`).
+(`python -m megatron.dpp.sim.simulate --grid [--split-backward]`).
 """
 
 from __future__ import annotations
