@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from megatron.dpp import megatron_lm
+from megatron.dpp.compat.core_internals import CoreInternalsError
 from megatron.dpp.config import DEFAULTS
-from megatron.dpp.core_internals import CoreInternalsError
 from tests.distributed import run_ranks
 
 STAND_IN = Path(__file__).parent / "megatron_lm_stand_in"

@@ -189,7 +189,7 @@ def _deferred_step(trainer, store, w_order):
     `w_order`; then megatron-core's gradient finalisation (DP reduction)."""
     from megatron.core.pipeline_parallel import schedules
 
-    from megatron.dpp import core_internals
+    from megatron.dpp.compat import core_internals
     from megatron.trainer.run.training import data_iterators
     from tests.pipeline_runs import named_grads
 
