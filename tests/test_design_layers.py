@@ -6,11 +6,10 @@ megatron/dpp/sim/ stay out of the runtime: nothing else under megatron/ imports 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
+from tests import REPO as ROOT
 from tests.test_imports import TRAINER_LAYERS, _within, imports_of, module_names, offending_imports
 
-ROOT = Path(__file__).resolve().parents[1]
 SUBPACKAGE = re.compile(r"^    (\w+)/\s+-> (.+)$")
 MODULE = re.compile(r"(?<![\w*])(\w+\.py)\b")
 

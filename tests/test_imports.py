@@ -28,7 +28,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests import REPO as ROOT
+
 TREES = ("megatron", "profiling", "tools")
 
 

@@ -122,6 +122,7 @@ def real_runs(tmp_path_factory):
     return dirs
 
 
+@pytest.mark.slow
 def test_real_pp2_runs(real_runs):
     """A DPP and a 1F1B CPU run: the schedule comes from the header, and the simulator's
     bubble is near the measured one. CPU stages idle on host work outside the spans
@@ -137,6 +138,7 @@ def test_real_pp2_runs(real_runs):
                 assert abs(row["difference_pp"]) < 25.0, (name, iteration)
 
 
+@pytest.mark.slow
 def test_dpp_trace_replays_the_executed_order(real_runs, tmp_path):
     """--trace under DPP writes each rank's executed actions (the order of its compute
     spans, a complete plan); sim_compare replays exactly them: rewriting stage 0's order of
