@@ -1,5 +1,5 @@
 """How steady each iteration's time per real token can be on a corpus, by the simulator
-(issue 35, acceptance 1: within 5 % of the run's median from iteration 5 on).
+(the target: within 5 % of the run's median from iteration 5 on).
 
 The trainer's own document order (megatron/trainer/data/documents.py, --split and --seed as
 the trainer reads them) and its microbatch plan (data/microbatches.py: --group-by-length,

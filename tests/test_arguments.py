@@ -181,7 +181,7 @@ def test_bad_value_names_flags_and_values(case):
         assert fragment in message, f"{fragment!r} not in: {message}"
 
 
-# the configuration errors a user met at run time before (issue 21), as the entry point
+# the configuration errors a user met at run time before these checks, as the entry point
 # reports them: one message naming the flag, argparse's exit status, no traceback
 AT_START = {
     "train_iters_zero": (dict(train_iters=0), 1, "--train-iters 0 must be >= 1"),

@@ -1,5 +1,5 @@
 """The corpus of Megatron-LM's own GPT/BERT configurations (tests/data/megatron_lm_configs.json),
-the extractor that writes it and the report that parses it, and issue 20's acceptance: at
+the extractor that writes it and the report that parses it, and the target: at
 least 90 % of the configurations pass argument parsing and validation as written, at their
 own world size (tools/megatron_lm_configs_report.py lists why the others fail)."""
 

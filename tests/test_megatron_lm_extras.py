@@ -1,4 +1,4 @@
-"""Megatron-LM flags of issue 20's second batch, each by its effect: the step batch-size
+"""Megatron-LM flags of the second batch, each by its effect: the step batch-size
 schedule followed by the training loop, megatron-core settings that reach the core config
 and change what the schedule or DDP does, and the refusals that name what cannot be
 honoured. All training runs share one pair of processes (`train_runs`)."""

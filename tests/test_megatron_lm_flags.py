@@ -1,4 +1,4 @@
-"""Megatron-LM's flags that the trainer implements for issue 20, each by its effect: the
+"""Megatron-LM's flags that the trainer implements, each by its effect: the
 scalars in the TensorBoard event file, bitwise-equal reruns under --deterministic-mode,
 per-token loss equal across megatron-core's schedule, DPP and data parallelism, the
 decoupled lr freezing the embedding, the rank mapping, query-key layer scaling keeping fp16

@@ -80,7 +80,7 @@ def test_bad_shapes_are_named():
 
 
 def test_no_other_module_computes_virtual_stages():
-    """The issue's acceptance grep: the virtual-stage arithmetic lives in topology.py."""
+    """The virtual-stage arithmetic lives in topology.py and nowhere else."""
     pattern = re.compile(r"chunk \* .*pp|// .*pp_size")
     root = REPO / "megatron" / "dpp"
     hits = {path.name for path in root.rglob("*.py")
