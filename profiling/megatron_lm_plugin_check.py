@@ -109,7 +109,7 @@ def two_line_change(script: str) -> str:
 def make_shim(folder: Path) -> Path:
     """A `make` for Megatron-LM's runs: megatron-core's wheels ship the dataset helpers built
     (helpers_cpp) but not the Makefile that Megatron-LM's initialize runs on rank 0, which
-    exits when make fails; where the folder has no Makefile but the built helpers, there is
+    exits when make fails; where the folder has no Makefile but the built dataset helpers, there is
     nothing to build. Anything else goes to the real make."""
     real = shutil.which("make")
     folder.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ only a lazy import hides is still a dependency):
   (nor names it to importlib);
 * the neutral modules both layers use (megatron/dpp/compat/: megatron-core's internals;
   megatron/dpp/errors.py: error messages) import no other project module, and the trainer's
-  checkpointing takes its error helpers from them, never from megatron/dpp/transport/;
+  checkpointing takes its error functions from them, never from megatron/dpp/transport/;
 * megatron/trainer's subpackages form layers (`TRAINER_LAYERS`, the picture in
   docs/design.md), each importing only the trainer subpackages listed for it, bottom to top:
     core_compat  megatron-core adaptation             -> no other trainer subpackage

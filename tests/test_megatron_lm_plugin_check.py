@@ -27,7 +27,7 @@ def _make(shim_folder, folder) -> int:
                           check=False).returncode
 
 
-def test_make_stand_in_passes_only_where_the_helpers_are_built(tmp_path):
+def test_make_stand_in_passes_only_where_the_dataset_helpers_are_built(tmp_path):
     shim = megatron_lm_plugin_check.make_shim(tmp_path / "bin")
     datasets = tmp_path / "datasets"
     datasets.mkdir()
