@@ -118,7 +118,7 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",
-        # checked on 0.16.1-0.19.2 (megatron/dpp/core_internals.py); >= 0.17 needs Python 3.12
+        # checked on 0.16.1-0.19.2 (megatron/dpp/compat/core_internals.py); >= 0.17 needs Python 3.12
         "megatron-core>=0.16.1,<0.20",
         "numpy",
         "regex",

@@ -8,7 +8,7 @@ for compute (forward/backward boxes named F<microbatch>/B<microbatch>, plus c<ch
 virtual chunks), communication (send, receive-wait), optimizer/grad sync, and iterations
 (which carry the rank's peak memory). Times are on rank 0's clock: each rank measured its
 offset at start (megatron/dpp/tracing.py). Every event's args hold rank, stage,
-chunk, microbatch and iteration; the simulator's traces (python -m megatron.dpp.simulate
+chunk, microbatch and iteration; the simulator's traces (python -m megatron.dpp.sim.simulate
 --trace FILE) use the same categories and args, so `load_spans` reads both.
 """
 

@@ -1,4 +1,4 @@
-"""Throughput of the GPT of ../shared/GPU.md under several configurations, in one call.
+"""Throughput of the GPT of ../shared/GPU.md under several configurations, in one invocation.
 
 Each configuration is one `torchrun pretrain_gpt.py` run; the script parses Megatron's
 iteration lines (--log-interval 1), drops the warm-up iterations and reports the median
@@ -6,11 +6,11 @@ time per iteration, tokens/s (tokens actually trained), TFLOP/s/GPU and MFU.
 
     python profiling/bench_gpt.py --out runs/bench --configs local,sdpa,dpp-torch
     python profiling/bench_gpt.py --out runs/one --gpus 1 --pp 1 \
-        --configs one-gpu-default,one-gpu-fastest,one-gpu-local      # issue 23, one GPU
+        --configs one-gpu-default,one-gpu-fastest,one-gpu-local      # one GPU
     python profiling/bench_gpt.py --out runs/var --gpus 4 --pp 4 --corpus PREFIX \
-        --configs docs-packed,docs-1f1b,docs-1f1b-cost,docs-dpp,docs-dpp-static  # issue 35
+        --configs docs-packed,docs-1f1b,docs-1f1b-cost,docs-dpp,docs-dpp-static
 
-Variable lengths (issue 35): `docs-*` train the documents of `--corpus` (a prefix of
+Variable lengths (docs/variable_lengths.md): `docs-*` train the documents of `--corpus` (a prefix of
 tools/build_length_corpus.py's corpus, tokenized), `cv-*` mock data cut to lengths drawn
 with --seq-length-cv 0.5 (`cv-*-tokens`: one draw per sample, microbatches by a token
 budget of 2,048); each padded to buckets of --pad-to-multiple (128 on GPU). Their
@@ -74,7 +74,7 @@ CONFIGS = {
     "var-1f1b": ["--seq-length-cv", "0.5"],
     "var-dpp-torch": ["--seq-length-cv", "0.5", "--use-dpp", "--dpp-transport", "torch"],
     "var-dpp-shm": ["--seq-length-cv", "0.5", "--use-dpp", "--dpp-transport", "shm"],
-    # issue 9's steps, each adding one change to the previous
+    # the fast path's steps, each adding one change to the previous
     "sdpa-only": MEGATRON_FALLBACKS,
     "step1-p2p-nosync": ["--megatron-optimizer-fallbacks", "--no-bias-gelu-fusion"],
     "step2-optimizer": ["--no-bias-gelu-fusion"],
@@ -129,7 +129,7 @@ CONFIGS |= {
     "xent-graphs-m64-dpp-shm-split-slack0": [*FUSED, *XENT, *M64, *GRAPHS, "--use-dpp",
                                              "--dpp-transport", "shm", "--dpp-split-backward",
                                              "--dpp-max-inflight", "0"],
-    # variable lengths against the best static schedule given the same order (issue 19):
+    # variable lengths against the best static schedule given the same order:
     # plain 1F1B, 1F1B fed the cost order, DPP at slack 0 without and with the split
     "var2-1f1b": [*FUSED, *XENT, *VARIABLE],
     "var2-1f1b-cost": [*FUSED, *XENT, *VARIABLE, "--microbatch-order", "cost"],
@@ -148,7 +148,7 @@ CONFIGS = {name: [*flags,
                     else ["--no-cross-entropy-loss-fusion"])]
            for name, flags in CONFIGS.items()}
 CONFIGS |= {
-    # issue 23, one GPU (--gpus 1 --pp 1): no speed flags (the fast path's defaults), the
+    # one GPU (--gpus 1 --pp 1): no speed flags (the fast path's defaults), the
     # fastest flags known, and megatron-core's local spec as it runs without apex / TE
     "one-gpu-default": [],
     "one-gpu-fastest": [*FUSED[:1], *XENT, *GRAPHS],
@@ -161,7 +161,7 @@ CONFIGS |= {
     # the defaults with fc1's GEMM then the Triton bias-GeLU, not the cuBLASLt epilogues
     "one-gpu-no-gelu-epilogue": ["--no-gelu-gemm-epilogue"],
 }
-# variable lengths (issue 35), each without and with CUDA graphs per length bucket
+# variable lengths, each without and with CUDA graphs per length bucket
 # (`-graphs`): packed fixed-length training (megatron's default on the corpus, and fixed
 # 1,024-token microbatches), megatron-core's 1F1B in natural and cost order, DPP as
 # --use-dpp runs it (on GPUs the split backward at slack 0, its plan in order), DPP without
@@ -224,8 +224,8 @@ for suffix, graph_flags in GRAPH_CHOICES.items():
 CORPUS_MARK = "--corpus"
 MOCK_DATA = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "50304"]
 
-# issue 23's acceptance: the defaults' share of the fastest flags' tokens/s, and their MFU
-ACCEPTANCE = {"one-gpu-default": ("one-gpu-fastest", 0.98, 55.0)}
+# the one-GPU targets: the defaults' share of the fastest flags' tokens/s, and their MFU
+TARGETS = {"one-gpu-default": ("one-gpu-fastest", 0.98, 55.0)}
 
 # (a, b): print a's tokens/s over b's when both ran
 RATIOS = (
@@ -534,11 +534,11 @@ def main() -> None:
         if a in base and b in base:
             lines.append(f"{a} / {b}: {base[a]['tokens_per_s'] / base[b]['tokens_per_s']:.3f}x")
     lines += variable_length_lines(results, base)
-    for name, (fastest, share, mfu) in ACCEPTANCE.items():
+    for name, (fastest, share, mfu) in TARGETS.items():
         if name in base and fastest in base:
             ratio = base[name]["tokens_per_s"] / base[fastest]["tokens_per_s"]
             got = base[name]["mfu_percent"] or 0
-            lines.append(f"acceptance {name}: {ratio:.3f}x {fastest} (>= {share}: "
+            lines.append(f"target {name}: {ratio:.3f}x {fastest} (>= {share}: "
                          f"{'met' if ratio >= share else 'NOT met'}), MFU {got:.1f} % (>= {mfu}: "
                          f"{'met' if got >= mfu else 'NOT met'})")
     if args.memory_snapshots:

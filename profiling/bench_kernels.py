@@ -1,6 +1,6 @@
 """Forward + backward time of single operations at the shapes of ../shared/GPU.md's GPT
 (tokens 2 x 2048, hidden 2048, 16 heads, vocab 50304, bf16), one GPU: the candidates for
-each fused step of issue 9, side by side.
+each fused step of the fast path, side by side.
 
     python profiling/bench_kernels.py --out /tmp/kernels.json
 """
@@ -30,7 +30,7 @@ SEQ, BATCH, HIDDEN, HEADS, VOCAB = 2048, 2, 2048, 16, 50304
 
 
 def milliseconds(step, repeats: int = 20) -> float:
-    """Median device time of `step()` (forward and backward), after three warm-up calls."""
+    """Median GPU time of `step()` (forward and backward), after three warm-up calls."""
     for _ in range(3):
         step()
     times = []

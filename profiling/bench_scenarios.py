@@ -1,5 +1,5 @@
 """Run named GPU benchmark scenarios of profiling/scenarios.toml and print one table, each
-row divided by the baselines its scenario names (those that ran in the same call).
+row divided by the baselines its scenario names (those that ran in the same invocation).
 
     python profiling/bench_scenarios.py --out runs/pp4 \
         --scenarios pp4-1f1b,pp4-interleaved,pp4-dpp,pp4-dpp-static

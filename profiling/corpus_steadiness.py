@@ -1,18 +1,18 @@
 """How steady each iteration's time per real token can be on a corpus, by the simulator
-(issue 35, acceptance 1: within 5 % of the run's median from iteration 5 on).
+(the target: within 5 % of the run's median from iteration 5 on).
 
 The trainer's own document order (megatron/trainer/data/documents.py, --split and --seed as
 the trainer reads them) and its microbatch plan (data/microbatches.py: --group-by-length,
 --pad-to-multiple, and --microbatch-tokens where given) give each iteration's microbatches;
 a microbatch costs its rows x padded length, its attention's share growing with the length
 (1 + length / (6 x hidden), the FLOPs of one layer per token), the same on every stage. The
-simulator (megatron/dpp/simulator.py, backward twice the forward, half of it W) runs 1F1B and
+simulator (megatron/dpp/sim/simulator.py, backward twice the forward, half of it W) runs 1F1B and
 ZB-H1 fed DPP's cost order and DPP's rule (its default W placement) on each iteration; a
 row gives the largest deviation of an iteration's makespan per real token from the median
 over the iterations after the warm-up. No host cost, hop or recording: what the microbatches alone make vary.
 Two last tables give, on the same plans, DPP's speed over each schedule (the median over
 those iterations of the schedule's makespan over DPP's) and the most any schedule could gain
-over each: its makespan over the memory-free lower bound (megatron/dpp/bounds.py: every
+over each: its makespan over the memory-free lower bound (megatron/dpp/sim/bounds.py: every
 schedule, at any memory and in any order, is at least that long).
 
     python profiling/corpus_steadiness.py --data-path /tmp/varlen/corpus_text_document \
@@ -40,11 +40,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron.dpp.baselines import largest_deviation  # noqa: E402
-from megatron.dpp.bounds import memory_free_bound  # noqa: E402
 from megatron.dpp.plan import StageConfig  # noqa: E402
 from megatron.dpp.policy import microbatch_order_for  # noqa: E402
-from megatron.dpp.simulator import CostModel, Durations, simulate  # noqa: E402
+from megatron.dpp.sim.baselines import largest_deviation  # noqa: E402
+from megatron.dpp.sim.bounds import memory_free_bound  # noqa: E402
+from megatron.dpp.sim.simulator import CostModel, Durations, simulate  # noqa: E402
 from megatron.trainer.data.data import DrawnLengthSamples  # noqa: E402
 from megatron.trainer.data.documents import (  # noqa: E402
     DocumentDataConfig,

@@ -1,5 +1,5 @@
-"""torch_dist checkpoints between Megatron-LM's own trainer and ours on GPUs (issue 36,
-acceptance 3), at the same parallel layout.
+"""torch_dist checkpoints between Megatron-LM's own trainer and ours on GPUs, at the
+same parallel layout (docs/megatron_lm.md).
 
 Both trainers run the same model and data: profiling/megatron_lm_plugin_check.py's fp32
 model (dropout off, local layers, megatron-core's 1F1B) on megatron-core's mock GPT data

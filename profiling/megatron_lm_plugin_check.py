@@ -1,4 +1,4 @@
-"""Megatron-LM's own trainer with the DPP plugin on GPUs (issue 36, acceptance 2).
+"""Megatron-LM's own trainer with the DPP plugin on GPUs (docs/megatron_lm.md).
 
 Runs Megatron-LM's pretrain_gpt.py (from a checkout of the tag matching the installed
 megatron-core, e.g. core_r0.19.0 for 0.19.2) with the plugin's two-line change applied
@@ -6,11 +6,11 @@ megatron-core, e.g. core_r0.19.0 for 0.19.2) with the plugin's two-line change a
 
 * fp32, dropout off, local layers: megatron-core's 1F1B, --use-dpp and --use-dpp
   --dpp-split-backward; the first iterations' losses of each DPP run against 1F1B's
-  (acceptance: within 1e-5 relative);
+  (the target: within 1e-5 relative);
 * bf16: 1F1B and DPP (`DPP_BF16`: the split, the static plan, no slack, as our trainer's
   fast path picks them on GPUs) in Megatron-LM's trainer and in ours (this checkout's
   pretrain_gpt.py) on the same model; tokens/s of each and the DPP / 1F1B ratio of each
-  trainer (acceptance: Megatron-LM's ratio within 2 % of ours).
+  trainer (the target: Megatron-LM's ratio within 2 % of ours).
 
     python profiling/megatron_lm_plugin_check.py --megatron-lm .megatron-lm --out OUT --pp 2
 
@@ -109,7 +109,7 @@ def two_line_change(script: str) -> str:
 def make_shim(folder: Path) -> Path:
     """A `make` for Megatron-LM's runs: megatron-core's wheels ship the dataset helpers built
     (helpers_cpp) but not the Makefile that Megatron-LM's initialize runs on rank 0, which
-    exits when make fails; where the folder has no Makefile but the built helpers, there is
+    exits when make fails; where the folder has no Makefile but the built dataset helpers, there is
     nothing to build. Anything else goes to the real make."""
     real = shutil.which("make")
     folder.mkdir(parents=True, exist_ok=True)
@@ -128,7 +128,7 @@ def launch(command: list[str], cwd: Path, log_path: Path, timeout: float,
     """Run torchrun; past `timeout`, or when this check is itself stopped (an outer time
     limit's SIGTERM, see `exit_on_sigterm`), it is stopped with its ranks, which torchrun
     starts in sessions of their own: left alone they would hold the GPUs and the port for the
-    next run or the next call."""
+    next run or the next invocation."""
     with open(log_path, "w") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, cwd=cwd,
                                    env=env, start_new_session=True)
@@ -242,14 +242,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--fp32-iters", type=int, default=5)
-    # 30: on 2 x H200 the local layers' iterations vary by about 10 % (session 4), and the
+    # 30: on 2 x H200 the local layers' iterations vary by about 10 % (2026-11-27), and the
     # ratio is asked within 2 %: the median of 25
     parser.add_argument("--bf16-iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="bf16 iterations left out")
     parser.add_argument("--port", type=int, default=29541)
     parser.add_argument("--timeout", type=float, default=240, help="seconds per run")
     parser.add_argument("--extra", default="", help="flags added to every run")
-    # on 4 x H200 (session 5) one trainer's DPP / 1F1B ratio at PP=2 moved by up to 9 %
+    # on 4 x H200 (2026-11-27) one trainer's DPP / 1F1B ratio at PP=2 moved by up to 9 %
     # between runs of the same flags: the bf16 runs again, each ratio the median
     parser.add_argument("--repeats", type=int, default=1,
                         help="passes over the bf16 runs, every other one in reverse order")
@@ -317,8 +317,8 @@ def write_summary(out: Path, results: dict, args) -> list[str]:
 def run_order(names: list[str], repeat: int) -> list[str]:
     """The runs of the `repeat`-th pass: the fp32 ones in the first only (their losses say
     it once), the bf16 ones in the given order on even passes and reversed on odd ones, so
-    that a machine drifting through the passes (clocks, temperature: the first run of a
-    session was the slowest in sessions 5-6) weighs on both trainers' pairs alike."""
+    that a machine drifting through the passes (clocks, temperature: the first run on a
+    fresh machine was the slowest on 2026-11-27) weighs on both trainers' pairs alike."""
     bf16 = [name for name in names if RUNS[name][1] == "bf16"]
     if repeat > 0:
         return bf16 if repeat % 2 == 0 else bf16[::-1]

@@ -8,7 +8,7 @@ Several runs stack on one time axis (e.g. 1F1B above DPP).
         -o 1f1b_vs_dpp.png
 
 Each RUN is a --trace directory, profiling/aggregate.py's trace.json, or a simulator trace
-(python -m megatron.dpp.simulate --trace FILE). A stage with several ranks (tensor / data
+(python -m megatron.dpp.sim.simulate --trace FILE). A stage with several ranks (tensor / data
 parallel) is drawn from its lowest rank. Each run's time starts at its first task.
 """
 

@@ -5,9 +5,9 @@ host, reading the iteration's data say, stands out).
 
     python profiling/report.py traces                 # a --trace directory
     python profiling/report.py traces/trace.json      # profiling/aggregate.py's output
-    python profiling/report.py /tmp/dpp.json --json   # python -m megatron.dpp.simulate --trace
+    python profiling/report.py /tmp/dpp.json --json   # python -m megatron.dpp.sim.simulate --trace
 
-Definitions are the simulator's (megatron/dpp/simulator.py), so simulated and measured
+Definitions are the simulator's (megatron/dpp/sim/simulator.py), so simulated and measured
 runs compare directly: the iteration's makespan runs from its first forward/backward start
 to its last end on any stage; busy = the stage's forward + backward time; bubble =
 1 - busy / makespan; in-flight = forwards started minus backwards finished. A stage with

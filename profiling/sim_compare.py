@@ -1,5 +1,5 @@
 """Measured vs simulated bubble: replay a traced pipeline run's own forward and backward
-durations in the simulator (megatron/dpp/simulator.py) and compare, per iteration and
+durations in the simulator (megatron/dpp/sim/simulator.py) and compare, per iteration and
 stage, the bubble the run had with the bubble the simulator predicts. A W run in parts counts
 as the sum of its parts.
 
@@ -24,7 +24,7 @@ more than the simulator predicts (host overheads, send costs, clock error). The 
 to a replay with zero latency is attributed to the message hops (the replay at the measured
 latency minus that at zero) and to the runtime beyond the replay (the rest). Lower bound: no
 schedule of the iteration's measured tasks, at any memory and in any order, is shorter than
-the busiest rank's work after its cheapest lead-in (megatron/dpp/bounds.py): the run's
+the busiest rank's work after its cheapest lead-in (megatron/dpp/sim/bounds.py): the run's
 makespan over it is the most any schedule could gain.
 """
 
@@ -42,9 +42,9 @@ if __package__ in (None, ""):  # run as a script: make the `profiling` package i
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron.dpp.actions import BACKWARD, FORWARD, WEIGHT, Task, read_actions  # noqa: E402
-from megatron.dpp.bounds import memory_free_bound  # noqa: E402
 from megatron.dpp.config import DEFAULTS  # noqa: E402
-from megatron.dpp.simulator import SCHEDULES, Durations, replay, simulate  # noqa: E402
+from megatron.dpp.sim.bounds import memory_free_bound  # noqa: E402
+from megatron.dpp.sim.simulator import SCHEDULES, Durations, replay, simulate  # noqa: E402
 from megatron.dpp.topology import PipelineTopology  # noqa: E402
 from profiling.aggregate import Span, TraceError, load_spans, load_trace  # noqa: E402
 from profiling.plot_timeline import select  # noqa: E402

@@ -1,6 +1,6 @@
 """How far static ZB-H1 is from the best schedule on the split-backward grid's variance
 cells (docs/benchmarks/simulator_split.md), by the two lower bounds on the makespan of
-megatron/dpp/bounds.py: memory-free (every schedule) and rank 0 at slack 0 (every schedule
+megatron/dpp/sim/bounds.py: memory-free (every schedule) and rank 0 at slack 0 (every schedule
 that keeps rank 0 in the microbatch order at 1F1B's memory).
 
     python profiling/split_bound.py                    # p = 2 4 8, seeds 0-9
@@ -19,11 +19,11 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: import the repository's packages
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron.dpp.bounds import memory_free_bound, rank0_bound  # noqa: E402
 from megatron.dpp.plan import StageConfig  # noqa: E402
 from megatron.dpp.policy import microbatch_order_for  # noqa: E402
-from megatron.dpp.simulate_grid import grid_cost_models  # noqa: E402
-from megatron.dpp.simulator import sample_durations, simulate  # noqa: E402
+from megatron.dpp.sim.bounds import memory_free_bound, rank0_bound  # noqa: E402
+from megatron.dpp.sim.simulate_grid import grid_cost_models  # noqa: E402
+from megatron.dpp.sim.simulator import sample_durations, simulate  # noqa: E402
 
 VARIANCE_MODELS = ("cv 0.5", "jitter 0.3", "slow stage 1.3x")
 

@@ -4,7 +4,7 @@ order they take the tests.
 Most tests start two to eight rank processes of their own. On a small machine (CI: 2 cores)
 parallel test files would only fight for the cores and run into their rendezvous and
 receive timeouts, so one worker runs them; on a larger one (the GPU machines: 16 cores) a
-worker per two cores brings the suite inside one call there.
+worker per two cores brings the suite inside one 10-minute machine run there.
 """
 
 import os

@@ -14,10 +14,10 @@ import torch
 
 from megatron.trainer.config.args_common import add_flags
 from megatron.trainer.config.arguments import ArgumentError, parse_args
+from tests import REPO
 from tests.distributed import run_ranks
 from tests.trainer_runs import TINY, train_run, with_flags
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = with_flags(TINY, train_iters=2)
 
 
@@ -181,7 +181,7 @@ def test_bad_value_names_flags_and_values(case):
         assert fragment in message, f"{fragment!r} not in: {message}"
 
 
-# the configuration errors a user met at run time before (issue 21), as the entry point
+# the configuration errors a user met at run time before these checks, as the entry point
 # reports them: one message naming the flag, argparse's exit status, no traceback
 AT_START = {
     "train_iters_zero": (dict(train_iters=0), 1, "--train-iters 0 must be >= 1"),
@@ -417,6 +417,7 @@ def test_megatron_lm_gpt_flags_accepted(tmp_path):
     assert _global_batch_sizes(args) == {4: 1, 8: 2}
 
 
+@pytest.mark.slow
 def test_megatron_lm_gpt_flags_train(tmp_path):
     """PP=2 on 2 ranks: two iterations, the batch ramps up from 4 to 8 samples, the empty
     --load directory starts a fresh run, the final save lands. Megatron's default initial

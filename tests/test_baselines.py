@@ -1,14 +1,14 @@
-"""`python -m megatron.dpp.baselines`: DPP against 1F1B and ZB-H1 fed the same order, with
+"""`python -m megatron.dpp.sim.baselines`: DPP against 1F1B and ZB-H1 fed the same order, with
 each rank's memory, for both placements of the W tasks."""
 
 from __future__ import annotations
 
 import pytest
 
-from megatron.dpp.baselines import compare_one, main
 from megatron.dpp.plan import StageConfig, static_order
 from megatron.dpp.policy import microbatch_order_for
-from megatron.dpp.simulator import CostModel, replay, sample_durations
+from megatron.dpp.sim.baselines import compare_one, main
+from megatron.dpp.sim.simulator import CostModel, replay, sample_durations
 
 
 def _row(text: str, p: int) -> list[str]:

@@ -3,7 +3,6 @@ batch sizes megatron-core's calculators gave (0.16's ramp-up, 0.18+'s step sched
 whichever megatron-core is installed."""
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -14,8 +13,9 @@ from megatron.trainer.data.batch_schedule import (
     StepSchedule,
     batch_size_schedule,
 )
+from tests import TESTS
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = TESTS / "golden"
 
 
 def _core_calculator(name: str):

@@ -1,4 +1,4 @@
-"""megatron/dpp/bounds.py: lower bounds on the makespan. The memory-free bound lies below
+"""megatron/dpp/sim/bounds.py: lower bounds on the makespan. The memory-free bound lies below
 every schedule the simulator runs, the rank-0 bound below every one that keeps rank 0 in
 the microbatch order at 1F1B's memory, and on uniform tasks ZB-H1 reaches the first."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from megatron.dpp.bounds import memory_free_bound, rank0_bound
 from megatron.dpp.plan import StageConfig
 from megatron.dpp.policy import microbatch_order_for
-from megatron.dpp.simulator import CostModel, sample_durations, simulate
+from megatron.dpp.sim.bounds import memory_free_bound, rank0_bound
+from megatron.dpp.sim.simulator import CostModel, sample_durations, simulate
 from megatron.dpp.topology import PipelineTopology
 
 

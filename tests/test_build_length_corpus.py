@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from megatron.trainer.data.documents import document_lengths
 from megatron.trainer.data.tokenizer import build_tokenizer
+from tests import REPO as ROOT
 from tools.build_length_corpus import (
     build_documents,
     read_words,
@@ -22,7 +22,6 @@ from tools.build_length_corpus import (
     document_lengths as drawn_lengths,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS, MEAN, CV, MAX, SEED = 30, 200.0, 0.8, 400, 4
 
 

@@ -85,6 +85,7 @@ def saved_runs(tmp_path_factory):
     return root, results, staged
 
 
+@pytest.mark.slow
 def test_resumed_with_the_checkpoints_arguments_continues_the_run(saved_runs):
     root, (whole, stopped, _, resumed, *_), _ = saved_runs
     assert len(_losses(whole)) == ITERS
@@ -101,6 +102,7 @@ def test_resumed_with_the_checkpoints_arguments_continues_the_run(saved_runs):
     assert "(command line: was LayerNorm)" in next(m for m in messages if "RMSNorm" in m)
 
 
+@pytest.mark.slow
 def test_checkpoint_arguments_fill_in_replace_or_yield_to_the_command_line(saved_runs, caplog):
     root, _, _ = saved_runs
     for checkpoint in ("parts", "torch_format"):  # torch_dist and torch
@@ -122,6 +124,7 @@ def test_checkpoint_arguments_fill_in_replace_or_yield_to_the_command_line(saved
         caplog.clear()
 
 
+@pytest.mark.slow
 def test_checkpoint_without_saved_arguments_is_an_error_naming_it(saved_runs, tmp_path, caplog):
     root, _, _ = saved_runs
     path = f"{root}/torch_format/iter_{SAVE_AT:07d}"
@@ -147,6 +150,7 @@ def test_checkpoint_without_saved_arguments_is_an_error_naming_it(saved_runs, tm
         parse_args(with_flags(OTHER, load=tmp_path) + FROM_CHECKPOINT, world_size=2)
 
 
+@pytest.mark.slow
 def test_checkpoint_format_is_detected_only_where_megatron_lm_detects_it(saved_runs):
     root, (whole, _, auto_detected, _, _, torch_resumed, *_), _ = saved_runs
     assert _losses(auto_detected) == _losses(whole)[SAVE_AT:]
@@ -163,6 +167,7 @@ def test_checkpoint_format_is_detected_only_where_megatron_lm_detects_it(saved_r
         checkpointing.checkpoint_format(torch_dist, CheckpointConfig(format="torch"))
 
 
+@pytest.mark.slow
 def test_async_save_staged_in_shared_memory_resumes_exactly(saved_runs):
     _, results, staged = saved_runs
     whole, resumed = results[0], results[-1]
@@ -174,6 +179,7 @@ def test_async_save_staged_in_shared_memory_resumes_exactly(saved_runs):
                          "equal": True, "preload_left": False}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="megatron-core's persistent "
                     "checkpoint worker selects a CUDA device when it starts")
 @pytest.mark.long

@@ -66,6 +66,7 @@ def _first(messages, text):
     return next(index for index, message in enumerate(messages) if text in message)
 
 
+@pytest.mark.slow
 @pytest.mark.long
 def test_formats_async_and_parallel_io_resume_exactly(tmp_path):
     pp2 = with_flags(BASE, pipeline_model_parallel_size=2)

@@ -63,6 +63,7 @@ def _check(results, index: int, expected: list[float], rng_restored: bool) -> No
     assert any(SKIPPED in message for message in logs) != rng_restored, logs
 
 
+@pytest.mark.slow
 def test_same_size_other_stages(saved):
     """On two ranks: virtual stages on -> off and off -> on; PP 2 -> 1 (so DP 1 -> 2)."""
     results = _resume(2, [("vpp", PP2), ("pp2", VPP),
@@ -73,11 +74,13 @@ def test_same_size_other_stages(saved):
     _check(results, 2, saved["pp2"][1], rng_restored=False)
 
 
+@pytest.mark.slow
 def test_pp2_to_pp1_on_one_rank(saved):
     results = _resume(1, [("pp2", BASE)], saved)
     _check(results, 0, saved["pp2"][1], rng_restored=False)
 
 
+@pytest.mark.slow
 def test_pp2_to_pp4_and_dp1_to_dp2_on_four_ranks(saved):
     results = _resume(4, [("pp2", with_flags(BASE, pipeline_model_parallel_size=4)),
                           ("pp2", PP2)], saved)

@@ -79,6 +79,7 @@ def _check_resumed(results, whole, parts):
         assert any(f"loaded checkpoint {parts}/iter_0000002" in m for _, m in rank[2]["logs"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
 def test_resume_gpt_pp2(tmp_path, precision):
     # bf16 also checks that the Float16Module wrapper stays out of the checkpoint's keys
@@ -86,6 +87,7 @@ def test_resume_gpt_pp2(tmp_path, precision):
     _save_resume_and_compare(tmp_path, flags, 2)
 
 
+@pytest.mark.slow
 def test_resume_distributed_optimizer_dp2(tmp_path):
     flags = BASE + ["--use-distributed-optimizer"]
     results = _save_resume_and_compare(tmp_path, flags, 2)
@@ -133,6 +135,7 @@ def test_save_without_psutil_fails_fast(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_resume_virtual_stages_under_both_schedules(tmp_path):
     """PP=2 x VPP=2: every chunk's parameters and optimizer state are saved under their own
     key (the chunks' local names repeat) and come back; megatron-core's schedule and DPP,

@@ -23,8 +23,8 @@ from megatron.trainer.config.configs import (
     ScheduleConfig,
     TrainerConfigs,
 )
+from tests import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOPICS = (ModelConfig, ParallelConfig, DataConfig, ScheduleConfig, PrecisionConfig,
           FastPathConfig, LoggingConfig)
 

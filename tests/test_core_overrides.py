@@ -1,4 +1,4 @@
-"""megatron/trainer/core_compat/core_overrides.py and megatron/dpp/core_internals.py: the
+"""megatron/trainer/core_compat/core_overrides.py and megatron/dpp/compat/core_internals.py: the
 installed megatron-core has every internal the trainer and DPP rely on; a moved or changed one
 stops start-up with a message naming it; and in a built model every substitution the trainer makes is in place, and undone afterwards."""
 
@@ -9,8 +9,8 @@ from unittest import mock
 import pytest
 import torch
 
-from megatron.dpp import core_internals
-from megatron.dpp.core_internals import CoreInternalsError, Internal
+from megatron.dpp.compat import core_internals
+from megatron.dpp.compat.core_internals import CoreInternalsError, Internal
 from megatron.dpp.weight_grad_accumulation import (
     WeightGradAccumulation,
     weight_grad_accumulation_fusion,

@@ -85,6 +85,7 @@ def test_bert_splits_count_documents_and_name_the_train_split(tmp_path):
     check_splits(args, by_document=True)
 
 
+@pytest.mark.slow
 def test_the_200_document_run_stops_within_30_s_with_one_line_per_rank(tmp_path):
     prefix = corpus(tmp_path)
     flags = with_flags(TINY_GPT, mock_data=None, data_path=prefix, train_iters=4,
@@ -120,6 +121,7 @@ def test_a_stage_says_what_it_waits_on_after_the_interval(caplog):
     assert warnings[0].startswith("still loading the checkpoint after 0 s: reading --load ckpt")
 
 
+@pytest.mark.slow
 def test_ranks_waiting_for_rank_0s_dataset_index_say_so(tmp_path):
     """Rank 0 builds the dataset index files while the other ranks wait in megatron.core's
     barrier: with the stall interval at 1 s, a 4 s build makes both sides say so."""

@@ -1,15 +1,15 @@
 """docs/design.md's picture of the layers matches the tree: it names every module of
 megatron/trainer and megatron/dpp, names no module that is gone, and gives each trainer
-subpackage the imports tests/test_imports.py allows it."""
+subpackage the imports tests/test_imports.py allows it. The research tools of
+megatron/dpp/sim/ stay out of the runtime: nothing else under megatron/ imports them."""
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-from tests.test_imports import TRAINER_LAYERS
+from tests import REPO as ROOT
+from tests.test_imports import TRAINER_LAYERS, _within, imports_of, module_names, offending_imports
 
-ROOT = Path(__file__).resolve().parents[1]
 SUBPACKAGE = re.compile(r"^    (\w+)/\s+-> (.+)$")
 MODULE = re.compile(r"(?<![\w*])(\w+\.py)\b")
 
@@ -53,3 +53,19 @@ def test_a_missing_module_or_rule_is_seen():
               "      data.py  datasets\n"
     assert declared_layers(picture) == {"run": {"config", "data"}, "data": set()}
     assert set(MODULE.findall(picture)) == {"data.py"}
+
+
+def test_the_runtime_never_imports_the_research_tools():
+    assert "megatron.dpp.sim.simulator" in module_names()  # the walk sees sim/
+    offences = {module: names for module, names
+                in offending_imports("megatron", "megatron.dpp.sim").items()
+                if not _within(module, "megatron.dpp.sim")}
+    assert offences == {}, f"runtime modules importing megatron/dpp/sim/: {offences}"
+
+
+def test_an_import_of_the_research_tools_is_seen(tmp_path):
+    path = tmp_path / "schedule.py"
+    path.write_text("from .sim import bounds\n"
+                    "def f():\n    from megatron.dpp.sim.simulator import simulate\n")
+    found = imports_of(path, "megatron.dpp.schedule")
+    assert {"megatron.dpp.sim.bounds", "megatron.dpp.sim.simulator"} <= found

@@ -125,6 +125,7 @@ CASES = {
 STAGE_LAYERS = {"pp2_uneven": [[1, 2, 3], [4]], "pp2_vpp2_uneven": [[1, 2, 4, 5], [3, 6]]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_dpp_equals_core_and_no_pipelining(case):
     world, layers, batch, extra = CASES[case]
@@ -159,6 +160,7 @@ def _microbatches(world, batch, extra) -> int:
     return batch // (data_parallel * 2)
 
 
+@pytest.mark.slow
 def test_bert_dpp_equals_core_and_no_pipelining():
     """BERT (every stage reads the batch for its padding mask; two losses) at PP=2."""
     flags = _flags(4, 8, "--pipeline-model-parallel-size", "2", "--dpp-transport", "torch")
@@ -168,6 +170,7 @@ def test_bert_dpp_equals_core_and_no_pipelining():
     _check_against_reference(results, _reference(4, 8, "bert"), "dpp")
 
 
+@pytest.mark.slow
 def test_dpp_orders_variable_length_microbatches_and_matches_core():
     """--seq-length-cv: the trainer hands DPP the token counts, the plan runs the short
     microbatches first and last; losses (in microbatch order) and gradients stay megatron's."""
@@ -180,6 +183,7 @@ def test_dpp_orders_variable_length_microbatches_and_matches_core():
     _check_dpp_matches_core(results)
 
 
+@pytest.mark.slow
 def test_dpp_with_random_delivery_delays():
     """Messages delivered after random delays, so in scrambled order: same result."""
     world, layers, batch, extra = CASES["pp4_vpp2"]
@@ -190,6 +194,7 @@ def test_dpp_with_random_delivery_delays():
     _check_split(results, _chunks(extra), _microbatches(world, batch, extra))
 
 
+@pytest.mark.slow
 def test_dpp_decides_at_simulated_gpu_time():
     """The GPU-time decisions (megatron/dpp/gpu_queue.py) on a simulated device (each task
     3 ms, the host one task ahead) with arrivals delayed at random: megatron-core's losses
@@ -203,6 +208,7 @@ def test_dpp_decides_at_simulated_gpu_time():
     _check_split(results, _chunks(extra), _microbatches(world, batch, extra))
 
 
+@pytest.mark.slow
 def test_static_replay_equals_core():
     """--dpp-static: the plan (interleaved, with the split and the W deferred its
     zero-bubble order) run in order on the DPP runtime gives megatron-core's losses and
@@ -222,6 +228,7 @@ def test_static_replay_equals_core():
                                     if t.kind != "F"]
 
 
+@pytest.mark.slow
 def test_dropout_keyed_by_microbatch_not_by_order():
     """Dropout 0.1 at PP=2 x VPP=2: DPP steps that interleave each rank's two chunks'
     forwards differently (megatron's order at slack 0; at slack 2 more warm-up forwards,
@@ -246,6 +253,7 @@ def test_dropout_keyed_by_microbatch_not_by_order():
             _check_dpp_matches_core([{"core": r["core"], "dpp": r["dpp"][0]}])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not native.available(), reason="native extension not built")
 @pytest.mark.parametrize("case", ["pp2_vpp2", "pp4"])
 def test_dpp_over_shared_memory(case):

@@ -62,6 +62,7 @@ checkpoint_publish.shutil.rmtree = killing_rmtree
 """
 
 
+@pytest.mark.slow
 @pytest.mark.long
 def test_a_full_disk_then_a_crashed_resave_leave_a_loadable_checkpoint(tmp_path):
     root = tmp_path / "ckpt"
@@ -99,6 +100,7 @@ def test_a_full_disk_then_a_crashed_resave_leave_a_loadable_checkpoint(tmp_path)
     assert _listing(root) == ["iter_0000002", "iter_0000003", POINTER]
 
 
+@pytest.mark.slow
 def test_a_full_disk_under_an_asynchronous_save_is_named_in_one_line(tmp_path):
     """The write fails in the writer process (megatron-core >= 0.17: in the process itself,
     0.16: in a process of its own); its errno reaches the rank's one line."""
@@ -133,6 +135,7 @@ if os.environ["RANK"] == "1":
 """
 
 
+@pytest.mark.slow
 def test_a_rank_killed_during_a_save_leaves_no_process_and_the_previous_checkpoint(tmp_path):
     root = tmp_path / "ckpt"
     flags = TINY_GPT + ["--pipeline-model-parallel-size", "2", "--train-iters", "100",
@@ -150,6 +153,7 @@ def test_a_rank_killed_during_a_save_leaves_no_process_and_the_previous_checkpoi
     assert _listing(root) == ["iter_0000002", POINTER] and _pointer(root) == "2\n"
 
 
+@pytest.mark.slow
 def test_a_real_full_filesystem_is_reported_on_every_rank(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root (the injected-ENOSPC test runs anyway)")

@@ -89,6 +89,7 @@ def saved(tmp_path_factory):
     return roots
 
 
+@pytest.mark.slow
 def test_each_damaged_or_foreign_checkpoint_is_one_line_naming_its_file(saved, tmp_path):
     roots = {}
     # megatron.core >= 0.19 keeps the common state in the shard files: no common.pt to damage
@@ -131,6 +132,7 @@ def test_each_damaged_or_foreign_checkpoint_is_one_line_naming_its_file(saved, t
     assert "in the checkpoint but [2, " in deeper and "--num-layers 2 vs 4" in deeper, deeper
 
 
+@pytest.mark.slow
 def test_a_damaged_checkpoint_ends_the_job_in_one_line(saved, tmp_path):
     """The whole entry point: exit status 1 soon, one ERROR line per rank, no traceback."""
     root = tmp_path / "ckpt"

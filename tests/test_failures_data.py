@@ -17,10 +17,10 @@ import torch
 
 from megatron.trainer.data.data import DataError, check_data_paths, prefix_problem
 from megatron.trainer.run import failures
+from tests import REPO
 from tests.job import TINY_GPT, Job
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+sys.path.insert(0, str(REPO))
 
 from tools.preprocess_data import main as preprocess_main  # noqa: E402
 
@@ -110,6 +110,7 @@ def test_one_error_names_every_bad_prefix_of_a_blend(tmp_path):
         f"--data-path {empty}")
 
 
+@pytest.mark.slow
 def test_bad_data_ends_every_rank_with_one_line_before_the_job_starts(tmp_path):
     prefix = make_dataset(tmp_path / "corpus", GOOD)
     _cut(prefix + ".bin", 20)

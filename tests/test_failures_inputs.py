@@ -5,6 +5,7 @@ data with --vocab-size 128), stopped before the embedding would fail on them."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from tests.job import TINY_GPT, Job
@@ -19,6 +20,7 @@ def _one_error(job: Job, rank: int) -> str:
     return errors[0]
 
 
+@pytest.mark.slow
 def test_an_empty_vocab_file_is_one_line(tmp_path):
     vocab, merges = tmp_path / "vocab.json", tmp_path / "merges.txt"
     vocab.write_text("")
@@ -32,6 +34,7 @@ def test_an_empty_vocab_file_is_one_line(tmp_path):
     assert f"tokenizer: vocab file {vocab}: not a JSON vocabulary" in error, error
 
 
+@pytest.mark.slow
 def test_token_ids_beyond_the_vocabulary_are_one_line(tmp_path):
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import os
 
+import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -44,6 +45,7 @@ def _only_the_first_checkpoint(root) -> None:
     assert tensors and all(torch.isfinite(t).all() for t in tensors)
 
 
+@pytest.mark.slow
 def test_a_diverging_run_stops_in_one_line_and_keeps_its_last_finite_checkpoint(tmp_path):
     root = tmp_path / "ckpt"
     flags = with_flags(TINY_GPT, save=root, **DIVERGING)
@@ -62,6 +64,7 @@ def test_a_diverging_run_stops_in_one_line_and_keeps_its_last_finite_checkpoint(
     _only_the_first_checkpoint(root)
 
 
+@pytest.mark.slow
 def test_without_the_check_no_non_finite_checkpoint_is_published(tmp_path):
     root = tmp_path / "ckpt"
     flags = with_flags(TINY, save=root, no_check_for_nan_in_loss_and_grad=True, **DIVERGING)

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from megatron.trainer.checkpoint.checkpoint_publish import POINTER
 from megatron.trainer.checkpoint.save_directory import SaveDirectory
 from tests.job import REPO, TINY_GPT, Job, mounted
@@ -39,6 +41,7 @@ def _holder(path) -> subprocess.Popen:
     return holder
 
 
+@pytest.mark.slow
 def test_a_second_job_on_the_same_save_stops_naming_the_holder(tmp_path):
     root = tmp_path / "ckpt"
     holder = _holder(root)

@@ -40,6 +40,7 @@ if os.environ["RANK"] == "{rank}":
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport, stopped", [
     ("torch", 1), pytest.param("shm", 0, marks=needs_shm)])
 def test_a_stopped_stage_ends_the_job_within_the_timeout(tmp_path, transport, stopped):
@@ -63,6 +64,7 @@ def test_a_stopped_stage_ends_the_job_within_the_timeout(tmp_path, transport, st
     assert "Traceback" not in log
 
 
+@pytest.mark.slow
 def test_ctrl_c_ends_every_rank_with_one_line(tmp_path):
     with Job("pretrain_gpt.py", DPP + ["--dpp-transport", "torch"], 2, tmp_path) as job:
         job.wait_for(1, " iteration        2/", START_S)

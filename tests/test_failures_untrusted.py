@@ -59,6 +59,7 @@ def _stopped_in_one_line(tmp_path, flags) -> str:
     return errors[0]
 
 
+@pytest.mark.slow
 def test_a_crafted_legacy_checkpoint_is_refused(tmp_path):
     marker = tmp_path / "ran"
     root, iteration = _root_with(tmp_path, {
@@ -74,6 +75,7 @@ def test_a_crafted_legacy_checkpoint_is_refused(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_a_world_writable_torch_dist_checkpoint_is_refused(tmp_path):
     marker = tmp_path / "ran"
     root, iteration = _root_with(tmp_path, {

@@ -233,6 +233,7 @@ FALLBACKS = [
 GLOO = "--distributed-backend gloo runs the ranks on the CPU"
 
 
+@pytest.mark.slow
 @pytest.mark.long
 def test_each_fallback_logs_its_reason_and_trains():
     runs = [(machine, [*FLAGS, *flags]) for machine, flags, _ in FALLBACKS]
@@ -269,6 +270,7 @@ def test_bert_falls_back_from_graphs_and_trains():
     _check_trained(result)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fast path's defaults need a GPU")
 @pytest.mark.long
 def test_default_graphs_equal_eager_through_the_trainer():
@@ -283,6 +285,7 @@ def test_default_graphs_equal_eager_through_the_trainer():
     assert default["losses"] == eager["losses"] and default["grad_norms"] == eager["grad_norms"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton fusions run on a GPU")
 @pytest.mark.long
 def test_triton_fusions_train_as_torchs_kernels():

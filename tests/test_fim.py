@@ -19,10 +19,10 @@ from megatron.trainer.config.configs import TokenizerConfig
 from megatron.trainer.data.data import build_gpt_datasets
 from megatron.trainer.data.fim import FimConfig, FimError, FimTransform
 from megatron.trainer.data.tokenizer import TokenizerFileError, _byte_to_char, build_tokenizer
+from tests import REPO as ROOT
 from tests.distributed import run_ranks
 from tests.trainer_runs import train_runs, with_flags
 
-ROOT = Path(__file__).resolve().parents[1]
 GPT_FILES = ["--vocab-file", str(ROOT / "datasets_gpt/vocab.json"),
              "--merge-file", str(ROOT / "datasets_gpt/merges.txt")]
 SENTINELS = ("<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>")

@@ -58,6 +58,7 @@ def run_name():
     shutil.rmtree(REPO / "runs" / name, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_own_gpt2_data_trains_without_tokenizer_settings_and_runs_keep_their_logs(
         tmp_path, run_name):
     prefix = own_gpt2_data(tmp_path)
@@ -88,6 +89,7 @@ def test_own_gpt2_data_trains_without_tokenizer_settings_and_runs_keep_their_log
     assert len(logged_losses((first_dir / "train.log").read_text())) == 2
 
 
+@pytest.mark.slow
 def test_data_without_a_known_tokenizer_stops_with_one_line(tmp_path):
     foreign = make_dataset(tmp_path / "foreign", GOOD)  # made elsewhere: no record
     result = run_script("run_single_gpt.sh", script_env(tmp_path, DATA_PATH=foreign),
@@ -115,6 +117,7 @@ def test_data_without_a_known_tokenizer_stops_with_one_line(tmp_path):
                            "VOCAB_FILE")
 
 
+@pytest.mark.slow
 def test_a_bad_flag_exits_2_with_one_line_and_outputs_are_named_first(tmp_path):
     (tmp_path / "train.log").write_text("the previous run's log\n")
     checkpoints = tmp_path / "ckpt"

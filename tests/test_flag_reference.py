@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import argparse
 import re
-from pathlib import Path
 
 from megatron.trainer.config.arguments import build_parser
+from tests import REPO as ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 FLAG = re.compile(r"`(--?[A-Za-z0-9][A-Za-z0-9_-]*)`")
 
 

@@ -127,6 +127,7 @@ def _main_grads(rank, fused: bool, extra_flags=()):
                 losses)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="megatron-core's fused path makes its "
                     "placeholder weight gradient on a CUDA device")
 @pytest.mark.parametrize("tying", [[], ["--untie-embeddings-and-output-weights"]],

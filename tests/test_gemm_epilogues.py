@@ -147,6 +147,7 @@ def test_installed_mlp_computes_megatron_cores_mlp_through_the_epilogues():
         _close(mine, reference, torch.bfloat16)
 
 
+@pytest.mark.slow
 @needs_gemms
 @pytest.mark.long
 def test_trainer_defaults_train_as_without_the_epilogues():

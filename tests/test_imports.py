@@ -5,6 +5,9 @@ only a lazy import hides is still a dependency):
 * no import cycles: a cycle that only a lazy import keeps from failing today is a tangle;
 * megatron/dpp stands alone on megatron-core: no module under it imports megatron.trainer
   (nor names it to importlib);
+* the neutral modules both layers use (megatron/dpp/compat/: megatron-core's internals;
+  megatron/dpp/errors.py: error messages) import no other project module, and the trainer's
+  checkpointing takes its error functions from them, never from megatron/dpp/transport/;
 * megatron/trainer's subpackages form layers (`TRAINER_LAYERS`, the picture in
   docs/design.md), each importing only the trainer subpackages listed for it, bottom to top:
     core_compat  megatron-core adaptation             -> no other trainer subpackage
@@ -25,7 +28,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests import REPO as ROOT
+
 TREES = ("megatron", "profiling", "tools")
 
 
@@ -154,6 +158,29 @@ def test_an_offending_import_is_named(tmp_path):
                     "    importlib.import_module('megatron.trainer.lazy')\n")
     found = imports_of(path, "megatron.dpp.lazy")
     assert {"megatron.trainer.upper", "megatron.trainer.lazy"} <= found
+
+
+NEUTRAL_MODULES = ("megatron.dpp.compat", "megatron.dpp.errors")
+
+
+def test_the_neutral_modules_import_no_other_project_module():
+    modules = module_names()
+    assert "megatron.dpp.compat.core_internals" in modules  # the walk sees them
+    assert "megatron.dpp.errors" in modules
+    offences = {}
+    for name, path in modules.items():
+        if any(_within(name, neutral) for neutral in NEUTRAL_MODULES):
+            project = sorted(n for n in imports_of(path, name)
+                             if _within(n, "megatron") and not _within(n, "megatron.core")
+                             and not any(_within(n, neutral) for neutral in NEUTRAL_MODULES))
+            if project:
+                offences[name] = project
+    assert offences == {}, f"neutral modules importing project modules: {offences}"
+
+
+def test_checkpointing_never_imports_the_transport():
+    assert "megatron.trainer.checkpoint.checkpointing" in module_names()
+    assert offending_imports("megatron.trainer.checkpoint", "megatron.dpp.transport") == {}
 
 
 TRAINER_LAYERS = {

@@ -18,8 +18,8 @@ import yaml
 
 from megatron.trainer import launch
 from megatron.trainer.run.metrics import IterationStats
+from tests import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted(REPO.glob("run_*_*.sh")) + sorted((REPO / "examples").rglob("*.sh")) + [
     REPO / "examples/slurm/run.slurm"]
 # settings of the caller that would change what the scripts do
@@ -184,6 +184,7 @@ def test_preflight_reports_unreachable_master_within_timeout():
                                     "RDZV_TIMEOUT": "1"})
 
 
+@pytest.mark.slow
 def test_master_script_reports_node_ips_mismatch(tmp_path):
     result = run_script("run_master_gpt.sh", script_env(
         tmp_path, NODE_IPS="127.0.0.1 127.0.0.2", NNODES=3), timeout=60)
@@ -191,6 +192,7 @@ def test_master_script_reports_node_ips_mismatch(tmp_path):
     assert "NNODES=3 but NODE_IPS lists 2 addresses (127.0.0.1 127.0.0.2)" in result.stderr
 
 
+@pytest.mark.slow
 def test_scripts_report_port_in_use(tmp_path):
     with socket.create_server(("", 0)) as busy:
         port = busy.getsockname()[1]
@@ -234,6 +236,7 @@ def single_gpt_run(tmp_path_factory):
     return result, run_dir
 
 
+@pytest.mark.slow
 def test_single_gpt_script_trains_on_cpu(single_gpt_run):
     result, run_dir = single_gpt_run
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -244,6 +247,7 @@ def test_single_gpt_script_trains_on_cpu(single_gpt_run):
     assert "throughput: " in result.stdout and "tokens/s" in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.long
 def test_single_bert_script_trains_on_cpu(tmp_path):
     result = run_script("run_single_bert.sh", script_env(tmp_path, TRAIN_ITERS=2,
@@ -255,6 +259,7 @@ def test_single_bert_script_trains_on_cpu(tmp_path):
     assert "--use-dpp" not in (tmp_path / "command.txt").read_text()
 
 
+@pytest.mark.slow
 def test_single_process_trains_without_dpp_and_says_why(tmp_path):
     """One process (what one GPU gives): PP=1 under megatron-core's schedule, and one line
     saying how to see the dynamic schedule; asking for it anyway is refused by name."""
@@ -270,6 +275,7 @@ def test_single_process_trains_without_dpp_and_says_why(tmp_path):
     assert refused.returncode == 2 and "USE_DPP=1 needs PP >= 2" in refused.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch_cuda_available(), reason="the one-GPU path needs a CUDA GPU")
 @pytest.mark.long
 def test_single_gpt_script_trains_on_one_gpu(tmp_path):
@@ -329,6 +335,7 @@ class VethPair:
                 f"hostname dpp-node{node} && exec bash {REPO / script}"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_namespace_problem() is not None, reason=str(_namespace_problem()))
 def test_two_node_master_worker_match_single_node(single_gpt_run, tmp_path):
     single, single_dir = single_gpt_run

@@ -1,5 +1,5 @@
 """The corpus of Megatron-LM's own GPT/BERT configurations (tests/data/megatron_lm_configs.json),
-the extractor that writes it and the report that parses it, and issue 20's acceptance: at
+the extractor that writes it and the report that parses it, and the target: at
 least 90 % of the configurations pass argument parsing and validation as written, at their
 own world size (tools/megatron_lm_configs_report.py lists why the others fail)."""
 
@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 
+from tests import TESTS
 from tests.trainer_runs import TINY, with_flags
 from tools.extract_megatron_lm_configs import (
     ScriptReader,
@@ -117,7 +118,7 @@ def outcomes(corpus):
 
 
 def test_configurations_accepted_once_stay_accepted(outcomes):
-    path = os.path.join(os.path.dirname(__file__), "data", "megatron_lm_configs_accepted.txt")
+    path = os.path.join(TESTS, "data", "megatron_lm_configs_accepted.txt")
     with open(path) as listing:
         names = {line.strip() for line in listing if line.strip() and not line.startswith("#")}
     by_name = {outcome.name: outcome for outcome in outcomes}

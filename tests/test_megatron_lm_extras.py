@@ -1,4 +1,4 @@
-"""Megatron-LM flags of issue 20's second batch, each by its effect: the step batch-size
+"""Megatron-LM flags of the second batch, each by its effect: the step batch-size
 schedule followed by the training loop, megatron-core settings that reach the core config
 and change what the schedule or DDP does, and the refusals that name what cannot be
 honoured. All training runs share one pair of processes (`train_runs`)."""
@@ -150,6 +150,7 @@ def test_step_batch_size_schedule_sets_each_steps_global_batch(runs):
                                                            step_batch_size_schedule="64:4")
 
 
+@pytest.mark.slow
 def test_weight_hash_check_stops_replicas_that_differ(ranks, runs):
     for rank in ranks:
         message, iteration = rank["probes"]["nudged"]["caught"]
@@ -164,6 +165,7 @@ def test_weight_hash_check_stops_replicas_that_differ(ranks, runs):
     assert "must be >= 1" in _parse_error(DP2, check_weight_hash_across_dp_replicas_interval=0)
 
 
+@pytest.mark.slow
 def test_disable_gloo_process_groups_reaches_megatron_core(ranks):
     probes = ranks[0]["probes"]
     assert probes["sharded"]["gloo_groups"] and not probes["lazy_gather"]["gloo_groups"]
@@ -172,6 +174,7 @@ def test_disable_gloo_process_groups_reaches_megatron_core(ranks):
         SHARDED, disable_gloo_process_groups=True, ckpt_format="torch", save="/tmp/x")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not TWO_GPUS, reason="megatron-core reduces between distributed-optimizer "
                     "instances on a CUDA stream: needs 2 GPUs")
 def test_optimizer_instances_each_keep_the_whole_state():
@@ -202,6 +205,7 @@ def test_optimizer_instances_are_validated(monkeypatch):
         SHARDED, disable_gloo_process_groups=True, ckpt_format="torch", save="/tmp/x")
 
 
+@pytest.mark.slow
 def test_param_gather_with_optimizer_step_trains_as_without(ranks, runs):
     # megatron-core splits the optimizer: the first chunk's own, whose step starts its gather
     facts = ranks[0]["probes"]["gather_in_step"]
@@ -215,6 +219,7 @@ def test_param_gather_with_optimizer_step_trains_as_without(ranks, runs):
     assert "not --use-dpp" in _parse_error(GATHER_IN_STEP, use_dpp=True)
 
 
+@pytest.mark.slow
 def test_constant_structure_saves_reuse_the_plan_and_load(ranks, runs):
     # three saves: the second validates the first's plan, the third reuses it
     assert all(rank["probes"]["constant"]["plan_reused"] for rank in ranks)
@@ -225,6 +230,7 @@ def test_constant_structure_saves_reuse_the_plan_and_load(ranks, runs):
     assert "--async-strategy nvrx: only mcore" in _parse_error(DP2, async_strategy="nvrx")
 
 
+@pytest.mark.slow
 def test_qk_layernorm_normalizes_queries_and_keys_and_test_mode_checks_them(ranks, runs):
     probes = ranks[0]["probes"]
     # a q and a k norm (weight and bias each) in each of the 4 layers

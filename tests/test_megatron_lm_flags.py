@@ -1,4 +1,4 @@
-"""Megatron-LM's flags that the trainer implements for issue 20, each by its effect: the
+"""Megatron-LM's flags that the trainer implements, each by its effect: the
 scalars in the TensorBoard event file, bitwise-equal reruns under --deterministic-mode,
 per-token loss equal across megatron-core's schedule, DPP and data parallelism, the
 decoupled lr freezing the embedding, the rank mapping, query-key layer scaling keeping fp16
@@ -89,6 +89,7 @@ def _line_field(runs, name, field):
     return [float(line.split(f"{field}: ")[1].split(" |")[0]) for line in lines]
 
 
+@pytest.mark.slow
 def test_logging_flags_write_their_scalars(runs):
     results, boards, _ = runs
     scalars = _scalars(boards["pp2"])
@@ -108,6 +109,7 @@ def test_logging_flags_write_their_scalars(runs):
                for _, m in results["logged_pp2"]["logs"])
 
 
+@pytest.mark.slow
 def test_params_norm_and_zeros_do_not_depend_on_the_layout(runs):
     """Each parameter counted once: two pipeline stages give what one stage of the whole
     model gives, and the untied embedding's rows of unused tokens have zero gradients."""
@@ -122,6 +124,7 @@ def test_params_norm_and_zeros_do_not_depend_on_the_layout(runs):
     assert all(v >= hidden for _, v in pp2["num-zeros"])
 
 
+@pytest.mark.slow
 def test_per_token_loss_is_the_same_under_every_schedule_and_layout(runs):
     results, _, _ = runs
     reference = results["per_token_core"]["grad_norms"]
@@ -133,6 +136,7 @@ def test_per_token_loss_is_the_same_under_every_schedule_and_layout(runs):
     assert results["per_microbatch"]["grad_norms"][0] != pytest.approx(reference[0], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_deterministic_mode_reruns_bitwise(runs):
     results, _, _ = runs
     a, b = results["deterministic_a"], results["deterministic_b"]
@@ -141,6 +145,7 @@ def test_deterministic_mode_reruns_bitwise(runs):
                for _, m in a["logs"])
 
 
+@pytest.mark.slow
 def test_reset_attention_mask_reaches_attention(runs):
     """The dataset's mask (made only for --reset-attention-mask) keeps each token to its own
     document: the same batch gives another loss than the causal mask alone (the first
@@ -151,12 +156,14 @@ def test_reset_attention_mask_reaches_attention(runs):
     assert math.isfinite(documents) and abs(documents - causal) > 1e-4
 
 
+@pytest.mark.slow
 def test_average_in_collective_gives_the_same_gradients(runs):
     results, _, _ = runs
     assert results["dp2_average_in_collective"]["grad_norms"] == pytest.approx(
         results["dp2"]["grad_norms"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_decoupled_lr_zero_freezes_embedding_and_output_layer(runs):
     *_, moved = runs
     for rank_moved in moved:
@@ -338,6 +345,7 @@ def test_refusals_name_the_flag_and_the_reason(monkeypatch):
         _parse_error(PP2, 2, multi_node=True, node_ips="10.0.0.1")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused rope, FlashAttention and "
                     "CUDA determinism paths need a CUDA GPU")
 @pytest.mark.long

@@ -15,18 +15,18 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from megatron.dpp import megatron_lm
+from megatron.dpp.compat.core_internals import CoreInternalsError
 from megatron.dpp.config import DEFAULTS
-from megatron.dpp.core_internals import CoreInternalsError
+from tests import TESTS
 from tests.distributed import run_ranks
 
-STAND_IN = Path(__file__).parent / "megatron_lm_stand_in"
+STAND_IN = TESTS / "megatron_lm_stand_in"
 PP2 = ["--pipeline-model-parallel-size", "2"]
 
 

@@ -27,7 +27,7 @@ def _make(shim_folder, folder) -> int:
                           check=False).returncode
 
 
-def test_make_stand_in_passes_only_where_the_helpers_are_built(tmp_path):
+def test_make_stand_in_passes_only_where_the_dataset_helpers_are_built(tmp_path):
     shim = megatron_lm_plugin_check.make_shim(tmp_path / "bin")
     datasets = tmp_path / "datasets"
     datasets.mkdir()
@@ -78,7 +78,7 @@ def test_timeout_ends_the_whole_run(tmp_path, monkeypatch):
 
 def test_sigterm_to_the_check_ends_the_run_in_flight(tmp_path):
     """An outer time limit (`timeout 560 python ...`) stops the check mid-run: the run's ranks
-    go too; left behind they held the port, and every run of the next call failed at once."""
+    go too; left behind they held the port, and every run of the next invocation failed at once."""
     child = tmp_path / "child.pid"
     check = subprocess.Popen([sys.executable, "-c", (
         "import sys; from pathlib import Path; from profiling import megatron_lm_plugin_check "

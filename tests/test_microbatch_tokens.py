@@ -82,6 +82,7 @@ def microbatch_counts(prefix: str, iterations: int) -> list[int]:
             for k in range(iterations)]
 
 
+@pytest.mark.slow
 @pytest.mark.long
 def test_token_budget_trains_as_pp1_in_every_schedule(sample_prefix):  # noqa: F811
     """PP=1 with 8 microbatches of 2 documents is the reference; with a budget of 384 tokens
@@ -124,6 +125,7 @@ SYNTHETIC = with_flags(TINY, seq_length=64, max_position_embeddings=64, global_b
                        train_iters=2, seq_length_cv=0.5, seed=11)
 
 
+@pytest.mark.slow
 def test_bucketed_synthetic_lengths_train_as_unpadded():
     """--seq-length-cv with --pad-to-multiple 32: the drawn lengths (multiples of 16) are
     padded to buckets of 32, the padding out of the loss: PP=1 and DPP at PP=2 give the
@@ -191,6 +193,7 @@ DRAWN = with_flags(SYNTHETIC, seq_length_cv=0.5, train_iters=3, microbatch_token
                    global_batch_size=8)
 
 
+@pytest.mark.slow
 @pytest.mark.long
 def test_drawn_lengths_under_a_budget_train_alike_in_every_schedule():
     """--seq-length-cv 0.5 with --microbatch-tokens: the same samples cut into other

@@ -21,6 +21,7 @@ MLA = [*TINY, "--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank
        "--init-method-std", "0.2"]
 
 
+@pytest.mark.slow
 def test_mla_trains_with_equal_losses_at_pp1_and_pp2():
     pp2 = with_flags(MLA, pipeline_model_parallel_size=2)
     runs = [MLA, pp2, with_flags(pp2, use_dpp=True),
@@ -61,6 +62,7 @@ def test_bert_has_no_mla():
         parse_args(TINY + ["--multi-latent-attention"], world_size=1, model="bert")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="MLA's fused YaRN RoPE (Triton) and the fast path need a CUDA GPU")
 @pytest.mark.long

@@ -4,7 +4,6 @@ by tests/golden/record_megatron_plans.py), the checker's verdicts, the CSV form 
 
 import csv
 import io
-from pathlib import Path
 
 import pytest
 
@@ -29,8 +28,9 @@ from megatron.dpp.plan import (
 )
 from megatron.dpp.policy import GreedyPolicy, plan_extra_warmup
 from megatron.dpp.topology import PipelineTopology
+from tests import TESTS
 
-GOLDEN = Path(__file__).parent / "golden" / "megatron_core_0.16.1"
+GOLDEN = TESTS / "golden" / "megatron_core_0.16.1"
 
 
 def golden_cases():

@@ -136,6 +136,7 @@ def _trains_as_pp1_by_the_plan(flags: list[str], runs: list[list[str]], world: i
     return single, per_rank[-1][0]
 
 
+@pytest.mark.slow
 def test_one_f_one_b_trains_on_planned_shapes_without_the_exchange():
     """--seq-length-cv under a token budget: 4-5 microbatches of varying shapes per
     iteration. At PP=2 megatron-core's 1F1B, natural and cost order, passes every message
@@ -147,6 +148,7 @@ def test_one_f_one_b_trains_on_planned_shapes_without_the_exchange():
     assert all(any(PLANNED_LINE in message for _, message in run["logs"]) for run in runs)
 
 
+@pytest.mark.slow
 def test_a_length_per_microbatch_takes_the_planned_shapes_too():
     """--seq-length-cv without a budget (a length drawn per microbatch of 2, buckets of 32):
     at PP=2 megatron-core's 1F1B receives by the plan on both stages and gives PP=1's
@@ -155,6 +157,7 @@ def test_a_length_per_microbatch_takes_the_planned_shapes_too():
     _trains_as_pp1_by_the_plan(flags, [with_flags(flags, pipeline_model_parallel_size=2)], 2)
 
 
+@pytest.mark.slow
 def test_the_interleaved_schedule_takes_the_planned_shapes_too():
     """megatron-core's interleaved schedule (PP=4, two chunks a stage, 4 microbatches of a
     length drawn for each), natural and cost order: no shape exchange on any stage, PP=1's
@@ -166,6 +169,7 @@ def test_the_interleaved_schedule_takes_the_planned_shapes_too():
         flags, [interleaved, with_flags(interleaved, microbatch_order="cost")], 4)
 
 
+@pytest.mark.slow
 def test_evaluation_and_the_interleaved_schedule_at_pp2_take_the_planned_shapes():
     """PP=2 with two chunks a stage, a length drawn per microbatch, a validation step after
     each iteration: megatron-core's interleaved schedule (once refused here: its batched

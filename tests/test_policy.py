@@ -25,7 +25,7 @@ from megatron.dpp.policy import (
     plan_extra_warmup,
     simulated_makespan,
 )
-from megatron.dpp.simulator import CostModel, replay, sample_durations, simulate
+from megatron.dpp.sim.simulator import CostModel, replay, sample_durations, simulate
 from megatron.dpp.topology import PipelineTopology
 
 # (pp_size, num_chunks, num_microbatches): m not a multiple of p only where megatron allows
@@ -523,7 +523,7 @@ def test_token_cap_holds_under_variance(split, defer):
     than the static schedule fed the same order (1F1B; with the split ZB-H1, or 1F1B's
     order with each W after its B) on that rank; and the runs still finish in the order's
     plan."""
-    from megatron.dpp.baselines import held_cost_peaks
+    from megatron.dpp.sim.baselines import held_cost_peaks
 
     for p, slack, seed in [(2, 0, 1), (4, 0, 2), (4, 2, 3), (4, 1, 4), (8, 2, 5)]:
         m = 4 * p
@@ -616,7 +616,7 @@ def test_baselines_steadiness_is_the_spread_of_time_per_unit_of_work():
     """A seed is one iteration's batch: with nearly uniform costs every schedule's time per
     unit of work is the same each iteration; with cost CV 0.5 the fill and drain make it
     vary, and the column reports the largest deviation from the median."""
-    from megatron.dpp.baselines import SCHEDULES, largest_deviation, table
+    from megatron.dpp.sim.baselines import SCHEDULES, largest_deviation, table
 
     assert largest_deviation([1.0, 1.1, 0.9]) == pytest.approx(0.1)
     (steady,) = table([4], cv=1e-4, slack=0, seeds=4)
@@ -630,7 +630,7 @@ def test_baselines_take_the_hop_latency_and_task_jitter():
     """--latency delays every message, so no schedule finishes sooner than without it and
     1F1B, whose first microbatch's forward and backward cross every hop, finishes later;
     --jitter changes the durations sampled."""
-    from megatron.dpp.baselines import SCHEDULES, compare_one
+    from megatron.dpp.sim.baselines import SCHEDULES, compare_one
 
     plain = compare_one(4, 0.5, 0, seed=3)
     late = compare_one(4, 0.5, 0, seed=3, latency=0.2)

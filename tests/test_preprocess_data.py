@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_ROOT)
+from tests import REPO as REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT))
 
 from megatron.core.datasets.indexed_dataset import IndexedDataset  # noqa: E402
 

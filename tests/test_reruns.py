@@ -49,6 +49,7 @@ def _lines(run, text):
     return [message for _, message in run["logs"] if text in message]
 
 
+@pytest.mark.slow
 def test_validation_without_faults_trains_as_disabled(runs):
     (clean, validated, *_), _ = runs
     assert len(clean["losses"]) == 4
@@ -56,6 +57,7 @@ def test_validation_without_faults_trains_as_disabled(runs):
     assert not _lines(validated, AGAIN)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", [2, 3], ids=["megatron-core-schedule", "dpp"])
 def test_transient_rejection_reruns_the_iteration_and_training_goes_on(runs, which):
     (clean, *_), _ = runs
@@ -66,6 +68,7 @@ def test_transient_rejection_reruns_the_iteration_and_training_goes_on(runs, whi
     assert run["state"]["iteration"] == 4
 
 
+@pytest.mark.slow
 def test_report_stats_runs_each_iteration_twice_and_logs_the_differences(runs):
     (clean, *_), _ = runs
     report = runs[0][4]
@@ -80,6 +83,7 @@ def test_report_stats_runs_each_iteration_twice_and_logs_the_differences(runs):
     assert stats[1].endswith("| 8 samples, all identical"), stats
 
 
+@pytest.mark.slow
 def test_reproduced_rejection_saves_a_checkpoint_and_stops_with_status_16(runs):
     _, save = runs
     persistent = runs[0][5]
@@ -100,6 +104,7 @@ def test_reproduced_rejection_saves_a_checkpoint_and_stops_with_status_16(runs):
         "determinism of iterations 2-3"]
 
 
+@pytest.mark.slow
 def test_unreproduced_fatal_rejection_stops_with_status_17(runs):
     transient = runs[0][7]
     message, status = transient["stopped"]
@@ -127,6 +132,7 @@ def test_flags_that_would_do_nothing_are_refused():
         _parse_error(with_flags(PP2, check_for_spiky_loss=True))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the state machine saves and restores "
                     "the CUDA generator and reduces its flags on CUDA tensors: needs a CUDA GPU")
 @pytest.mark.long

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests import REPO as ROOT
 from tests.distributed import run_ranks
 from tests.trainer_runs import train_run
-
-ROOT = Path(__file__).resolve().parents[1]
 
 SMALL = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -41,6 +39,7 @@ DATASETS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", list(DATASETS))
 def test_trains_two_iterations_on_the_sample_data(model, tmp_path):
     preprocess, suffix, train_flags = DATASETS[model]

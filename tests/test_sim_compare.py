@@ -14,8 +14,8 @@ import pytest
 from megatron.dpp.actions import Task, read_actions, write_actions
 from megatron.dpp.config import DEFAULTS
 from megatron.dpp.plan import check_plans
-from megatron.dpp.simulate import main as simulate_main
-from megatron.dpp.simulator import replay
+from megatron.dpp.sim.simulate import main as simulate_main
+from megatron.dpp.sim.simulator import replay
 from megatron.dpp.topology import PipelineTopology
 from profiling import sim_compare
 from profiling.aggregate import TraceError, load_spans, load_trace
@@ -27,7 +27,7 @@ COST = ["--cv", "0.5", "--jitter", "0.2", "--seed", "5"]
 
 def simulated_trace(tmp_path, schedule, pp=4, microbatches=12, chunks=1, slack=2,
                     latency=0.0) -> str:
-    """A Chrome trace written by `python -m megatron.dpp.simulate --trace` (random costs)."""
+    """A Chrome trace written by `python -m megatron.dpp.sim.simulate --trace` (random costs)."""
     path = str(tmp_path / f"{schedule}-{chunks}-{slack}-{latency}.json")
     simulate_main(["--pp", str(pp), "--microbatches", str(microbatches), "--chunks",
                    str(chunks), "--slack", str(slack), "--latency", str(latency), *COST,
@@ -122,6 +122,7 @@ def real_runs(tmp_path_factory):
     return dirs
 
 
+@pytest.mark.slow
 def test_real_pp2_runs(real_runs):
     """A DPP and a 1F1B CPU run: the schedule comes from the header, and the simulator's
     bubble is near the measured one. CPU stages idle on host work outside the spans
@@ -137,6 +138,7 @@ def test_real_pp2_runs(real_runs):
                 assert abs(row["difference_pp"]) < 25.0, (name, iteration)
 
 
+@pytest.mark.slow
 def test_dpp_trace_replays_the_executed_order(real_runs, tmp_path):
     """--trace under DPP writes each rank's executed actions (the order of its compute
     spans, a complete plan); sim_compare replays exactly them: rewriting stage 0's order of

@@ -7,8 +7,8 @@ import pytest
 from megatron.dpp.actions import BACKWARD, WEIGHT, Task
 from megatron.dpp.plan import StageConfig, static_order
 from megatron.dpp.policy import microbatch_order_for
-from megatron.dpp.simulate import main
-from megatron.dpp.simulator import CostModel, compare, sample_durations, simulate
+from megatron.dpp.sim.simulate import main
+from megatron.dpp.sim.simulator import CostModel, compare, sample_durations, simulate
 
 
 def uniform(p, m, chunks=1):
@@ -186,7 +186,7 @@ def test_split_durations_halve_the_backward():
 
 @pytest.mark.parametrize("p", [2, 4, 8, 16, 32, 64])
 def test_uniform_split_dpp_runs_zb_h1(p):
-    """Acceptance 1 (docs/benchmarks/simulator_split.md): uniform F = B = W, m = 4p, slack
+    """Target 1 of docs/benchmarks/simulator_split.md: uniform F = B = W, m = 4p, slack
     0: DPP with W tasks runs ZB-H1's orders exactly, makespan 3m + p - 1; every rank holds
     its 1F1B count from F to B and at most rank 0's (p) from F to W; >= 1.10x 1F1B at
     p = 4 and >= 1.12x at p = 8 (1.118x, 1.136x). All with the W deferred as ZB-H1

@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_ROOT)
+from tests import REPO as REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT))
 
 from megatron.trainer.data.tokenizer import (  # noqa: E402
     GPT2BPETokenizer,

@@ -2,7 +2,6 @@
 transport's edges; no other module of megatron/dpp computes a virtual stage."""
 
 import re
-from pathlib import Path
 
 import pytest
 
@@ -10,6 +9,7 @@ from megatron.dpp.actions import BACKWARD, FORWARD, WEIGHT, Task
 from megatron.dpp.topology import PipelineTopology
 from megatron.dpp.transport.channel import Edge, MessageKind
 from megatron.dpp.transport.pipeline import pipeline_edges
+from tests import REPO
 
 SHAPES = [(1, 1), (1, 3), (2, 1), (2, 2), (3, 2), (4, 1), (4, 3)]
 
@@ -80,9 +80,9 @@ def test_bad_shapes_are_named():
 
 
 def test_no_other_module_computes_virtual_stages():
-    """The issue's acceptance grep: the virtual-stage arithmetic lives in topology.py."""
+    """The virtual-stage arithmetic lives in topology.py and nowhere else."""
     pattern = re.compile(r"chunk \* .*pp|// .*pp_size")
-    root = Path(__file__).resolve().parents[1] / "megatron" / "dpp"
+    root = REPO / "megatron" / "dpp"
     hits = {path.name for path in root.rglob("*.py")
             if any(pattern.search(line) for line in path.read_text().splitlines())}
     assert hits == {"topology.py"}

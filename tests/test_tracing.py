@@ -13,7 +13,7 @@ import torch
 
 from megatron.dpp import tracing
 from megatron.dpp.actions import Task
-from megatron.dpp.simulator import CostModel, Durations, compare, simulate, write_trace
+from megatron.dpp.sim.simulator import CostModel, Durations, compare, simulate, write_trace
 from profiling import aggregate, plot_timeline, report
 from tests.distributed import run_ranks
 from tests.trainer_runs import TINY, train_runs, with_flags
@@ -43,6 +43,7 @@ def _merged(directory):
         return json.load(f)  # valid JSON: what Perfetto / chrome://tracing load
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["dpp", "1f1b"])
 def test_trace_has_causal_forward_backward_on_every_stage(traced_runs, schedule):
     trace = _merged(traced_runs[0][schedule])
@@ -64,6 +65,7 @@ def test_trace_has_causal_forward_backward_on_every_stage(traced_runs, schedule)
         assert {"send", "recv_wait", "grad_sync", "optimizer"} <= kinds
 
 
+@pytest.mark.slow
 def test_report_and_timeline_of_real_runs(traced_runs, tmp_path):
     dirs, results = traced_runs
     reports = report.report_of(dirs["dpp"])

@@ -44,6 +44,7 @@ def pp1_first_loss():
     return result["losses"][0]["lm loss"]
 
 
+@pytest.mark.slow
 def test_gpt_pp2_loss_falls(gpt_pp2):
     losses = _losses(gpt_pp2[0])
     assert len(losses) == 8 and all(math.isfinite(v) for v in losses)
@@ -51,6 +52,7 @@ def test_gpt_pp2_loss_falls(gpt_pp2):
     assert gpt_pp2[0][0]["losses"] == [{}] * 8, "the first stage holds no losses"
 
 
+@pytest.mark.slow
 def test_bert_pp2_loss_falls():
     results = run_ranks(2, train_run, PP2, 2, "bert", BATCH)
     losses = _losses(results)
@@ -59,10 +61,12 @@ def test_bert_pp2_loss_falls():
     assert all(math.isfinite(v) for v in _losses(results, "sop loss"))
 
 
+@pytest.mark.slow
 def test_pp1_and_pp2_same_first_loss(gpt_pp2, pp1_first_loss):
     assert _losses(gpt_pp2[0])[0] == pytest.approx(pp1_first_loss, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_vpp2_with_core_schedule_and_dpp(pp1_first_loss):
     vpp = with_flags(PP2, virtual_pipeline_model_parallel_size=2, exit_interval=2)
     core = vpp  # as a user runs it: the trainer picks unbatched p2p itself
@@ -91,6 +95,7 @@ def _field(line: str, name: str) -> float:
     return float(found.group(1).rstrip("%"))
 
 
+@pytest.mark.slow
 def test_log_throughput_line(gpt_pp2):
     results = gpt_pp2[0]
     lines = _iteration_lines(results)
@@ -113,6 +118,7 @@ def test_log_throughput_line(gpt_pp2):
         assert _field(line, "number of skipped iterations") == 0
 
 
+@pytest.mark.slow
 def test_tensorboard_event_file(gpt_pp2):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -127,6 +133,7 @@ def test_tensorboard_event_file(gpt_pp2):
     assert "train/lr" in events.Tags()["scalars"]
 
 
+@pytest.mark.slow
 def test_bf16_two_iterations(gpt_pp2):
     results = run_ranks(2, train_run, with_flags(PP2, bf16=True, train_iters=2), 2,
                         "gpt", BATCH)
@@ -139,6 +146,7 @@ def test_bf16_two_iterations(gpt_pp2):
     assert losses[0] != fp32_first
 
 
+@pytest.mark.slow
 def test_dpp_with_distributed_optimizer_overlapped_reduce_and_rampup():
     """DP=2 x PP=2 with the distributed optimizer, overlapped gradient reduction (DPP
     starts each chunk's reduction after its last backward) and a batch ramping up from 8 to

@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from megatron.trainer.data.documents import DocumentDataConfig, build_document_datasets
 from megatron.trainer.data.microbatches import BatchLayout, cost_ordered, plan_global_batch
+from tests import REPO as ROOT
 from tests.distributed import run_ranks
 from tests.trainer_runs import train_runs, with_flags
 
-ROOT = Path(__file__).resolve().parents[1]
 SEQ, MICRO, GLOBAL, SEED = 128, 2, 16, 3
 
 
@@ -70,6 +69,7 @@ def assert_same_losses(losses, reference, name):
     assert losses == pytest.approx(reference, rel=2e-5, abs=1e-6), name
 
 
+@pytest.mark.slow
 @pytest.mark.long
 def test_variable_lengths_train_as_pp1_in_every_schedule(sample_prefix):
     """PP=2 and PP=4 under megatron-core's schedule (natural and cost order, interleaved at
@@ -157,6 +157,7 @@ def held_activation_bytes(rank, flags, world_size):
     return {"peaks": peaks, "costs": costs}
 
 
+@pytest.mark.slow
 def test_dpp_holds_no_more_activation_memory_than_1f1b(sample_prefix):
     """PP=4, a variable-length batch, arrivals delayed at random: per rank, DPP at slack 0
     (cost order, token cap) holds at most what megatron-core's 1F1B fed the same order

@@ -9,9 +9,9 @@ import os
 import subprocess
 import sys
 import tarfile
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests import REPO as ROOT
+
 SCRIPT = ROOT / "tools" / "variable_lengths_check.sh"
 
 # stands in for the interpreter: records the bench's arguments, writes what the bench writes

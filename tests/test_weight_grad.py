@@ -189,7 +189,7 @@ def _deferred_step(trainer, store, w_order):
     `w_order`; then megatron-core's gradient finalisation (DP reduction)."""
     from megatron.core.pipeline_parallel import schedules
 
-    from megatron.dpp import core_internals
+    from megatron.dpp.compat import core_internals
     from megatron.trainer.run.training import data_iterators
     from tests.pipeline_runs import named_grads
 
@@ -318,6 +318,7 @@ def two_ranks():
     return run_ranks(2, _two_ranks)
 
 
+@pytest.mark.slow
 def test_tensor_and_data_parallel_layouts(two_ranks):
     for rank_results in two_ranks:
         for name, result in zip(LAYOUTS, rank_results["layouts"], strict=True):
@@ -388,6 +389,7 @@ def _sequence_parallel_blocks(rank, w_order):
     return results
 
 
+@pytest.mark.slow
 def test_sequence_parallel_linears(two_ranks):
     for rank_results in two_ranks:
         plain, deferred = rank_results["sequence parallel"]
@@ -397,6 +399,7 @@ def test_sequence_parallel_linears(two_ranks):
                 torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_trainer_flag_runs_each_w_after_its_b(two_ranks):
     """The trainer with --dpp-split-backward: the losses and gradient norms without it."""
     for rank_results in two_ranks:

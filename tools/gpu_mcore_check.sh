@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# megatron-core 0.19.2 on a GPU machine without internet (issue 20, acceptance 2): installs
+# megatron-core 0.19.2 on a GPU machine without internet: installs
 # the carried wheels and this checkout (`pip install .`, which builds the native extension),
 # trains ../shared/GPU.md's GPT at PP=1 with the fast path, and runs the CPU tests that
 # exercise megatron-core. Each step is bounded (training 200 s, tests 240 s) so that the
@@ -9,7 +9,7 @@
 #
 # .whl019/ (git-ignored) holds megatron_core-0.19.2 and the wheels a plain torch machine lacks
 # (docs/compatibility.md lists them). Everything is installed by one pip call into a --target
-# folder (SITE, default /tmp/site-mcore019; one call, so megatron-core's and this project's
+# folder (SITE, default /tmp/site-mcore019; one invocation, so megatron-core's and this project's
 # megatron/ end up in one directory) that goes first on PYTHONPATH; the machine's own packages
 # stay as they are. PYTHON: the interpreter (default python3). OUT gets flat files:
 # summary.txt versions.txt install.log pp1-xent-graphs.log results.json table.txt tests.log.

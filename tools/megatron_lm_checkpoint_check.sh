@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# torch_dist checkpoints between Megatron-LM's own trainer and ours on 2 GPUs (issue 36,
-# acceptance 3): runs profiling/megatron_lm_checkpoint_check.py (Megatron-LM saves at N/2,
+# torch_dist checkpoints between Megatron-LM's own trainer and ours on 2 GPUs
+# (docs/megatron_lm.md): runs profiling/megatron_lm_checkpoint_check.py (Megatron-LM saves at N/2,
 # Megatron-LM and ours resume from it; ours saves, ours and Megatron-LM resume; the resumed
 # losses of each pair within 1e-5 relative). Six torchrun runs of a small model, each
 # stopped after 150 s (--timeout); not timed on a GPU yet.

@@ -10,7 +10,7 @@ flags, refused values, and what validation says about the rest.
     python tools/megatron_lm_configs_report.py [--top 30] [--markdown] [--strip-checkpoint-flags]
 
 --strip-checkpoint-flags measures the configurations without Megatron-LM's checkpoint
-flags (CHECKPOINT_FLAGS), which another branch of issue 20 implements.
+flags (CHECKPOINT_FLAGS, implemented in megatron/trainer/checkpoint/).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Megatron-LM's own trainer with the DPP plugin on a machine of 2 (or 4) GPUs (issue 36,
-# acceptance 2): installs the carried wheels and this checkout, then runs
+# Megatron-LM's own trainer with the DPP plugin on a machine of 2 (or 4) GPUs
+# (docs/megatron_lm.md): installs the carried wheels and this checkout, then runs
 # profiling/megatron_lm_plugin_check.py (Megatron-LM's pretrain_gpt.py with the plugin's
 # two-line change at PP=2: fp32 losses of 1F1B, --use-dpp and --use-dpp --dpp-split-backward;
 # bf16 tokens/s of 1F1B and DPP in Megatron-LM's trainer and in ours).
@@ -20,7 +20,7 @@
 # to every run (e.g. what a Megatron-LM release's validate_args asks for); REPEATS: passes over
 # the bf16 runs, every other one reversed, each trainer's ratio their median (default 1);
 # RESUME=1: the runs OUT already has a complete log of are read, not run again.
-# Checkpoints between Megatron-LM's trainer and ours (acceptance 3):
+# Checkpoints between Megatron-LM's trainer and ours:
 # tools/megatron_lm_checkpoint_check.sh OUT, after `bash prerequisite.sh`.
 set -uo pipefail
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 35's GPU rows on a machine of 4 GPUs, one part per device call (each within its 10
+# The variable-length GPU rows on a machine of 4 GPUs, one part per invocation (each within its 10
 # minutes): ../shared/GPU.md's GPT with 22 layers (`--decoder-last-pipeline-num-layers 4`:
 # 6/6/6/4, the output layer and loss weighing about two), PP=4, CUDA graphs per length
 # bucket, through profiling/bench_gpt.py (30 iterations, the first 4 left out), after

@@ -1,62 +1,16 @@
 """The DPP decision rule: which task a pipeline stage runs next.
 
-Pure Python (no torch, no I/O) so the runtime schedule and the simulator run the same code.
+Plan-guided greedy: a stage runs the next task of its plan (megatron-core's static order
+plus up to `slack` extra warm-up forwards) when its input is here, else the earliest later
+ready task that keeps the rest of the plan within the caps on microbatches (and, given
+token counts, on tokens) held. So the planned task is never blocked and the static plan's
+deadlock freedom carries over; at slack 0 the order and memory are megatron-core's. With
+the split backward each W is a filler that runs when the planned F or B is not ready.
+Given each microbatch's cost, the plan runs them in a cost order (`choose_cost_order`).
 
-The rule is plan-guided greedy. The plan is megatron-core's static order for this rank
-(1F1B, or interleaved 1F1B with virtual chunks; megatron/dpp/plan.py) with
-min(slack, pp_size - 1 - rank) more warmup forwards (`plan_extra_warmup`); with slack 0 it
-is exactly megatron's order. The extra warmup buffers forwards for the stages downstream,
-so a stage gets no more of it than it has stages after it: the last stage, whose backward
-input is its own loss, keeps megatron's strict F, B alternation in its plan (buffering
-forwards ahead of it only delays the backward chain every other stage waits for). The cap
-on in-flight microbatches is megatron's peak plus the slack, for every rank. A stage runs
-the first task of the plan it has not run yet whenever that task's input is here. When it
-is not, it runs the earliest later task of the plan whose input is here, under two
-conditions:
-
-* a forward may run ahead only while the plan stays feasible under the cap: the plan's
-  own in-flight count from here on plus the forwards already run ahead of it stays within
-  the cap. So the planned task is never blocked by the cap, and since the static plan is
-  deadlock-free, a stage waiting for its planned task can never deadlock the pipeline.
-* a backward may run ahead only with slack > 0. A backward run early delays the planned
-  forward, and with no slack the downstream stages hold no spare forwards to cover the
-  delay: in the simulator that made DPP 2-4 % slower than static 1F1B under variance
-  (docs/benchmarks/simulator.md), while with slack it is where most of the gain comes from.
-
-The split backward (`StageConfig.split_backward`): each backward is a B (input gradient,
-sent upstream) and a W (weight gradient, local, sends nothing). The plan is the same
-order with each W placed `plan.weight_delay` backwards after its B: with
-`StageConfig.defer_weights` ZB-H1 with one chunk (under equal costs the rule runs it
-exactly), without it right after its B. Two caps, each megatron's peak plus the slack:
-microbatches from F to B on this rank at this rank's 1F1B peak, and from F to W at rank
-0's with the W deferred (ZB-H1 holds no more; W's pending inputs are what a rank holds
-beyond 1F1B), at this rank's own without (1F1B's memory on every rank; at slack 0 the
-rule then has no freedom left and runs the plan).
-W is the filler: a pending W is always ready, so it runs when the planned F or B is not
-(the earliest by plan position among the ready candidates), and a planned W yields to the
-next planned F or B when that one is ready (`_past_weights`). Every W is in the plan, so
-none is left when the rule finishes. With `StageConfig.weight_slices` = n the rule runs
-each W as n parts of 1/n of its work (the next_task that returns a W means one part), and
-decides again after each: a filler W then delays an F or B that arrives while it runs by
-at most one part (the simulator's grid: 1.004x -> 1.016x of ZB-H1 at slack 0 with n = 4).
-The W counts as held until its last part. docs/benchmarks/simulator_split.md has the
-grid, what else was tried, and why ZB-H1's ratio targets are out of reach.
-
-Given each microbatch's cost before the iteration (its token count), the plan runs the
-microbatches in a cost order instead of 0..m-1 (one model chunk per rank only): cheap
-first, dearest about 0.3 of the way, cheap last (`cost_order`). `choose_cost_order` picks
-one of two such orders (`ORDER_CANDIDATES`) by running this very rule on the known costs
-in the simulator's engine (megatron/dpp/engine.py); every rank computes the same choice
-from the same costs (`microbatch_order_for`).
-
-Memory with variable lengths. The caps above count microbatches; a microbatch of 4x the
-tokens holds 4x the activations. Given the costs (`costs`: token counts), the policy also
-caps the tokens a rank holds from F to its release: the most the static schedule fed the
-same order holds there (1F1B, or ZB-H1 with the split) plus the `slack` dearest
-microbatches. A forward runs ahead of the plan, or before a planned W, only if the
-rest of the plan stays within that cap with it (the planned task itself is never held
-back, so deadlock freedom is the plan's). At slack 0 a rank never holds more tokens than
-the static schedule with the same order.
+Pure Python (no torch, no I/O) so the runtime schedule and the simulator run the same
+code. docs/design.md ("The rule") has the details; docs/benchmarks/simulator.md and
+simulator_split.md the measurements behind the defaults.
 """
 
 from __future__ import annotations
@@ -83,9 +37,8 @@ def plan_extra_warmup(stage: StageConfig) -> int:
     """Warmup forwards the DPP plan adds to megatron's: min(slack, stages after this one),
     and with virtual chunks no more than keeps every rank's plan deadlock-free.
 
-    In the simulator's acceptance grid (p <= 8, +2 slack) this took the mean over the
-    non-uniform cells from 1.067x to 1.083x of static 1F1B against `stage.slack` on
-    every rank (docs/benchmarks/simulator.md); the gain is almost all the last stage's.
+    Fewer extra forwards on later stages: the last stage's backward input is its own loss,
+    so forwards buffered there only delay the backward chain (docs/benchmarks/simulator.md).
     One chunk: any extra warmup keeps the plans deadlock-free. Interleaved: 3 or more
     extra forwards deadlock them at p >= 4 with m >= 2p (rank 0 waits for a forward that
     the last rank runs only after a backward rank 0 has not run yet), so the extra is the

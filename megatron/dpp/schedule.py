@@ -23,8 +23,8 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor, forward_step
 from megatron.core.utils import get_model_config
 
-from megatron.dpp import core_internals
 from megatron.dpp.actions import BACKWARD, FORWARD, KINDS, WEIGHT, Task
+from megatron.dpp.compat import core_internals
 from megatron.dpp.config import DppOptions
 from megatron.dpp.gpu_queue import (
     QUEUE_AHEAD,

@@ -51,7 +51,7 @@ from collections.abc import Callable, Hashable, Iterator
 import torch
 from megatron.core import parallel_state
 
-from megatron.dpp import core_internals
+from megatron.dpp.compat import core_internals
 
 
 class WeightGradError(RuntimeError):

@@ -18,7 +18,7 @@ import types
 import torch
 from megatron.core.tensor_parallel import layers as core_layers
 
-from megatron.dpp import core_internals
+from megatron.dpp.compat import core_internals
 
 log = logging.getLogger(__name__)
 

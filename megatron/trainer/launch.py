@@ -1,4 +1,4 @@
-"""Helpers of the launch scripts (run_*_gpt.sh, run_*_bert.sh, examples/mpi/, examples/slurm/).
+"""The Python side of the launch scripts (run_*_gpt.sh, run_*_bert.sh, examples/mpi/, examples/slurm/).
 
 Sub-commands (`python -m megatron.trainer.launch CMD`):
   preflight  check the node settings in the environment before torchrun starts, so that a

@@ -9,7 +9,7 @@ local linear layers call it (apex's, if installed, stays), so that the model is 
 gradient-accumulation fusion and a WeightGradStore can defer those calls to W tasks.
 
 Every name patched or relied on is declared below (the schedule's own in
-megatron/dpp/core_internals.py) and checked before anything is patched.
+megatron/dpp/compat/core_internals.py) and checked before anything is patched.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from megatron.dpp import core_internals
+from megatron.dpp.compat import core_internals
+from megatron.dpp.compat.core_internals import Internal
 from megatron.dpp.config import DppOptions
-from megatron.dpp.core_internals import Internal
 from megatron.dpp.weight_grad_accumulation import weight_grad_accumulation_fusion
 
 log = logging.getLogger(__name__)

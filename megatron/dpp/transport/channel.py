@@ -9,7 +9,6 @@ carries its key, dtype and shape, so any dtype and variable shapes work.
 from __future__ import annotations
 
 import enum
-import re
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -18,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed
+
+from megatron.dpp.errors import brief, peer_failure  # noqa: F401  (re-exported: the backends import them from here)
 
 
 class TransportError(RuntimeError):
@@ -67,26 +68,6 @@ DTYPE_CODES = {
     torch.bool: 8,
 }
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
-
-
-# gloo's errors start with the C++ source location and end with advice
-_SOURCE_LOCATION = re.compile(r"^\[[^\]]+\.(?:cc|cpp|h):\d+\]\s*")
-_ADVICE = ". This is typically caused"
-
-
-def brief(error: BaseException) -> str:
-    """An error's gist for a one-line message: its first line, without the source location
-    and the advice of torch.distributed's gloo errors."""
-    lines = str(error).strip().splitlines()
-    line = _SOURCE_LOCATION.sub("", lines[0] if lines else "").split(_ADVICE)[0]
-    return line or type(error).__name__
-
-
-def peer_failure(error: BaseException) -> bool:
-    """Whether a torch.distributed operation failed because a peer rank died, closed its
-    connection or did not answer in time (NCCL: a DistError; gloo: its TCP transport)."""
-    return isinstance(error, torch.distributed.DistError) or (
-        isinstance(error, RuntimeError) and "gloo/transport" in str(error))
 
 
 def dtype_code(dtype: torch.dtype) -> int:

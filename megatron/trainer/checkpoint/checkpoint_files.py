@@ -22,7 +22,7 @@ from megatron.core.dist_checkpointing.core import CheckpointingException
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron.dpp.transport.channel import brief
+from megatron.dpp.errors import brief
 
 CONFIG_FILE = "metadata.json"  # megatron.core's: which backends wrote the checkpoint
 COMMON_FILE = "common.pt"  # megatron.core's: the state every rank shares (torch.save)

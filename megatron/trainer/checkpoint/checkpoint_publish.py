@@ -15,7 +15,7 @@ import sys
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron.dpp.transport.channel import brief, peer_failure
+from megatron.dpp.errors import brief, peer_failure
 from megatron.trainer.checkpoint.checkpoint_config import CheckpointConfig
 
 log = logging.getLogger(__name__)

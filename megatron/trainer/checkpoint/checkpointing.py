@@ -49,7 +49,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 from megatron.core.utils import unwrap_model
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron.dpp.transport.channel import brief
+from megatron.dpp.errors import brief
 from megatron.trainer.checkpoint import (
     checkpoint_files,
     checkpoint_trust,

@@ -1,4 +1,4 @@
-"""Address checks shared by the flag validation (arguments.py) and the launch helpers
+"""Address checks shared by the flag validation (arguments.py) and the launch scripts' Python side
 (launch.py); standard library only, so that neither has to import the other."""
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ def validate_cuda_graphs(args, need):
             "megatron-core's graphs replay one fixed microbatch order, which --use-dpp does "
             "not follow" if args.use_dpp else
             "megatron-core's graphs are captured by Megatron-LM's training loop (its CUDA graph "
-            "manager / Transformer Engine helper), which this trainer does not run") +
+            "manager / Transformer Engine's), which this trainer does not run") +
             "; use --cuda-graph-impl block")
     limit = args.cuda_graph_memory_limit
     need(limit is None or impl == "block",

@@ -45,7 +45,7 @@ MEASURED_STATIC = ("with one model chunk the plan in order measured faster than 
                    "rule's deviations (W deferred: 289.3 against 300.5 ms an iteration at "
                    "PP=4; with --seq-length-cv 0.5, in the cost order, 196,953 against "
                    "191,682 real tokens/s)")
-# docs/benchmarks/variable_lengths_h200_2026-11-27.md, "Session 7" (4 H200s, PP=4, one machine)
+# docs/benchmarks/variable_lengths_h200_2026-11-27.md, "2026-11-28 00:00 UTC" (4 H200s, PP=4, one machine)
 MEASURED_DEFERRAL = ("measured at PP=4: 288.0 ms an iteration against 283.2 with the W "
                      "deferred, the last stage holding 6,227 MB against 7,697 (1F1B: 303.4 "
                      "ms, 6,243 MB); on variable lengths under --microbatch-tokens 183,889 "

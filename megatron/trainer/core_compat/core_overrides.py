@@ -1,7 +1,7 @@
 """Every megatron.core internal the trainer depends on, declared once and checked at start-up.
 
 The declaration machinery (`Internal`, `Feature`, `verify`, `replace_fallback`) and the
-internals megatron/dpp relies on live in megatron/dpp/core_internals.py; `INTERNALS` here is
+internals megatron/dpp relies on live in megatron/dpp/compat/core_internals.py; `INTERNALS` here is
 both lists, and `verify()` (the first step of `training.setup`) checks them all: anything
 moved or changed in the installed megatron-core stops the run with one message naming every
 such target and its user.
@@ -9,8 +9,8 @@ such target and its user.
 
 from __future__ import annotations
 
-from megatron.dpp import core_internals
-from megatron.dpp.core_internals import Feature, Internal
+from megatron.dpp.compat import core_internals
+from megatron.dpp.compat.core_internals import Feature, Internal
 
 _SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 _LAYERS = "megatron.core.tensor_parallel.layers"

@@ -20,7 +20,7 @@ import logging
 
 import torch
 
-from megatron.dpp import core_internals
+from megatron.dpp.compat import core_internals
 from megatron.trainer.core_compat import core_overrides
 
 log = logging.getLogger(__name__)

@@ -18,8 +18,9 @@ import traceback
 
 import torch.distributed as dist
 
-from megatron.dpp.core_internals import CoreInternalsError
-from megatron.dpp.transport.channel import TransportError, brief, peer_failure
+from megatron.dpp.compat.core_internals import CoreInternalsError
+from megatron.dpp.errors import brief, peer_failure
+from megatron.dpp.transport.channel import TransportError
 from megatron.trainer.checkpoint.checkpoint_publish import CheckpointError
 from megatron.trainer.config.arguments import ArgumentError
 from megatron.trainer.core_compat.reruns import NonFiniteResult, ResultValidationStop

@@ -3,7 +3,7 @@
 With `--use-pytorch-profiler` the listed ranks run torch.profiler over iterations
 [--profile-step-start, --profile-step-end) and write, into --profile-dir:
 `profile-rank<R>.json` (Chrome trace, opens in Perfetto), `kernels-rank<R>.txt` (the
-operators and kernels by device time) and `breakdown-rank<R>.json` (device time per
+operators and kernels by GPU time) and `breakdown-rank<R>.json` (GPU time per
 category and per profiled iteration: matmul, attention, elementwise, ...; see CATEGORIES).
 Without it, the window is marked with cudaProfilerStart/Stop for
 `nsys profile --capture-range=cudaProfilerApi`.
@@ -43,7 +43,7 @@ def category_of(kernel_name: str) -> str:
 
 
 def breakdown(kernel_times_us: dict[str, float], iterations: int, wall_ms: float) -> dict:
-    """Device time per category in ms per iteration, and its share of the wall time."""
+    """GPU time per category in ms per iteration, and its share of the wall time."""
     per_category: dict[str, float] = {}
     for name, micros in kernel_times_us.items():
         key = category_of(name)

@@ -1,10 +1,10 @@
-"""The simulator's command line (megatron/dpp/simulator.py: the cost models, schedules and
-replays; megatron/dpp/simulate_grid.py: the acceptance grid).
+"""The simulator's command line (megatron/dpp/sim/simulator.py: the cost models, schedules and
+replays; megatron/dpp/sim/simulate_grid.py: the comparison grid).
 
-    python -m megatron.dpp.simulate --pp 8 --microbatches 32 --cv 0.5
-    python -m megatron.dpp.simulate --pp 8 --microbatches 32 --split-backward --slack 0
-    python -m megatron.dpp.simulate --grid
-    python -m megatron.dpp.simulate --grid --split-backward
+    python -m megatron.dpp.sim.simulate --pp 8 --microbatches 32 --cv 0.5
+    python -m megatron.dpp.sim.simulate --pp 8 --microbatches 32 --split-backward --slack 0
+    python -m megatron.dpp.sim.simulate --grid
+    python -m megatron.dpp.sim.simulate --grid --split-backward
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict
 
 from megatron.dpp.config import DEFAULTS
-from megatron.dpp.simulate_grid import (
+from megatron.dpp.sim.simulate_grid import (
     GRID_EXTRA_MODELS,
     GRID_MODELS,
     GRID_PP,
@@ -25,7 +25,7 @@ from megatron.dpp.simulate_grid import (
     format_split_grid,
     run_grid,
 )
-from megatron.dpp.simulator import SCHEDULES, CostModel, compare, write_trace
+from megatron.dpp.sim.simulator import SCHEDULES, CostModel, compare, write_trace
 
 
 def _single_report(args, cost: CostModel) -> dict:
@@ -90,9 +90,9 @@ def _format_single(report: dict) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m megatron.dpp.simulate",
+        prog="python -m megatron.dpp.sim.simulate",
         description="Simulate pipeline schedules (1F1B, interleaved 1F1B, GPipe, ZB-H1, DPP) on "
-                    "sampled task durations, or run the acceptance grid (--grid)."
+                    "sampled task durations, or run the comparison grid (--grid)."
     )
     parser.add_argument("--pp", type=int, default=4, help="pipeline stages")
     parser.add_argument("--microbatches", type=int, default=16)
@@ -123,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument("--trace", metavar="FILE", help="write a Chrome trace JSON")
     parser.add_argument("--trace-schedule", default="dpp", choices=SCHEDULES)
-    parser.add_argument("--grid", action="store_true", help="run the acceptance grid")
+    parser.add_argument("--grid", action="store_true", help="run the comparison grid")
     parser.add_argument("--grid-pp", type=int, nargs="+", default=list(GRID_PP))
     parser.add_argument("--grid-slacks", type=int, nargs="+", default=list(GRID_SLACKS))
     parser.add_argument("--seeds", type=int, default=10, help="grid: seeds per random cell")

@@ -1,7 +1,7 @@
-"""The simulator's acceptance grid: DPP against 1F1B (and, with the split backward, ZB-H1
+"""The simulator's comparison grid: DPP against 1F1B (and, with the split backward, ZB-H1
 fed DPP's microbatch order) over pipeline depths, cost models and seeds, as rows and as the
 markdown tables of docs/benchmarks/simulator.md and simulator_split.md
-(`python -m megatron.dpp.simulate --grid [--split-backward]`).
+(`python -m megatron.dpp.sim.simulate --grid [--split-backward]`).
 """
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from __future__ import annotations
 from megatron.dpp.config import DEFAULTS
 from megatron.dpp.plan import StageConfig
 from megatron.dpp.policy import microbatch_order_for
-from megatron.dpp.simulator import CostModel, SimResult, sample_durations, simulate
+from megatron.dpp.sim.simulator import CostModel, SimResult, sample_durations, simulate
 
 GRID_PP = (2, 4, 8, 16, 32, 64)
 GRID_SLACKS = (0, 2)
 
 
-# the acceptance grid's cost models; GRID_EXTRA_MODELS run only when named (--grid-models)
+# the comparison grid's cost models; GRID_EXTRA_MODELS run only when named (--grid-models)
 GRID_MODELS = ("uniform", "cv 0.5", "jitter 0.3", "slow stage 1.3x")
 GRID_EXTRA_MODELS = ("cv 0.5 + jitter 0.3",)
 
@@ -105,7 +105,7 @@ def run_grid(
     weight_slices: int = DEFAULTS.weight_slices,
     defer_weights: bool = DEFAULTS.defer_weights,
 ) -> list[dict]:
-    """Every (p, cost model, seed) of the acceptance grid; one row per (p, model, slack).
+    """Every (p, cost model, seed) of the comparison grid; one row per (p, model, slack).
     known_costs: DPP knows each microbatch's cost factor in advance (not the jitter).
     Random models run seeds seed_offset .. seed_offset + seeds - 1 (held-out seeds: an
     offset past the grid's 10); a deterministic model runs once. `split_backward`: DPP

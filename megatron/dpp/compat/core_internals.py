@@ -14,7 +14,8 @@ user.
 
 The modules that patch go through the declarations (`Internal.swapped`, `replace_fallback`,
 `backward_step`), so a declaration and its use cannot drift apart.
-/work/notes/mcore_internals.md has the inventory with the differences between releases.
+docs/compatibility.md lists what changed between the releases in CHECKED_ON and how each
+change is handled.
 """
 
 from __future__ import annotations

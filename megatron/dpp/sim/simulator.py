@@ -6,8 +6,8 @@ The event loop is megatron/dpp/engine.py's: each rank runs one task at a time; a
 of virtual stage v > 0 needs the activation of virtual stage v - 1, a backward of v < V - 1
 the gradient of v + 1 (megatron/dpp/topology.py); both travel with a fixed latency. This
 module adds the task durations (a cost model, see `CostModel`), runs schedules and recorded
-orders on them, and writes their traces; megatron/dpp/simulate_grid.py is the comparison
-grid, megatron/dpp/simulate.py the command line.
+orders on them, and writes their traces; megatron/dpp/sim/simulate_grid.py is the comparison
+grid, megatron/dpp/sim/simulate.py the command line.
 
 With the split backward each backward is a B (input gradient) and a W (weight gradient)
 task, half of the backward's time each by default (F = B = W); the static baselines then

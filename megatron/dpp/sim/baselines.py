@@ -1,5 +1,6 @@
-"""DPP against the best static schedules given the same information, at their memory:
-the view of issue 19 (variable lengths). Per pipeline depth and seed, the simulator's
+"""DPP against the best static schedules given the same information, at their memory: with
+variable lengths (docs/variable_lengths.md) a static schedule can be fed DPP's cost order
+too, so DPP must beat that, not plain 1F1B. Per pipeline depth and seed, the simulator's
 cv cost model (a per-microbatch factor, standing for its token count, known before the
 iteration) runs:
 
@@ -19,8 +20,8 @@ how steady each schedule is: a seed stands for one iteration's batch, and the la
 deviation of an iteration's makespan per unit of work (its time per real token) from the
 median over the seeds is what the pipeline's fill and drain alone make it vary by.
 
-    python -m megatron.dpp.baselines --pp 2 4 8 --cv 0.5 --slack 0 --seeds 10
-    python -m megatron.dpp.baselines --pp 4 --cv 0.5 --slack 0 --seeds 10 --defer-weights
+    python -m megatron.dpp.sim.baselines --pp 2 4 8 --cv 0.5 --slack 0 --seeds 10
+    python -m megatron.dpp.sim.baselines --pp 4 --cv 0.5 --slack 0 --seeds 10 --defer-weights
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from megatron.dpp.actions import BACKWARD, FORWARD, WEIGHT
 from megatron.dpp.config import DEFAULTS
 from megatron.dpp.plan import StageConfig
 from megatron.dpp.policy import microbatch_order_for
-from megatron.dpp.simulator import CostModel, SimResult, sample_durations, simulate
+from megatron.dpp.sim.simulator import CostModel, SimResult, sample_durations, simulate
 
 SCHEDULES = ("1f1b plain", "1f1b ordered", "zb-h1 ordered", "dpp")
 
