@@ -4,9 +4,8 @@ import subprocess
 import sys
 import time
 import tomllib
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests import REPO
 
 
 def test_the_suite_configures_a_time_limit():
