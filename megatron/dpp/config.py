@@ -26,8 +26,9 @@ class MemoryBudget:
     def __post_init__(self):
         if (self.factor is None) == (self.limit_bytes is None):
             raise ValueError("a memory budget is a factor of 1F1B's busiest stage or a size")
-        if (self.factor or self.limit_bytes) <= 0:
-            raise ValueError("a memory budget must be > 0")
+        value = self.limit_bytes if self.factor is None else self.factor
+        if value <= 0:
+            raise ValueError(f"a memory budget must be > 0, got {value:g}")
 
     @classmethod
     def parse(cls, text: str) -> MemoryBudget:
