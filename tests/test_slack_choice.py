@@ -5,6 +5,7 @@ latency, capped by the memory budget; message times across hosts with offset clo
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 
@@ -118,3 +119,36 @@ def test_message_times_across_hosts_cancel_the_clock_offset():
     # one direction only (a single host): its own time
     stage0["seen"] = [{}]
     assert measured_from([stage0, stage1]).hop_ms[0] == pytest.approx(1e3 * (hop + offset))
+
+
+def test_megatron_lms_trainer_refuses_a_budget_beside_a_forced_slack():
+    from megatron.dpp.megatron_lm.arguments import problems
+
+    def found(**flags):
+        return problems(argparse.Namespace(use_dpp=True, pipeline_model_parallel_size=2,
+                                           **flags))
+
+    assert found(dpp_memory_budget="1.15x") == []
+    assert found(dpp_max_inflight=1, dpp_memory_budget="1.15x") == [
+        "--dpp-memory-budget 1.15x caps the slack DPP chooses; --dpp-max-inflight 1 forces "
+        "one: give one of them"]
+    (bad,) = found(dpp_memory_budget="plenty")
+    assert bad.startswith("--dpp-memory-budget: memory budget 'plenty': expected a factor")
+
+
+@pytest.mark.parametrize("flags, problem", [
+    (["--use-dpp", "--dpp-max-inflight", "1", "--dpp-memory-budget", "1.15x"],
+     "--dpp-max-inflight 1 forces one: give one of them"),
+    (["--dpp-memory-budget", "2GB"], "--dpp-memory-budget needs --use-dpp"),
+    (["--use-dpp", "--dpp-memory-budget", "most"], "--dpp-memory-budget: memory budget 'most'"),
+])
+def test_the_trainer_names_a_bad_memory_budget(flags, problem):
+    from megatron.trainer.config.args_common import ArgumentError
+    from megatron.trainer.config.arguments import parse_args
+    from tests.trainer_runs import TINY, with_flags
+
+    with pytest.raises(ArgumentError, match=re.escape(problem)):
+        parse_args([*with_flags(TINY, pipeline_model_parallel_size=2, train_iters=1), *flags], world_size=2)
+    args = parse_args([*with_flags(TINY, pipeline_model_parallel_size=2, train_iters=1), "--use-dpp",
+                       "--dpp-memory-budget", "800MB"], world_size=2)
+    assert DppOptions.from_args(args).budget == MemoryBudget(limit_bytes=8e8)
