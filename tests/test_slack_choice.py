@@ -152,3 +152,16 @@ def test_the_trainer_names_a_bad_memory_budget(flags, problem):
     args = parse_args([*with_flags(TINY, pipeline_model_parallel_size=2, train_iters=1), "--use-dpp",
                        "--dpp-memory-budget", "800MB"], world_size=2)
     assert DppOptions.from_args(args).budget == MemoryBudget(limit_bytes=8e8)
+
+
+def test_a_size_budget_without_measured_activations_is_named():
+    """On CPU under the fused weight-gradient accumulation nothing counts the activations:
+    a budget in bytes cannot be met, a factor still can (equal bytes per stage)."""
+    from megatron.dpp.slack_measurement import PipelineShape, SlackAdapter
+
+    summaries = [_summary(0, {}, {}), _summary(1, {}, {})]
+    shape = PipelineShape((10, 11), 0, 1, 8, False, False, 1)
+    with pytest.raises(ValueError, match="the activations were not measured"):
+        SlackAdapter(2, False, MemoryBudget.parse("1GB"))._decide(summaries, shape)
+    choice = SlackAdapter(2, False, MemoryBudget.parse("1x"))._decide(summaries, shape)
+    assert choice.slack == 0 and choice.held_bytes is None

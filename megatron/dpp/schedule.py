@@ -387,7 +387,8 @@ class _Iteration:
             data = data.of(microbatch)
         stored = len(self.forward_data_store)
         with (contextlib.nullcontext() if self.record is None or self.forward_only
-              else self.record.saving(self.model[chunk].parameters())):
+              else self.record.saving(self.model[chunk].parameters(), self.device,
+                                      self.config.gradient_accumulation_fusion)):
             output, num_tokens = self._forward_step(data, chunk, microbatch, input_tensor, last)
         self.tracer.stop(span)
         if last and self.output_weight_grads is not None:

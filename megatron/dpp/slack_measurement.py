@@ -15,6 +15,7 @@ it, so that every rank of every pipeline runs the same slack.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import time
@@ -60,9 +61,16 @@ class IterationRecord:
     def timed(self, task: Task, device: torch.device):
         return _TaskTimer(self, task, device)
 
-    def saving(self, parameters):
-        """A context in which the tensors autograd saves are counted (once per storage;
-        parameters are not activations)."""
+    def saving(self, parameters, device: torch.device, fused_weight_grads: bool):
+        """A context around a forward that counts the activations it leaves: on a GPU the
+        allocator's growth; on CPU the tensors autograd saves (once per storage, parameters
+        left out), except under the fused weight-gradient accumulation, whose backward
+        reads main_grad from the saved weight, an attribute autograd's saved-tensor hooks
+        do not carry over (nothing is counted then)."""
+        if device.type == "cuda":
+            return _AllocatedBytes(self, device)
+        if fused_weight_grads:
+            return contextlib.nullcontext()
         return _SavedBytes(self, {p.untyped_storage().data_ptr() for p in parameters})
 
     def resolve(self) -> None:
@@ -98,6 +106,20 @@ class _TaskTimer:
         return False
 
 
+class _AllocatedBytes:
+    def __init__(self, record: IterationRecord, device: torch.device):
+        self.record, self.device = record, device
+
+    def __enter__(self):
+        self.before = torch.cuda.memory_allocated(self.device)
+        return self
+
+    def __exit__(self, *exc):
+        grown = torch.cuda.memory_allocated(self.device) - self.before
+        self.record.saved_bytes.append(max(0, grown))
+        return False
+
+
 class _SavedBytes:
     def __init__(self, record: IterationRecord, parameter_storages: set[int]):
         self.record, self.skip = record, parameter_storages
@@ -105,11 +127,10 @@ class _SavedBytes:
         self.total = 0
 
     def _pack(self, tensor):
-        storage = tensor.untyped_storage()
-        pointer = storage.data_ptr()
+        pointer = tensor.untyped_storage().data_ptr()
         if pointer not in self.skip and pointer not in self.seen:
             self.seen.add(pointer)
-            self.total += storage.nbytes()
+            self.total += tensor.untyped_storage().nbytes()
         return tensor
 
     def __enter__(self):
@@ -165,17 +186,30 @@ class SlackAdapter:
         mine = _summary(self.records, shape)
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine, group=group)
+        # the choice, or why there is none: every rank raises then, none waits on
         decision = [None]
         if dist.get_rank() == 0:
-            decision[0] = self._decide(gathered, shape)
-            log.info(decision[0].line())
+            try:
+                decision[0] = self._decide(gathered, shape)
+                log.info(decision[0].line())
+            except ValueError as error:
+                decision[0] = f"DPP cannot choose its slack: {error}"
         dist.broadcast_object_list(decision, src=0, group=group)
         dist.destroy_process_group(group)
+        if isinstance(decision[0], str):
+            raise RuntimeError(decision[0])
         self.choice = decision[0]
         self.records = []
 
     def _decide(self, summaries: list[dict], shape: PipelineShape) -> SlackChoice:
-        return choose_slack(measured_from(summaries), len(shape.ranks), shape.num_microbatches,
+        measured = measured_from(summaries)
+        budget = self.budget
+        if budget is not None and budget.limit_bytes is not None \
+                and measured.activation_bytes is None:
+            raise ValueError(f"memory budget {budget.describe()}: the activations were "
+                               "not measured (CPU with the fused weight-gradient "
+                               "accumulation); give a factor such as 1.15x")
+        return choose_slack(measured, len(shape.ranks), shape.num_microbatches,
                             num_chunks=shape.num_chunks, split_backward=shape.split_backward,
                             defer_weights=shape.defer_weights,
                             weight_slices=shape.weight_slices, static=self.static,
