@@ -59,8 +59,10 @@ class SlackChoice:
         base = self.simulated_ms[slacks[0]]
         speedups = "/".join(f"{base / self.simulated_ms[s]:.2f}" for s in slacks)
         rule = "the plan in order" if self.static else "the dynamic rule"
+        forwards = (f"{self.hop_ms / self.forward_ms:.1f}" if self.forward_ms > 0
+                    else "?")
         text = (f"DPP slack {self.slack}: measured hop {self.hop_ms:.1f} ms = "
-                f"{self.hop_ms / self.forward_ms:.1f} forwards ({self.forward_ms:.1f} ms); "
+                f"{forwards} forwards ({self.forward_ms:.1f} ms); "
                 f"simulated speedup {speedups} at slack "
                 f"{'/'.join(map(str, slacks))} ({rule}; the smallest within "
                 f"{100 * SLACK_TOLERANCE:g} % of the fastest)")
