@@ -282,7 +282,8 @@ LINE = re.compile(
     r"iteration\s+(\d+)/.*elapsed time per iteration \(ms\): ([\d.]+)"
     r"(?:.*throughput per GPU \(TFLOP/s/GPU\): ([\d.]+))?(?:.*MFU: ([\d.]+)%)?.*tokens/s: (\d+)"
 )
-MEMORY = re.compile(r"memory per rank \(max allocated, MB\): (.*)")
+# the trainer's memory line: max allocated on a GPU, max RSS on CPU
+MEMORY = re.compile(r"memory per rank \(max (?:allocated|RSS), MB\): (.*)")
 REAL = re.compile(r"iteration\s+(\d+)/.*real tokens per second: (\d+) \| padding: ([\d.]+)%")
 
 
@@ -394,7 +395,9 @@ def pipeline_flags(flags: list[str], pp: int) -> list[str]:
     return ["--pipeline-model-parallel-size", str(pp), *flags]
 
 
-def run(name: str, flags: list[str], args, out: Path) -> dict:
+def run(name: str, flags: list[str], args, out: Path, model: list[str] | None = None) -> dict:
+    """One configuration: its torchrun, log (out/<name>.log) and figures. `model`: the
+    model's flags (default GPU.md's GPT, `model_flags`)."""
     # --find-syncs: the same run under profiling/find_syncs.py (device syncs per call site)
     wrapper = ["profiling/find_syncs.py", "--out", str(out / f"syncs-{name}")] if (
         args.find_syncs) else []
@@ -403,7 +406,8 @@ def run(name: str, flags: list[str], args, out: Path) -> dict:
     program = ["-m", "pretrain_gpt"] if args.installed else [*wrapper, "pretrain_gpt.py"]
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.gpus}",
-        f"--master_port={args.port}", *program, *model_flags(flags),
+        f"--master_port={args.port}", *program,
+        *(model_flags(flags) if model is None else model),
         "--global-batch-size", str(2 * args.microbatches),
         "--train-iters", str(args.warmup + args.iters), *pipeline_flags(flags, args.pp),
         *observer_flags(name, args, out),

@@ -106,18 +106,20 @@ def test_variable_lengths_keep_graphs_while_their_shapes_are_known_in_advance():
 PP2_DPP = [*FLAGS, "--use-dpp", "--pipeline-model-parallel-size", "2"]
 
 
-def test_use_dpp_alone_splits_the_backward_under_graphs_at_1f1b_memory():
+def test_use_dpp_alone_splits_the_backward_under_graphs_within_the_memory_budget():
     args = _resolved(PP2_DPP, world_size=2)
-    assert (args.dpp_split_backward, args.dpp_max_inflight, args.cuda_graph_impl,
-            args.dpp_static, args.dpp_defer_weights) == (True, 0, "block", True, False)
-    split, placement, static, chunks = args.fast_path_fallbacks
-    assert split.startswith(fast_path.SPLIT_BACKWARD + " on by default") and "slack 0" in split
+    assert (args.dpp_split_backward, args.dpp_max_inflight, args.dpp_memory_budget,
+            args.cuda_graph_impl, args.dpp_static, args.dpp_defer_weights) == (
+        True, None, fast_path.GPU_MEMORY_BUDGET, "block", True, False)
+    budget, split, placement, static, chunks = args.fast_path_fallbacks
+    assert "--dpp-memory-budget" in budget and fast_path.GPU_MEMORY_BUDGET in budget
+    assert split.startswith(fast_path.SPLIT_BACKWARD + " on by default")
     assert "right after its B" in placement and "--dpp-defer-weights" in placement
     assert "--dpp-static" in static and "--virtual-pipeline-model-parallel-size 2" in chunks
     given = _resolved([*PP2_DPP, "--dpp-max-inflight", "2", "--dpp-defer-weights"],
                       world_size=2)
-    assert (given.dpp_split_backward, given.dpp_max_inflight, given.dpp_defer_weights) == (
-        True, 2, True)
+    assert (given.dpp_split_backward, given.dpp_max_inflight, given.dpp_defer_weights,
+            given.dpp_memory_budget) == (True, 2, True, None)
     assert not [line for line in given.fast_path_fallbacks if "right after its B" in line]
 
 

@@ -90,7 +90,7 @@ def test_cli_json_and_trace(tmp_path, capsys):
     main(["--pp", "2", "--microbatches", "4", "--cv", "0.5", "--slack", "2", "--json",
           "--trace", str(trace)])
     report = json.loads(capsys.readouterr().out)["schedules"]
-    assert set(report) == {"1f1b", "gpipe", "dpp"}
+    assert set(report) == {"1f1b", "gpipe", "dpp", "dpp-static"}
     expected = compare(2, 4, CostModel(cv=0.5), slack=2, record=True)
     for name, result in expected.items():
         assert report[name]["makespan"] == result.makespan
@@ -259,7 +259,7 @@ def test_cli_split_backward_report_and_grid(capsys):
     main(["--pp", "4", "--microbatches", "16", "--split-backward", "--slack", "0", "--cv", "0.5",
           "--json"])
     report = json.loads(capsys.readouterr().out)["schedules"]
-    assert set(report) == {"1f1b", "gpipe", "zb-h1", "dpp"}
+    assert set(report) == {"1f1b", "gpipe", "zb-h1", "dpp", "dpp-static"}
     assert report["zb-h1"]["peak_activations_per_stage"] == [4, 3, 2, 1]
     assert report["zb-h1"]["peak_in_flight_per_stage"] == [4, 4, 4, 4]
     # the static schedules ran DPP's microbatch order

@@ -7,9 +7,48 @@ so none of them keeps a copy.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 TRANSPORTS = ("auto", "torch", "shm", "rdma")
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(x|gib|gb|mib|mb)\s*$", re.IGNORECASE)
+_UNITS = {"gb": 1e9, "gib": 2.0 ** 30, "mb": 1e6, "mib": 2.0 ** 20}
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """The activations a stage may hold: `factor` times what megatron-core's 1F1B holds on
+    its busiest stage, or `limit_bytes` on every stage."""
+
+    factor: float | None = None
+    limit_bytes: float | None = None
+
+    def __post_init__(self):
+        if (self.factor is None) == (self.limit_bytes is None):
+            raise ValueError("a memory budget is a factor of 1F1B's busiest stage or a size")
+        value = self.limit_bytes if self.factor is None else self.factor
+        if value <= 0:
+            raise ValueError(f"a memory budget must be > 0, got {value:g}")
+
+    @classmethod
+    def parse(cls, text: str) -> MemoryBudget:
+        """'1.15x' (of 1F1B's busiest stage) or a size per stage: '12GB', '800MB', '2GiB'."""
+        match = _SIZE.match(text)
+        if not match:
+            raise ValueError(f"memory budget {text!r}: expected a factor of 1F1B's busiest "
+                             "stage (e.g. 1.15x) or activations per stage (e.g. 12GB, 800MB)")
+        value, unit = float(match.group(1)), match.group(2).lower()
+        if unit == "x":
+            return cls(factor=value)
+        return cls(limit_bytes=value * _UNITS[unit])
+
+    def limit(self, busiest_1f1b_bytes: float) -> float:
+        return self.limit_bytes if self.factor is None else self.factor * busiest_1f1b_bytes
+
+    def describe(self) -> str:
+        if self.factor is not None:
+            return f"{self.factor:g}x 1F1B's busiest stage"
+        return f"{self.limit_bytes / 1e6:.1f} MB a stage"
 
 
 @dataclass(frozen=True)
@@ -25,7 +64,11 @@ class DppOptions:
     each W follows its own B and every stage holds what megatron-core's 1F1B holds there
     (plan.weight_delay, docs/benchmarks/). static: run the
     plan in order, each task once its input is here, never deviating (the static schedule
-    on the same runtime, to compare the dynamic one with)."""
+    on the same runtime, to compare the dynamic one with). adaptive: choose the slack, at
+    most `slack`, from what the first iterations measure (megatron/dpp/slack_choice.py);
+    the trainer's default unless --dpp-max-inflight forces one. memory_budget: with
+    adaptive, the activations a stage may hold (`MemoryBudget.parse`: '1.15x' of 1F1B's
+    busiest stage, or '12GB' a stage); None: no cap beyond `slack`."""
 
     slack: int = 2
     transport: str = "auto"
@@ -33,6 +76,8 @@ class DppOptions:
     weight_slices: int = 4
     defer_weights: bool = False
     static: bool = False
+    adaptive: bool = False
+    memory_budget: str | None = None
 
     def __post_init__(self):
         if self.slack < 0:
@@ -44,11 +89,23 @@ class DppOptions:
             raise ValueError(f"DPP timeout must be > 0 seconds, got {self.timeout}")
         if self.weight_slices < 1:
             raise ValueError(f"DPP weight_slices must be >= 1, got {self.weight_slices}")
+        if self.memory_budget is not None:
+            if not self.adaptive:
+                raise ValueError("a DPP memory budget caps the slack DPP chooses; a forced "
+                                 "slack (--dpp-max-inflight) takes none")
+            MemoryBudget.parse(self.memory_budget)
+
+    @property
+    def budget(self) -> MemoryBudget | None:
+        return None if self.memory_budget is None else MemoryBudget.parse(self.memory_budget)
 
     @classmethod
     def from_args(cls, args) -> DppOptions:
-        """From the trainer's flags; a flag left unset (None) takes the default."""
-        given = {"slack": getattr(args, "dpp_max_inflight", None),
+        """From the trainer's flags; a flag left unset (None) takes the default, and
+        without --dpp-max-inflight the slack is chosen from measurements (`adaptive`)."""
+        forced = getattr(args, "dpp_max_inflight", None)
+        given = {"slack": forced, "adaptive": forced is None,
+                 "memory_budget": getattr(args, "dpp_memory_budget", None),
                  "transport": getattr(args, "dpp_transport", None),
                  "timeout": getattr(args, "dpp_timeout", None),
                  "defer_weights": getattr(args, "dpp_defer_weights", None),

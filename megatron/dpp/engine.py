@@ -7,7 +7,8 @@ or None (`arrived(task)` says whether the task's input from another rank is here
 left. `GreedyPolicy` (the DPP rule) and `StaticReplay` (a fixed order) are runners.
 
 Each rank runs one task at a time; a task's output reaches the rank of the consuming task
-(megatron/dpp/topology.py) `latency` after the task ends. Every event of one instant is
+(megatron/dpp/topology.py) `latency` after the task ends (a number, or a function of the
+edge and the message: megatron/dpp/variability.py's link profiles). Every event of one instant is
 applied before any rank decides, so the result does not depend on the order in which
 ranks are asked.
 """
@@ -15,7 +16,7 @@ ranks are asked.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -53,7 +54,7 @@ def run_pipeline(
     topology: PipelineTopology,
     runners: Sequence,
     durations: Mapping[str, Sequence[Sequence[float]]],
-    latency: float = 0.0,
+    latency: float | Callable[[int, int, Task], float] = 0.0,
     record: bool = False,
     count_in_flight: bool = True,
     weight_slices: int = 1,
@@ -63,7 +64,8 @@ def run_pipeline(
     split; activations are then freed by W instead of B). `count_in_flight=False` leaves
     the peaks at 0 (the cost-order choice needs the makespan only). `weight_slices` = n: a
     runner returns each W n times, each a part of 1/n of its time; the W releases its
-    microbatch at its last part (the timeline has every part). Raises DeadlockError
+    microbatch at its last part (the timeline has every part). `latency` may be a function
+    (source rank, destination rank, the task the message feeds) -> time. Raises DeadlockError
     when ranks are left that can never run their next task."""
     p = topology.pp_size
     if len(runners) != p:
@@ -166,11 +168,13 @@ def run_pipeline(
                     activations[r] -= 1
             if dst < 0:
                 continue
-            if latency:
-                push(events, (now + latency, p + len(pending)))
-                pending.append((dst, targets[task[2]]))
+            target = targets[task[2]]
+            delay = latency(r, dst, target) if callable(latency) else latency
+            if delay:
+                push(events, (now + delay, p + len(pending)))
+                pending.append((dst, target))
             else:
-                arrived[dst].add(targets[task[2]])
+                arrived[dst].add(target)
                 deciding.append(dst)
     stuck = [r for r in range(p) if not runners[r].finished]
     if stuck:

@@ -10,6 +10,10 @@ data (`executed`) and, under --trace, written beside the trace.
 With a WeightGradStore (--dpp-split-backward) every backward is a B, run with the linear
 layers' weight-gradient GEMMs deferred, and a W task that runs them
 (megatron/dpp/weight_grad.py); the policy places the W tasks.
+
+With `DppOptions.adaptive` the first training calls run at slack 0 and measure the task
+times, the message times and the activations (megatron/dpp/slack_measurement.py); every
+later call runs the slack chosen from them.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from megatron.dpp.gpu_queue import (
 from megatron.dpp.output_weight_grad import DeferredOutputWeightGrads
 from megatron.dpp.plan import StageConfig
 from megatron.dpp.policy import GreedyPolicy, microbatch_order_for
+from megatron.dpp.slack_measurement import IterationRecord, PipelineShape, SlackAdapter
 from megatron.dpp.topology import PipelineTopology
 from megatron.dpp.tracing import NullTracer
 from megatron.dpp.transport.channel import MessageKey, MessageKind
@@ -91,6 +96,17 @@ class DppSchedule:
         self.tracer = NullTracer()  # the trainer installs a Tracer under --trace
         self._microbatch_costs: list[float] | None = None
         self._cost_order = True
+        self._adapter = (SlackAdapter(self.options.slack, self.options.static,
+                                      self.options.budget)
+                         if self.options.adaptive else None)
+
+    @property
+    def slack(self) -> int | None:
+        """The slack the next training call runs: forced, or chosen once measured (None
+        while measuring)."""
+        if self._adapter is None:
+            return self.options.slack
+        return None if self._adapter.choice is None else self._adapter.choice.slack
 
     def set_microbatch_costs(self, costs: list[float] | None, reorder: bool = True) -> None:
         """What each microbatch of the next call will cost (its token count), the same list
@@ -158,9 +174,15 @@ class DppSchedule:
         if costs is not None and len(costs) != num_microbatches:
             raise ValueError(f"DppSchedule: {len(costs)} microbatch costs for "
                              f"{num_microbatches} microbatches")
+        slack, record = ((self.options.slack, None) if self._adapter is None
+                         else self._adapter.next_call(forward_only))
         run = _Iteration(self, model, iterators, forward_step_func, num_microbatches,
-                         config, forward_only, collect_non_loss_data, costs, self._cost_order)
-        return run.execute(pg_collection, force_all_reduce)
+                         config, forward_only, collect_non_loss_data, costs, self._cost_order,
+                         slack, record)
+        result = run.execute(pg_collection, force_all_reduce)
+        if record is not None:
+            self._adapter.finished(record, run.shape())
+        return result
 
 
 class _Iteration:
@@ -168,7 +190,7 @@ class _Iteration:
 
     def __init__(self, schedule: DppSchedule, model, iterators, forward_step_func,
                  num_microbatches, config, forward_only, collect_non_loss_data, costs,
-                 cost_order=True):
+                 cost_order=True, slack: int = 0, record: IterationRecord | None = None):
         self.model, self.iterators = model, iterators
         self.forward_step_func = forward_step_func
         self.config, self.forward_only = config, forward_only
@@ -189,7 +211,7 @@ class _Iteration:
         self.weight_grads = None if forward_only else schedule.weight_grads
         self.stage = StageConfig(
             rank=self.rank, pp_size=self.pp_size, num_chunks=self.num_chunks,
-            num_microbatches=num_microbatches, slack=schedule.options.slack,
+            num_microbatches=num_microbatches, slack=slack,
             forward_only=forward_only, split_backward=self.weight_grads is not None,
             defer_weights=schedule.options.defer_weights,
             weight_slices=schedule.options.weight_slices,
@@ -198,6 +220,9 @@ class _Iteration:
         self.policy = GreedyPolicy(self.stage, microbatch_order=order, costs=costs,
                                    static=schedule.options.static)
         self.executed: list[Task] = []  # the actions in the order they ran
+        # while the slack is being chosen: this call's measurements
+        self.record = record
+        self.device = _device(model)
         # inputs the policy found missing at its last look (a timeout names them)
         self._missing: list[MessageKey] = []
         order = self.policy.microbatch_order
@@ -221,6 +246,20 @@ class _Iteration:
             raise ValueError("DppSchedule: defer_embedding_wgrad_compute and the B/W split "
                              "both defer the output layer's weight gradient; use one")
 
+    def shape(self) -> PipelineShape:
+        return PipelineShape(tuple(self.pipeline), self.rank, self.num_chunks,
+                             self.num_microbatches, self.stage.split_backward,
+                             self.stage.defer_weights, self.stage.weight_slices)
+
+    def _run(self, task: Task, run) -> bool:
+        """Runs the task (timed while measuring); False for a W part that was not its last."""
+        with (contextlib.nullcontext() if self.record is None
+              else self.record.timed(task, self.device)):
+            if task.kind != WEIGHT:
+                run[task.kind](task)
+                return True
+            return self._weight(task)
+
     def execute(self, pg_collection, force_all_reduce):
         run = {FORWARD: self._forward, BACKWARD: self._backward}
         if self.weight_grads is not None:
@@ -231,10 +270,7 @@ class _Iteration:
         with self.no_sync:
             for _ in range(self.policy.num_decisions):
                 task = self._next()
-                if task.kind != WEIGHT:
-                    run[task.kind](task)
-                    self.executed.append(task)
-                elif self._weight(task):  # a W in parts is recorded once, at its last
+                if self._run(task, run):  # a W in parts is recorded once, at its last
                     self.executed.append(task)
                 if self.gpu_queue is not None:
                     self.gpu_queue.launched(1.0 / self.stage.weight_slices
@@ -277,12 +313,16 @@ class _Iteration:
         version = inbox.version
         task = self._ready_task(gpu)
         if task is None:
+            if self.record is not None:
+                self.record.waiting = True
             with self.tracer.span("recv_wait"):
                 while task is None:
                     # a timeout names the inputs the policy looked for, and their peers
                     self.transport.wait(version, self._missing)
                     version = inbox.version
                     task = self._ready_task(gpu)
+            if self.record is not None:
+                self.record.waiting = False
         return self.coordinator.share(task)
 
     def _ready_task(self, gpu: GpuQueue | None) -> Task | None:
@@ -298,7 +338,7 @@ class _Iteration:
                                                                     deviate=False)
 
     def _landed(self, task: Task) -> bool:
-        return self.transport.inbox.landed(_input_key(task))
+        return self._looked_at(task, self.transport.inbox.landed(_input_key(task)))
 
     def _announced(self, task: Task) -> bool:
         return self.transport.inbox.has(_input_key(task))
@@ -306,9 +346,15 @@ class _Iteration:
     def _arrived(self, task: Task) -> bool:
         key = _input_key(task)
         if self.transport.inbox.has(key):
-            return True
+            return self._looked_at(task, True)
         self._missing.append(key)
-        return False
+        return self._looked_at(task, False)
+
+    def _looked_at(self, task: Task, here: bool) -> bool:
+        """`here`, noted for the message-time measurement while measuring."""
+        if self.record is not None:
+            self.record.input_looked_at(self.topology.source(self.rank, task)[0], task, here)
+        return here
 
     def _send_output(self, task: Task, tensor) -> None:
         """To the rank of the task that consumes `task`'s output (none: nothing to send)."""
@@ -316,6 +362,8 @@ class _Iteration:
         if destination is None:
             return
         rank, consumer = destination
+        if self.record is not None:
+            self.record.message_sent(rank, consumer)
         with self.tracer.span("send", task.microbatch, task.chunk):
             self.transport.send(self.pipeline[rank], _input_key(consumer), tensor)
 
@@ -338,7 +386,24 @@ class _Iteration:
         if isinstance(data, _Batches):
             data = data.of(microbatch)
         stored = len(self.forward_data_store)
-        output, num_tokens = forward_step(
+        with (contextlib.nullcontext() if self.record is None or self.forward_only
+              else self.record.saving(self.model[chunk].parameters(), self.device,
+                                      self.config.gradient_accumulation_fusion)):
+            output, num_tokens = self._forward_step(data, chunk, microbatch, input_tensor, last)
+        self.tracer.stop(span)
+        if last and self.output_weight_grads is not None:
+            self.output_weight_grads.after_forward(microbatch, training=not self.forward_only)
+        self.forwards_run[chunk] += 1
+        self.stored_microbatch += [microbatch] * (len(self.forward_data_store) - stored)
+        self.total_num_tokens += num_tokens
+        self._send_output(task, output)
+        if not self.forward_only:
+            self.saved[(chunk, microbatch)] = (input_tensor, output)
+            if not last:
+                deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)
+
+    def _forward_step(self, data, chunk: int, microbatch: int, input_tensor, last: bool):
+        return forward_step(
             self.forward_step_func,
             data,
             self.model[chunk],
@@ -353,17 +418,6 @@ class _Iteration:
             vp_stage=chunk if self.num_chunks > 1 else None,
             is_last_stage=last,
         )
-        self.tracer.stop(span)
-        if last and self.output_weight_grads is not None:
-            self.output_weight_grads.after_forward(microbatch, training=not self.forward_only)
-        self.forwards_run[chunk] += 1
-        self.stored_microbatch += [microbatch] * (len(self.forward_data_store) - stored)
-        self.total_num_tokens += num_tokens
-        self._send_output(task, output)
-        if not self.forward_only:
-            self.saved[(chunk, microbatch)] = (input_tensor, output)
-            if not last:
-                deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)
 
     def _backward(self, task: Task) -> None:
         chunk, microbatch = task.chunk, task.microbatch

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron.dpp.config import DEFAULTS, TRANSPORTS
+from megatron.dpp.config import DEFAULTS, TRANSPORTS, MemoryBudget
 
 
 def add_dpp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -18,8 +18,14 @@ def add_dpp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--use-dpp", action="store_true",
                        help="the dynamic pipeline schedule instead of megatron-core's static one")
     group.add_argument("--dpp-max-inflight", type=int, default=None,
-                       help="microbatches a stage may hold in flight beyond the static "
-                            f"schedule's count (default {DEFAULTS.slack})")
+                       help="forces the microbatches a stage may hold in flight beyond the "
+                            "static schedule's count (default: chosen from 0-"
+                            f"{DEFAULTS.slack} by what the first iterations measure)")
+    group.add_argument("--dpp-memory-budget", default=None,
+                       help="the activations a stage may hold while DPP chooses its slack: a "
+                            "factor of 1F1B's busiest stage (1.15x) or a size per stage "
+                            "(12GB, 800MB); default: no cap beyond the slack's "
+                            f"{DEFAULTS.slack}")
     group.add_argument("--dpp-transport", default=DEFAULTS.transport, choices=TRANSPORTS,
                        help="how activations and gradients move between pipeline stages")
     group.add_argument("--dpp-timeout", type=float, default=DEFAULTS.timeout,
@@ -59,6 +65,14 @@ def problems(args) -> list[str]:
 
     inflight = _get(args, "dpp_max_inflight")
     need(inflight is None or inflight >= 0, f"--dpp-max-inflight {inflight} must be >= 0")
+    budget = _get(args, "dpp_memory_budget")
+    if budget is not None:
+        need(inflight is None, f"--dpp-memory-budget {budget} caps the slack DPP chooses; "
+             f"--dpp-max-inflight {inflight} forces one: give one of them")
+        try:
+            MemoryBudget.parse(budget)
+        except ValueError as error:
+            need(False, f"--dpp-memory-budget: {error}")
     timeout = _get(args, "dpp_timeout", DEFAULTS.timeout)
     need(timeout > 0, f"--dpp-timeout {timeout} must be > 0 seconds")
     if not _get(args, "use_dpp", False):

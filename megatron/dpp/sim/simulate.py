@@ -5,6 +5,12 @@ replays; megatron/dpp/sim/simulate_grid.py: the comparison grid).
     python -m megatron.dpp.sim.simulate --pp 8 --microbatches 32 --split-backward --slack 0
     python -m megatron.dpp.sim.simulate --grid
     python -m megatron.dpp.sim.simulate --grid --split-backward
+    python -m megatron.dpp.sim.simulate --forward-ms 10 --emulate-link-ms 30 \
+        --emulate-link-edges all --schedules 1f1b dpp dpp-static
+    python -m megatron.dpp.sim.simulate --forward-ms 10 --emulate-straggler all:0.1:3
+
+The --emulate-* flags are the trainer's: the same link and straggler draws for the same
+--seed (megatron/dpp/variability.py); with them every time is in milliseconds.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from megatron.dpp.sim.simulate_grid import (
     run_grid,
 )
 from megatron.dpp.sim.simulator import SCHEDULES, CostModel, compare, write_trace
+from megatron.dpp.variability import LinkProfile, StragglerProfile
 
 
 def _single_report(args, cost: CostModel) -> dict:
@@ -42,8 +49,9 @@ def _single_report(args, cost: CostModel) -> dict:
         split_backward=args.split_backward,
         weight_slices=args.weight_slices,
         defer_weights=args.defer_weights,
+        iteration=args.iteration,
     )
-    report = {"config": {**vars(args), "cost": asdict(cost)}, "schedules": {}}
+    report = {"config": {**vars(args), "cost": _plain(asdict(cost))}, "schedules": {}}
     for name, result in results.items():
         entry = {
             "makespan": result.makespan,
@@ -52,7 +60,7 @@ def _single_report(args, cost: CostModel) -> dict:
             "peak_in_flight_per_stage": result.peak_in_flight,
             "peak_activations_per_stage": result.peak_activations,
         }
-        for base in ("1f1b", "interleaved", "zb-h1"):
+        for base in ("1f1b", "interleaved", "zb-h1", "dpp-static"):
             if base in results and base != name:
                 entry[f"speedup_vs_{base}"] = results[base].makespan / result.makespan
         report["schedules"][name] = entry
@@ -62,6 +70,15 @@ def _single_report(args, cost: CostModel) -> dict:
             raise SystemExit(f"--trace: schedule {name!r} was not simulated")
         write_trace(args.trace, results[name])
     return report
+
+
+def _plain(value):
+    """JSON-ready: the straggler's stage set as a sorted list."""
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, frozenset):
+        return sorted(value)
+    return value
 
 
 def _format_single(report: dict) -> str:
@@ -103,7 +120,27 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--jitter", type=float, default=0.0, help="per-task cost CV")
     parser.add_argument("--slow-stage", type=int, default=None)
     parser.add_argument("--slow-factor", type=float, default=1.0)
-    parser.add_argument("--latency", type=float, default=0.0, help="message latency")
+    parser.add_argument("--latency", type=float, default=0.0,
+                        help="message latency on every edge, in forwards (or ms with "
+                             "--forward-ms)")
+    parser.add_argument("--forward-ms", type=float, default=None,
+                        help="a forward's time in ms: every time is then in ms (the default "
+                             "10 with --emulate-*)")
+    parser.add_argument("--emulate-link-ms", metavar="D[,J]",
+                        help="a message on an emulated edge is usable D ms (+ U(0, J) ms) "
+                             "after it was sent")
+    parser.add_argument("--emulate-link-gbps", type=float, default=None,
+                        help="with --emulate-link-ms: add message bytes / this (Gbit/s)")
+    parser.add_argument("--emulate-link-edges", choices=("pods", "all"), default="pods",
+                        help="the emulated edges: between the two pods (halves of the "
+                             "pipeline) or all")
+    parser.add_argument("--message-bytes", type=int, default=0,
+                        help="each message's size, for --emulate-link-gbps")
+    parser.add_argument("--emulate-straggler", metavar="STAGES:PROB:FACTOR",
+                        help="with probability PROB a task on STAGES (all, or numbers joined "
+                             "by commas) takes FACTOR times as long")
+    parser.add_argument("--iteration", type=int, default=0,
+                        help="the training iteration whose link and straggler draws to use")
     parser.add_argument("--backward-ratio", type=float, default=2.0)
     parser.add_argument("--split-backward", action="store_true",
                         help="B and W tasks: DPP places W, zb-h1 runs, the static schedules "
@@ -150,6 +187,32 @@ def _check_args(parser, args):
         parser.error(f"--seed-offset must be >= 0, got {args.seed_offset}")
     if any(p < 1 for p in args.grid_pp):
         parser.error(f"--grid-pp values must be >= 1, got {args.grid_pp}")
+    if args.forward_ms is not None and args.forward_ms <= 0:
+        parser.error(f"--forward-ms must be > 0, got {args.forward_ms}")
+    if args.message_bytes < 0 or args.iteration < 0:
+        parser.error("--message-bytes and --iteration must be >= 0")
+    if args.emulate_link_gbps is not None and args.emulate_link_ms is None:
+        parser.error("--emulate-link-gbps needs --emulate-link-ms (use 0 for no delay)")
+    if args.grid and (args.emulate_link_ms or args.emulate_straggler):
+        parser.error("--grid runs its own cost models: drop --emulate-*")
+
+
+def _cost_model(args) -> CostModel:
+    """The cost model of the flags; with --emulate-* (or --forward-ms) in milliseconds."""
+    link = straggler = None
+    if args.emulate_link_ms is not None:
+        link = LinkProfile.parse(args.emulate_link_ms, args.emulate_link_gbps,
+                                 args.emulate_link_edges)
+    if args.emulate_straggler is not None:
+        straggler = StragglerProfile.parse(args.emulate_straggler)
+    forward = args.forward_ms
+    if forward is None:
+        forward = 10.0 if link or straggler else 1.0
+    return CostModel(forward=forward, link=link, straggler=straggler,
+                     message_bytes=args.message_bytes,
+                     **{name: getattr(args, name) for name in (
+                         "backward_ratio", "cv", "jitter", "slow_stage", "slow_factor",
+                         "latency", "weight_share")})
 
 
 def main(argv=None) -> int:
@@ -170,9 +233,7 @@ def main(argv=None) -> int:
             sys.stdout.write(table + f"\n\ngrid took {elapsed:.1f} s\n")
         return 0
     try:
-        cost = CostModel(**{name: getattr(args, name) for name in (
-            "backward_ratio", "cv", "jitter", "slow_stage", "slow_factor", "latency",
-            "weight_share")})
+        cost = _cost_model(args)
         report = _single_report(args, cost)
     except ValueError as error:
         parser.error(str(error))

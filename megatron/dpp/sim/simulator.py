@@ -12,6 +12,12 @@ grid, megatron/dpp/sim/simulate.py the command line.
 With the split backward each backward is a B (input gradient) and a W (weight gradient)
 task, half of the backward's time each by default (F = B = W); the static baselines then
 get the microbatch order DPP runs, so a comparison measures the schedule, not the order.
+
+A link profile and a straggler profile (megatron/dpp/variability.py) add the delays an
+emulating runtime draws, from the same seed and with the same draws: a message's time on a
+slow edge and the straggling tasks (the cost model's `forward` then sets the unit: e.g. a
+forward's milliseconds, since the link's delays are in ms). "dpp-static" is DPP's plan with
+the same extra warm-up run in order, the static schedule on DPP's runtime.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from megatron.dpp.actions import BACKWARD, FORWARD, WEIGHT, Task
@@ -27,8 +34,11 @@ from megatron.dpp.engine import StaticReplay, run_pipeline
 from megatron.dpp.plan import StageConfig, check_plans, gpipe_order, static_order
 from megatron.dpp.policy import GreedyPolicy, microbatch_order_for
 from megatron.dpp.topology import PipelineTopology
+from megatron.dpp.variability import LinkProfile, StragglerProfile
 
-SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb-h1", "dpp")
+SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb-h1", "dpp", "dpp-static")
+# the schedules that run the DPP policy (the slack and the split apply to them)
+DPP_SCHEDULES = ("dpp", "dpp-static")
 # the schedules that run the backward as B and W tasks
 SPLIT_SCHEDULES = ("zb-h1",)
 
@@ -44,6 +54,9 @@ class CostModel:
     latency: time from a task's end to its output's arrival at the neighbour.
     weight_share: with the split backward, the share of a backward's time in W (the rest
         is B), each with its own jitter.
+    link: a slow link on some edges, its delays in the unit of `forward` (ms when forward
+        is a forward's milliseconds); message_bytes: each message's size, for its bandwidth.
+    straggler: straggling tasks, drawn from the comparison's seed and iteration.
     A chunk of a rank with num_chunks chunks costs 1 / num_chunks of the rank's work.
     """
 
@@ -55,6 +68,9 @@ class CostModel:
     slow_factor: float = 1.0
     latency: float = 0.0
     weight_share: float = 0.5
+    link: LinkProfile | None = None
+    message_bytes: int = 0
+    straggler: StragglerProfile | None = None
 
     def __post_init__(self):
         for name in ("forward", "backward_ratio", "slow_factor"):
@@ -69,7 +85,8 @@ class CostModel:
 
     @property
     def is_random(self) -> bool:
-        return self.cv > 0 or self.jitter > 0
+        return (self.cv > 0 or self.jitter > 0 or self.straggler is not None
+                or (self.link is not None and self.link.jitter_ms > 0))
 
 
 def _lognormal_sampler(rng: random.Random, cv: float):
@@ -108,10 +125,12 @@ class Durations:
 
 def sample_durations(
     cost: CostModel, pp_size: int, num_chunks: int, num_microbatches: int, seed: int,
-    split_backward: bool = False,
+    split_backward: bool = False, iteration: int = 0,
 ) -> Durations:
     """Durations from the cost model; `split_backward` samples B and W apart (the backward's
-    time split by `cost.weight_share`, an independent jitter on each)."""
+    time split by `cost.weight_share`, an independent jitter on each). The cost model's
+    stragglers stretch the tasks they hit (drawn per seed, iteration, microbatch, the
+    task's pipeline stage and kind)."""
     if cost.slow_stage is not None and not 0 <= cost.slow_stage < pp_size:
         raise ValueError(f"CostModel: slow_stage {cost.slow_stage} not in [0, {pp_size})")
     rng = random.Random(seed)
@@ -132,7 +151,28 @@ def sample_durations(
         backward.append([base * cost.backward_ratio * (1 - share) * f * jitter()
                          for f in factors])
         weight.append([base * cost.backward_ratio * share * f * jitter() for f in factors])
+    if cost.straggler is not None:
+        tables = {FORWARD: forward, BACKWARD: backward, WEIGHT: weight}
+        for kind, table in tables.items():
+            for v, row in enumerate(table):
+                stage = topology.placement(v)[0]
+                for i in range(num_microbatches):
+                    row[i] *= cost.straggler.factor_of(seed, iteration, i, stage, kind)
     return Durations(forward, backward, factors, weight if split_backward else None)
+
+
+def link_latency(link: LinkProfile, pp_size: int, seed: int, iteration: int = 0,
+                 message_bytes: int = 0, base: float = 0.0):
+    """The engine's latency function for this link: `base` on every edge plus the link's
+    time on the edges it affects."""
+
+    def latency(src: int, dst: int, task: Task) -> float:
+        if not link.affects(src, dst, pp_size):
+            return base
+        return base + link.hop_ms(seed, iteration, src, dst, task[0], task[1], task[2],
+                                  message_bytes)
+
+    return latency
 
 
 @dataclass
@@ -152,8 +192,9 @@ class SimResult:
 
 def _runner(schedule: str, stage: StageConfig, topology: PipelineTopology,
             microbatch_order: list[int] | None, costs: list[float] | None = None):
-    if schedule == "dpp":
-        return GreedyPolicy(stage, microbatch_order=microbatch_order, costs=costs)
+    if schedule in DPP_SCHEDULES:
+        return GreedyPolicy(stage, microbatch_order=microbatch_order, costs=costs,
+                            static=schedule == "dpp-static")
     if schedule == "gpipe":
         return StaticReplay(stage.rank, topology, gpipe_order(stage))
     if schedule in ("1f1b", "interleaved", "zb-h1"):
@@ -169,7 +210,7 @@ def simulate(
     *,
     num_chunks: int = 1,
     slack: int = 0,
-    latency: float = 0.0,
+    latency: float | Callable[[int, int, Task], float] = 0.0,
     record: bool = False,
     microbatch_costs: list[float] | None = None,
     microbatch_order: list[int] | None = None,
@@ -186,7 +227,8 @@ def simulate(
     recorded run; static schedules: DPP's order, default 0..m-1). `split_backward`: DPP
     places B and W tasks (zb-h1 always does; the other static schedules never), each W in
     `weight_slices` parts (the static schedules run each W whole), deferred as ZB-H1 defers
-    them with `defer_weights` (zb-h1 always), else each right after its B."""
+    them with `defer_weights` (zb-h1 always), else each right after its B. `latency`: a
+    number, or a function of the edge and the message (`link_latency`)."""
     p, m, chunks = pp_size, num_microbatches, num_chunks
     if schedule == "1f1b" and chunks != 1:
         raise ValueError("schedule 1f1b has one chunk per rank; use interleaved or dpp")
@@ -195,13 +237,14 @@ def simulate(
     if schedule == "interleaved" and chunks < 2:
         raise ValueError("schedule interleaved needs num_chunks >= 2")
     _check_durations(durations, p, chunks, m)
-    split = schedule in SPLIT_SCHEDULES or (schedule == "dpp" and split_backward)
+    dpp = schedule in DPP_SCHEDULES
+    split = schedule in SPLIT_SCHEDULES or (dpp and split_backward)
     topology = PipelineTopology(p, chunks)
-    slices = weight_slices if schedule == "dpp" and split else 1
-    defer = defer_weights or schedule != "dpp"
+    slices = weight_slices if dpp and split else 1
+    defer = defer_weights or not dpp
     stages = [StageConfig(r, p, chunks, m, slack=slack, split_backward=split,
                           defer_weights=defer, weight_slices=slices) for r in range(p)]
-    if schedule == "dpp" and microbatch_order is None:
+    if dpp and microbatch_order is None:
         microbatch_order = microbatch_order_for(stages[0], microbatch_costs)
     runners = [_runner(schedule, s, topology, microbatch_order, microbatch_costs)
                for s in stages]
@@ -294,11 +337,13 @@ def compare(
     split_backward: bool = False,
     weight_slices: int = DEFAULTS.weight_slices,
     defer_weights: bool = DEFAULTS.defer_weights,
+    iteration: int = 0,
 ) -> dict[str, SimResult]:
-    """Simulate several schedules on the same sampled durations. Single-chunk schedules
-    (1f1b, gpipe, zb-h1) run the rank's work as one chunk; interleaved and dpp use
-    num_chunks. With `split_backward` DPP places W tasks, zb-h1 runs (it is skipped
-    otherwise), and every static schedule runs the microbatches in DPP's order."""
+    """Simulate several schedules on the same sampled durations and the same link. Single-
+    chunk schedules (1f1b, gpipe, zb-h1) run the rank's work as one chunk; interleaved, dpp
+    and dpp-static use num_chunks. With `split_backward` DPP places W tasks, zb-h1 runs (it
+    is skipped otherwise), and every static schedule runs the microbatches in DPP's order.
+    The cost model's link and stragglers are drawn from `seed` and `iteration`."""
     results = {}
     samples = {}
     static_order_given = None
@@ -315,8 +360,12 @@ def compare(
             continue
         if chunks not in samples:
             samples[chunks] = sample_durations(cost, pp_size, chunks, num_microbatches, seed,
-                                               split_backward)
-        dpp = schedule == "dpp"
+                                               split_backward, iteration)
+        dpp = schedule in DPP_SCHEDULES
+        latency = cost.latency
+        if cost.link is not None:
+            latency = link_latency(cost.link, pp_size, seed, iteration, cost.message_bytes,
+                                   cost.latency)
         results[schedule] = simulate(
             schedule,
             pp_size,
@@ -324,7 +373,7 @@ def compare(
             samples[chunks],
             num_chunks=chunks,
             slack=slack if dpp else 0,
-            latency=cost.latency,
+            latency=latency,
             record=record,
             microbatch_costs=samples[chunks].microbatch_factor if known_costs else None,
             microbatch_order=None if dpp else static_order_given,

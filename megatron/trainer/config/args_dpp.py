@@ -14,7 +14,13 @@ def dpp_args(g):
     add_flags(g, {
         "--use-dpp": "dynamic pipeline schedule instead of megatron-core's static one",
         "--dpp-max-inflight int":
-            "extra microbatches in flight beyond the static schedule's count",
+            "forces the extra microbatches in flight beyond the static schedule's count "
+            "(default: chosen from 0-2 by what the first iterations measure: the message time "
+            "between stages, the task times, the activations; logged once)",
+        "--dpp-memory-budget str": (
+            "the activations a stage may hold while DPP chooses its slack: a factor of "
+            "megatron-core 1F1B's busiest stage (1.15x) or a size per stage (12GB, "
+            "800MB); default 1.15x on GPUs, no cap beyond the slack's 2 elsewhere"),
         "--dpp-transport {auto,torch,shm,rdma} = auto": None,
         "--dpp-timeout float = 60.0":
             "seconds a stage waits for a pipeline peer before raising",

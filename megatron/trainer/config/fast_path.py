@@ -41,6 +41,8 @@ GLOO_ON_GPU = "--distributed-backend gloo runs the ranks on the CPU"
 SPLIT_BACKWARD = "DPP's split backward (--dpp-split-backward: B and W tasks)"
 # docs/benchmarks/gpu_pp4_h200_2026-11-27.md and variable_lengths_h200_2026-11-27.md (4 H200s,
 # PP=4, 16 microbatches)
+# the activations DPP's chosen slack may hold on a GPU, of megatron-core 1F1B's busiest stage
+GPU_MEMORY_BUDGET = "1.15x"
 MEASURED_STATIC = ("with one model chunk the plan in order measured faster than the dynamic "
                    "rule's deviations (W deferred: 289.3 against 300.5 ms an iteration at "
                    "PP=4; with --seq-length-cv 0.5, in the cost order, 196,953 against "
@@ -149,27 +151,29 @@ def resolve(args, machine: Machine) -> list[str]:
 
 
 def _resolve_dpp(args, machine: Machine, gpu: bool, no_gpu: str) -> list[str]:
-    """`--use-dpp` alone runs the fastest variant measured (docs/benchmarks/) that holds no
-    more on any stage than megatron-core's 1F1B: the split backward, each W right after its
-    B (`--dpp-defer-weights` defers them as ZB-H1 does, for more memory on the later
-    stages), at slack 0; with one model chunk its plan in order (in the cost order where
-    lengths vary). Returns the lines that say what was chosen and why."""
+    """`--use-dpp` alone runs the fastest variant measured (docs/benchmarks/): the split
+    backward, each W right after its B (`--dpp-defer-weights` defers them as ZB-H1 does, for
+    more memory on the later stages), at the slack chosen from the first iterations'
+    measurements within 1.15x the activations of megatron-core 1F1B's busiest stage (slack
+    0 where the link is fast); with one model chunk its plan in order (in the cost order
+    where lengths vary). Returns the lines that say what was chosen and why."""
     if not args.use_dpp or args.pipeline_model_parallel_size == 1:
         if args.dpp_split_backward is None:
             args.dpp_split_backward = False
         return []
     lines = []
+    if gpu and args.dpp_max_inflight is None and args.dpp_memory_budget is None:
+        args.dpp_memory_budget = GPU_MEMORY_BUDGET
+        lines.append(f"DPP chooses its slack within {GPU_MEMORY_BUDGET} the activations of "
+                     "megatron-core 1F1B's busiest stage (--dpp-memory-budget to change it, "
+                     "--dpp-max-inflight N to force a slack)")
     if args.dpp_split_backward is None:
         reasons = ([] if gpu else [no_gpu]) + _split_conflicts(args, machine)
         args.dpp_split_backward = not reasons
         if reasons:
-            return [_line(SPLIT_BACKWARD, reasons, "--no-dpp-split-backward")]
-        chosen = f"{SPLIT_BACKWARD} on by default with --use-dpp"
-        if args.dpp_max_inflight is None:
-            args.dpp_max_inflight = 0
-            chosen += (", slack 0: the peak activation memory of megatron-core's 1F1B "
-                       "(--dpp-max-inflight N holds N more microbatches)")
-        lines.append(chosen + " (--no-dpp-split-backward for the unsplit backward)")
+            return [*lines, _line(SPLIT_BACKWARD, reasons, "--no-dpp-split-backward")]
+        lines.append(f"{SPLIT_BACKWARD} on by default with --use-dpp "
+                     "(--no-dpp-split-backward for the unsplit backward)")
     if args.dpp_split_backward and args.dpp_defer_weights is None:
         args.dpp_defer_weights = False
         lines.append("DPP runs each W right after its B: every stage holds what megatron-core's "

@@ -1,0 +1,161 @@
+"""DPP's in-flight slack, chosen from what the first iterations measured.
+
+Pure Python (no torch): the runtime (megatron/dpp/slack_measurement.py) measures each
+virtual stage's task times, each pipeline edge's message time (send to usable) and the
+activations a microbatch leaves on each rank, and one rank calls `choose_slack`. It runs
+the simulator's engine on those numbers with the policy the runtime runs (dynamic or
+`static`) at each slack from 0 to `max_slack` and takes the smallest slack whose simulated
+iteration is within `tolerance` of the fastest: extra slack costs activation memory, so it
+is taken only where it buys time (a hop of a few forwards; a calm link gets 0). A
+`MemoryBudget` caps the slack first: at slack s a rank holds its static plan's count of
+microbatches plus s (`GreedyPolicy.cap`), and every rank must stay within the budget.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from megatron.dpp.config import MemoryBudget
+from megatron.dpp.plan import StageConfig, static_peak
+from megatron.dpp.policy import GreedyPolicy
+from megatron.dpp.sim.simulator import Durations, simulate
+
+# simulated iteration within this share of the fastest candidate's: the smallest slack wins
+SLACK_TOLERANCE = 0.01
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the first iterations measured. Task times per virtual stage (ms, medians; with
+    the split backward `backward_ms` is B's and `weight_ms` W's). `hop_ms[e]`: the message
+    time on the edge between pipeline ranks e and e + 1 (the last entry, e = p - 1: from the
+    last rank back to rank 0, used by virtual chunks). `activation_bytes[r]`: what one
+    microbatch leaves on rank r from its forward to its release (all its chunks); None when
+    not measured (every rank then counts alike)."""
+
+    forward_ms: tuple[float, ...]
+    backward_ms: tuple[float, ...]
+    hop_ms: tuple[float, ...]
+    weight_ms: tuple[float, ...] | None = None
+    activation_bytes: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True)
+class SlackChoice:
+    slack: int
+    simulated_ms: dict[int, float]  # simulated iteration per slack within the budget
+    hop_ms: float  # the slowest edge's
+    forward_ms: float  # median over the virtual stages
+    held_bytes: tuple[float, ...] | None  # per rank at the chosen slack
+    busiest_1f1b_bytes: float | None
+    budget: MemoryBudget | None
+    max_slack: int
+    static: bool
+
+    def line(self) -> str:
+        """One log line: the choice and why."""
+        slacks = sorted(self.simulated_ms)
+        base = self.simulated_ms[slacks[0]]
+        speedups = "/".join(f"{base / self.simulated_ms[s]:.2f}" for s in slacks)
+        rule = "the plan in order" if self.static else "the dynamic rule"
+        forwards = (f"{self.hop_ms / self.forward_ms:.1f}" if self.forward_ms > 0
+                    else "?")
+        text = (f"DPP slack {self.slack}: measured hop {self.hop_ms:.1f} ms = "
+                f"{forwards} forwards ({self.forward_ms:.1f} ms); "
+                f"simulated speedup {speedups} at slack "
+                f"{'/'.join(map(str, slacks))} ({rule}; the smallest within "
+                f"{100 * SLACK_TOLERANCE:g} % of the fastest)")
+        if self.held_bytes is not None:
+            held = "/".join(f"{b / 1e6:.1f}" for b in self.held_bytes)
+            text += (f"; activations held per stage {held} MB, 1F1B's busiest stage "
+                     f"{self.busiest_1f1b_bytes / 1e6:.1f} MB")
+        if self.budget is not None:
+            text += f", budget {self.budget.describe()}"
+            if slacks[-1] < self.max_slack:
+                text += f" (caps the slack at {slacks[-1]})"
+        return text
+
+
+def _stages(pp_size: int, num_microbatches: int, slack: int, num_chunks: int,
+            split_backward: bool, defer_weights: bool) -> list[StageConfig]:
+    return [StageConfig(r, pp_size, num_chunks, num_microbatches, slack=slack,
+                        split_backward=split_backward, defer_weights=defer_weights)
+            for r in range(pp_size)]
+
+
+def held_bytes(measured: Measured, pp_size: int, num_microbatches: int, slack: int,
+               num_chunks: int = 1, split_backward: bool = False,
+               defer_weights: bool = False) -> list[float]:
+    """Per rank: the most activation bytes the policy lets it hold at this slack."""
+    per_rank = measured.activation_bytes or (1.0,) * pp_size
+    return [GreedyPolicy(stage).cap * per_rank[stage.rank] / num_chunks
+            for stage in _stages(pp_size, num_microbatches, slack, num_chunks,
+                                 split_backward, defer_weights)]
+
+
+def busiest_1f1b_bytes(measured: Measured, pp_size: int, num_microbatches: int,
+                       num_chunks: int = 1) -> float:
+    """What megatron-core's 1F1B (interleaved with chunks) holds on its busiest stage."""
+    per_rank = measured.activation_bytes or (1.0,) * pp_size
+    return max(static_peak(StageConfig(r, pp_size, num_chunks, num_microbatches))
+               * per_rank[r] / num_chunks for r in range(pp_size))
+
+
+def choose_slack(measured: Measured, pp_size: int, num_microbatches: int, *,
+                 num_chunks: int = 1, split_backward: bool = False,
+                 defer_weights: bool = False, weight_slices: int = 1, static: bool = False,
+                 max_slack: int = 2, budget: MemoryBudget | None = None) -> SlackChoice:
+    """The slack to run (module docstring)."""
+    p, m, chunks = pp_size, num_microbatches, num_chunks
+    stages = p * chunks
+    if len(measured.forward_ms) != stages or len(measured.backward_ms) != stages:
+        raise ValueError(f"measured task times for {len(measured.forward_ms)} virtual stages, "
+                         f"the pipeline has {stages}")
+    if len(measured.hop_ms) != p:
+        raise ValueError(f"measured {len(measured.hop_ms)} edge times for {p} ranks")
+    if split_backward and measured.weight_ms is None:
+        raise ValueError("the split backward needs measured W times")
+    if budget is not None and budget.limit_bytes is not None and not measured.activation_bytes:
+        raise ValueError("a memory budget in bytes needs measured activation bytes")
+    if max_slack < 0:
+        raise ValueError(f"max_slack must be >= 0, got {max_slack}")
+    busiest = busiest_1f1b_bytes(measured, p, m, chunks)
+    allowed = [0]
+    for slack in range(1, max_slack + 1):
+        held = held_bytes(measured, p, m, slack, chunks, split_backward, defer_weights)
+        if budget is not None and max(held) > budget.limit(busiest) * (1 + 1e-9):
+            break
+        allowed.append(slack)
+    durations = Durations([[t] * m for t in measured.forward_ms],
+                          [[t] * m for t in measured.backward_ms], [1.0] * m,
+                          None if measured.weight_ms is None
+                          else [[t] * m for t in measured.weight_ms])
+    latency = _edge_latency(measured.hop_ms, p)
+    simulated = {}
+    for slack in allowed:
+        simulated[slack] = simulate(
+            "dpp-static" if static else "dpp", p, m, durations, num_chunks=chunks,
+            slack=slack, latency=latency, split_backward=split_backward,
+            weight_slices=weight_slices if split_backward else 1,
+            defer_weights=defer_weights).makespan
+    fastest = min(simulated.values())
+    slack = min(s for s, t in simulated.items() if t <= fastest * (1 + SLACK_TOLERANCE))
+    measured_bytes = measured.activation_bytes is not None
+    return SlackChoice(
+        slack, simulated, max(measured.hop_ms), statistics.median(measured.forward_ms),
+        tuple(held_bytes(measured, p, m, slack, chunks, split_backward, defer_weights))
+        if measured_bytes else None,
+        busiest if measured_bytes else None, budget, max_slack, static)
+
+
+def _edge_latency(hop_ms: tuple[float, ...], pp_size: int):
+    """The engine's latency function: the measured time of the edge a message crosses."""
+
+    def latency(src: int, dst: int, task) -> float:
+        low, high = min(src, dst), max(src, dst)
+        if high - low == 1:
+            return hop_ms[low]
+        return hop_ms[pp_size - 1]  # between the last rank and rank 0 (virtual chunks)
+
+    return latency

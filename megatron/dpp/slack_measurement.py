@@ -1,0 +1,296 @@
+"""The runtime's side of choosing DPP's slack (megatron/dpp/slack_choice.py): what the first
+training iterations measure, and the one decision every rank then follows.
+
+During the first `MEASURED_ITERATIONS` training calls the schedule runs at slack 0 and an
+`IterationRecord` keeps, per rank: each task's time (host clock on CPU, CUDA events on a
+GPU), when each message was sent and when its consumer first saw it, and the bytes each
+forward saved for its backward (the activations a microbatch holds; parameters excluded).
+A message's time from send to usable is taken where its consumer was blocked waiting for
+it (it then saw it as it landed); ranks of one host share CLOCK_MONOTONIC, and across hosts
+the clock offset cancels in the mean of an edge's two directions (a one-way estimate from
+the round trip). After the last measured call every rank sends its records to global rank
+0 over a gloo group; rank 0 chooses the slack (`choose_slack`), logs why, and broadcasts
+it, so that every rank of every pipeline runs the same slack.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron.dpp.actions import BACKWARD, FORWARD, WEIGHT, Task
+from megatron.dpp.slack_choice import Measured, MemoryBudget, SlackChoice, choose_slack
+
+log = logging.getLogger(__name__)
+
+# training calls measured at slack 0 before the slack is chosen: the first pays one-time
+# costs (allocations, the first kernels), the medians over both shrug them off
+MEASURED_ITERATIONS = 2
+
+
+@dataclass
+class IterationRecord:
+    """One rank's measurements of one training call (module docstring)."""
+
+    task_ms: dict[tuple[str, int], list[float]] = field(default_factory=lambda: defaultdict(list))
+    sent: dict[tuple[int, Task], float] = field(default_factory=dict)  # (dst, task) -> time
+    # (src, task) -> (time first seen, whether the rank was blocked waiting for it)
+    seen: dict[tuple[int, Task], tuple[float, bool]] = field(default_factory=dict)
+    looked_for: set = field(default_factory=set)  # inputs found missing at a look
+    saved_bytes: list[int] = field(default_factory=list)  # per forward
+    waiting: bool = False  # inside the schedule's wait for an input
+    _events: list = field(default_factory=list)  # CUDA: (kind, chunk, start, end)
+
+    def message_sent(self, dst: int, task: Task) -> None:
+        self.sent[dst, task] = time.monotonic()
+
+    def input_looked_at(self, src: int, task: Task, here: bool) -> None:
+        key = (src, task)
+        if not here:
+            self.looked_for.add(key)
+        elif key not in self.seen:
+            self.seen[key] = (time.monotonic(), self.waiting and key in self.looked_for)
+
+    def timed(self, task: Task, device: torch.device):
+        return _TaskTimer(self, task, device)
+
+    def saving(self, parameters, device: torch.device, fused_weight_grads: bool):
+        """A context around a forward that counts the activations it leaves: on a GPU the
+        allocator's growth; on CPU the tensors autograd saves (once per storage, parameters
+        left out), except under the fused weight-gradient accumulation, whose backward
+        reads main_grad from the saved weight, an attribute autograd's saved-tensor hooks
+        do not carry over (nothing is counted then)."""
+        if device.type == "cuda":
+            return _AllocatedBytes(self, device)
+        if fused_weight_grads:
+            return contextlib.nullcontext()
+        return _SavedBytes(self, {p.untyped_storage().data_ptr() for p in parameters})
+
+    def resolve(self) -> None:
+        """CUDA: the task times from their events (after the stream finished them)."""
+        if not self._events:
+            return
+        self._events[-1][3].synchronize()
+        for kind, chunk, start, end in self._events:
+            self.task_ms[kind, chunk].append(start.elapsed_time(end))
+        self._events.clear()
+
+
+class _TaskTimer:
+    def __init__(self, record: IterationRecord, task: Task, device: torch.device):
+        self.record, self.task, self.cuda = record, task, device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        kind, chunk = self.task[0], self.task[1]
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.record._events.append((kind, chunk, self.start, end))
+        else:
+            self.record.task_ms[kind, chunk].append(1e3 * (time.perf_counter() - self.start))
+        return False
+
+
+class _AllocatedBytes:
+    def __init__(self, record: IterationRecord, device: torch.device):
+        self.record, self.device = record, device
+
+    def __enter__(self):
+        self.before = torch.cuda.memory_allocated(self.device)
+        return self
+
+    def __exit__(self, *exc):
+        grown = torch.cuda.memory_allocated(self.device) - self.before
+        self.record.saved_bytes.append(max(0, grown))
+        return False
+
+
+class _SavedBytes:
+    def __init__(self, record: IterationRecord, parameter_storages: set[int]):
+        self.record, self.skip = record, parameter_storages
+        self.seen: set[int] = set()
+        self.total = 0
+
+    def _pack(self, tensor):
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer not in self.skip and pointer not in self.seen:
+            self.seen.add(pointer)
+            self.total += tensor.untyped_storage().nbytes()
+        return tensor
+
+    def __enter__(self):
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+        self.record.saved_bytes.append(self.total)
+        return False
+
+
+@dataclass(frozen=True)
+class PipelineShape:
+    """What the decision needs of the pipeline a rank belongs to."""
+
+    ranks: tuple[int, ...]  # global ranks of the pipeline, by stage
+    stage: int
+    num_chunks: int
+    num_microbatches: int
+    split_backward: bool
+    defer_weights: bool
+    weight_slices: int
+
+
+class SlackAdapter:
+    """Runs the measured calls at slack 0, then the slack chosen from them (module
+    docstring). `max_slack`: the largest candidate; `budget`: caps it by memory."""
+
+    def __init__(self, max_slack: int, static: bool, budget: MemoryBudget | None = None):
+        self.max_slack, self.static, self.budget = max_slack, static, budget
+        self.records: list[IterationRecord] = []
+        self.choice: SlackChoice | None = None
+
+    def next_call(self, forward_only: bool) -> tuple[int, IterationRecord | None]:
+        """The slack of the next call and, while measuring (training calls only), the
+        record it fills."""
+        if self.choice is not None:
+            return self.choice.slack, None
+        if forward_only:
+            return 0, None
+        return 0, IterationRecord()
+
+    def finished(self, record: IterationRecord, shape: PipelineShape) -> None:
+        """After a measured call: keeps its record; after the last, chooses the slack (a
+        collective over all ranks, which all reach it in the same training call)."""
+        record.resolve()
+        self.records.append(record)
+        if len(self.records) < MEASURED_ITERATIONS:
+            return
+        group = dist.new_group(backend="gloo")
+        mine = _summary(self.records, shape)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine, group=group)
+        # the choice, or why there is none: every rank raises then, none waits on
+        decision = [None]
+        if dist.get_rank() == 0:
+            try:
+                decision[0] = self._decide(gathered, shape)
+                log.info(decision[0].line())
+            except ValueError as error:
+                decision[0] = f"DPP cannot choose its slack: {error}"
+        dist.broadcast_object_list(decision, src=0, group=group)
+        dist.destroy_process_group(group)
+        if isinstance(decision[0], str):
+            raise RuntimeError(decision[0])
+        self.choice = decision[0]
+        self.records = []
+
+    def _decide(self, summaries: list[dict], shape: PipelineShape) -> SlackChoice:
+        measured = measured_from(summaries)
+        budget = self.budget
+        if budget is not None and budget.limit_bytes is not None \
+                and measured.activation_bytes is None:
+            raise ValueError(f"memory budget {budget.describe()}: the activations were "
+                               "not measured (CPU with the fused weight-gradient "
+                               "accumulation); give a factor such as 1.15x")
+        return choose_slack(measured, len(shape.ranks), shape.num_microbatches,
+                            num_chunks=shape.num_chunks, split_backward=shape.split_backward,
+                            defer_weights=shape.defer_weights,
+                            weight_slices=shape.weight_slices, static=self.static,
+                            max_slack=self.max_slack, budget=self.budget)
+
+
+def _summary(records: list[IterationRecord], shape: PipelineShape) -> dict:
+    """What one rank sends to the deciding rank."""
+    task_ms = defaultdict(list)
+    for record in records:
+        for key, values in record.task_ms.items():
+            task_ms[key] += values
+    # a W runs in parts, each timed alone; the decision simulates whole W tasks
+    parts = {kind: shape.weight_slices if kind == WEIGHT else 1 for kind, _ in task_ms}
+    saved = [b for record in records for b in record.saved_bytes if b > 0]
+    return {
+        "ranks": shape.ranks, "stage": shape.stage, "chunks": shape.num_chunks,
+        "task_ms": {key: parts[key[0]] * statistics.median(values)
+                    for key, values in task_ms.items()},
+        # per forward of a chunk; a microbatch saves this once per chunk
+        "saved_bytes": shape.num_chunks * statistics.median(saved) if saved else None,
+        "sent": [{(dst, tuple(task)): t for (dst, task), t in r.sent.items()} for r in records],
+        "seen": [{(src, tuple(task)): v for (src, task), v in r.seen.items()} for r in records],
+    }
+
+
+def measured_from(summaries: list[dict]) -> Measured:
+    """Every rank's summary as the decision's input: per virtual stage the median over the
+    ranks that hold it (data and tensor parallel replicas), per edge the message time."""
+    first = summaries[0]
+    p, chunks = len(first["ranks"]), first["chunks"]
+    times: dict[tuple[str, int], list[float]] = defaultdict(list)
+    saved: dict[int, list[float]] = defaultdict(list)
+    hops: dict[int, list[float]] = defaultdict(list)
+    by_rank = {summary["ranks"][summary["stage"]]: summary for summary in summaries}
+    for summary in summaries:
+        stage = summary["stage"]
+        for (kind, chunk), value in summary["task_ms"].items():
+            times[kind, chunk * p + stage].append(value)
+        if summary["saved_bytes"]:
+            saved[stage].append(summary["saved_bytes"])
+    for pipeline in {tuple(s["ranks"]) for s in summaries}:
+        for edge, hop in _edge_hops([by_rank[rank] for rank in pipeline], p).items():
+            hops[edge].append(hop)
+    virtual = p * chunks
+
+    def per_stage(kind: str) -> tuple[float, ...]:
+        return tuple(statistics.median(times[kind, v]) if times[kind, v] else 0.0
+                     for v in range(virtual))
+
+    weight = per_stage(WEIGHT) if any(kind == WEIGHT for kind, _ in times) else None
+    activation = None
+    if len(saved) == p:
+        activation = tuple(max(saved[r]) for r in range(p))
+    return Measured(per_stage(FORWARD), per_stage(BACKWARD),
+                    tuple(statistics.median(hops[e]) if hops[e] else 0.0 for e in range(p)),
+                    weight, activation)
+
+
+def _edge_hops(stages: list[dict], p: int) -> dict[int, float]:
+    """Edge e (between stages e and e + 1; p - 1: the last to the first) -> the mean of its
+    two directions' median message times, from the messages their consumers waited for
+    (else the quickest seen: an upper bound)."""
+    waited: dict[tuple[int, int], list[float]] = defaultdict(list)
+    loose: dict[tuple[int, int], list[float]] = defaultdict(list)
+    for consumer in stages:
+        dst = consumer["stage"]
+        for index, seen in enumerate(consumer["seen"]):
+            for (src, task), (when, tight) in seen.items():
+                sent = stages[src]["sent"][index].get((dst, task))
+                if sent is None:
+                    continue
+                (waited if tight else loose)[src, dst].append(when - sent)
+    directions = {}
+    for key in set(waited) | set(loose):
+        values = waited.get(key)
+        directions[key] = 1e3 * (statistics.median(values) if values else min(loose[key]))
+    hops = {}
+    for e in range(p):
+        a, b = e, (e + 1) % p
+        pair = [directions[key] for key in ((a, b), (b, a)) if key in directions]
+        if pair:
+            hops[e] = max(0.0, sum(pair) / len(pair))
+    return hops

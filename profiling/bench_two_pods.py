@@ -1,0 +1,197 @@
+"""megatron-core's 1F1B, `--use-dpp` and `--use-dpp --dpp-static` at the slack the dynamic run
+chose, on a tiny GPT at PP=4 on CPU (gloo), all under the same extra flags: the link and
+straggler emulation of a two-pod pipeline, for one.
+
+    python profiling/bench_two_pods.py --out runs/pods
+    python profiling/bench_two_pods.py --out runs/link \\
+        --extra "--emulate-link-ms 30 --emulate-link-edges all" --simulate
+    python profiling/bench_two_pods.py --out runs/straggler --extra "--emulate-straggler all:0.1:3"
+
+Each run is profiling/bench_gpt.py's (`run`: torchrun, the log, the median iteration time
+after the warm-up; here iterations 3-10). The table gives each schedule's median, its
+speedup over 1F1B and DPP's over the static plan at the same slack, every rank's peak
+memory (the trainer's memory line: max RSS on CPU), the slack, and whether the losses
+equal 1F1B's. With --simulate every run traces its measured iterations (each schedule pays
+the same small tracing cost), and the simulator is fed, per traced iteration of the 1F1B
+run, its task times and message time (consumer start minus producer end where the consumer
+waited: profiling/sim_compare.py): it predicts each schedule's iteration time (the median
+simulated makespan plus the 1F1B run's median time outside the pipeline) beside the
+measured one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the `profiling` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron.dpp.sim.simulator import simulate  # noqa: E402
+from profiling import bench_gpt  # noqa: E402
+from profiling.aggregate import load_spans, load_trace  # noqa: E402
+from profiling.report import COMPUTE_KINDS, iteration_reports  # noqa: E402
+from profiling.sim_compare import estimate_latency, measured_durations  # noqa: E402
+
+TINY_GPT = [
+    "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
+    "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "2",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024", "--lr", "1e-4",
+    "--log-interval", "1", "--eval-iters", "0", "--log-throughput",
+]
+SLACK = re.compile(r"DPP slack (\d+): (.*)")
+LOSS = re.compile(r"iteration\s+(\d+)/.*\| lm loss: ([-+.\dE]+)")
+SCHEDULES = ("1f1b", "dpp", "dpp-static")
+
+
+def config_flags(name: str, slack: int | None, extra: list[str]) -> list[str]:
+    """A schedule's flags: the static plan gets the slack the dynamic run chose."""
+    if name == "1f1b":
+        return extra
+    if name == "dpp":
+        return ["--use-dpp", *extra]
+    return ["--use-dpp", "--dpp-static", "--dpp-max-inflight", str(slack), *extra]
+
+
+def trace_flags(name: str, out: Path, first: int, last: int) -> list[str]:
+    return ["--trace", "--trace-dir", str(trace_dir(out, name)), "--trace-iters",
+            *map(str, range(first, last + 1))]
+
+
+def trace_dir(out: Path, name: str) -> Path:
+    return out / f"trace-{name}"
+
+
+def chosen_slack(log_text: str) -> tuple[int, str] | None:
+    """The slack a dynamic run logged, and why."""
+    match = SLACK.search(log_text)
+    return None if match is None else (int(match.group(1)), match.group(0))
+
+
+def losses(log_text: str) -> dict[int, float]:
+    return {int(it): float(value) for it, value in LOSS.findall(log_text)}
+
+
+def predict(directory: Path, slack: int, iteration_ms: float) -> dict[str, dict]:
+    """The simulator on each traced iteration's task times and message time: per schedule
+    the median makespan and that plus the traced run's median time outside the pipeline."""
+    spans, iterations = load_spans(load_trace(str(directory)))
+    reports = iteration_reports(spans, iterations)
+    outside = iteration_ms - statistics.median(r["makespan_ms"] for r in reports)
+    makespans: dict[str, list[float]] = {name: [] for name in SCHEDULES}
+    hops = []
+    for report in reports:
+        compute = [s for s in spans if s.iteration == report["iteration"]
+                   and s.kind in COMPUTE_KINDS]
+        pp = 1 + max(s.stage for s in compute)
+        durations = measured_durations(compute, pp, 1)
+        hop_ms, _ = estimate_latency(compute, pp, 1)
+        hops.append(hop_ms)
+        m = len(durations.microbatch_factor)
+        for name in SCHEDULES:
+            makespans[name].append(simulate(name, pp, m, durations,
+                                            slack=0 if name == "1f1b" else slack,
+                                            latency=hop_ms).makespan)
+    predicted = {"hop_ms": statistics.median(hops), "iterations": len(reports),
+                 "outside_ms": outside}
+    for name, values in makespans.items():
+        makespan = statistics.median(values)
+        predicted[name] = {"makespan_ms": makespan, "iteration_ms": makespan + outside}
+    return predicted
+
+
+def table(results: dict[str, dict], slack: int | None, reason: str,
+          predicted: dict | None) -> list[str]:
+    base = results.get("1f1b", {}).get("ms_per_iter")
+    reference = results.get("1f1b", {}).get("losses")
+    lines = [f"{'schedule':12s} {'ms/iter':>9s} {'vs 1F1B':>8s} {'slack':>6s} "
+             f"{'peak MB per rank':>26s} {'losses = 1F1B':>14s}"
+             + (f" {'predicted ms':>13s} {'error':>7s}" if predicted else "")]
+    for name in SCHEDULES:
+        r = results.get(name)
+        if r is None:
+            continue
+        if "error" in r:
+            lines.append(f"{name:12s} FAILED ({r['error']})")
+            continue
+        ratio = f"{base / r['ms_per_iter']:.3f}x" if base else "-"
+        peaks = "/".join(f"{p:.0f}" for p in r["peak_mb_per_rank"] or [])
+        same = ("-" if reference is None or name == "1f1b"
+                else "yes" if r["losses"] == reference else "NO")
+        row = (f"{name:12s} {r['ms_per_iter']:9.1f} {ratio:>8s} "
+               f"{'-' if name == '1f1b' else slack:>6} {peaks:>26s} {same:>14s}")
+        if predicted:
+            guess = predicted[name]["iteration_ms"]
+            row += f" {guess:13.1f} {100 * (guess / r['ms_per_iter'] - 1):+6.1f}%"
+        lines.append(row)
+    dynamic, static = results.get("dpp"), results.get("dpp-static")
+    if dynamic and static and "error" not in dynamic and "error" not in static:
+        lines.append(f"dpp / dpp-static at slack {slack}: "
+                     f"{static['ms_per_iter'] / dynamic['ms_per_iter']:.3f}x")
+    if reason:
+        lines.append(reason)
+    if predicted:
+        lines.append(f"simulator fed the 1F1B trace ({predicted['iterations']} iterations): "
+                     f"hop {predicted['hop_ms']:.1f} ms (median), "
+                     f"{predicted['outside_ms']:.1f} ms an iteration outside the pipeline")
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--extra", default="",
+                        help="flags added to every run (write --extra='--flag value')")
+    parser.add_argument("--simulate", action="store_true",
+                        help="trace the last iteration and predict each schedule's time")
+    parser.add_argument("--microbatches", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=2, help="iterations left out")
+    parser.add_argument("--iters", type=int, default=8, help="iterations measured")
+    parser.add_argument("--port", type=int, default=29541)
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
+    args = parser.parse_args(argv)
+    if args.microbatches < 1 or args.warmup < 0 or args.iters < 1:
+        parser.error("--microbatches and --iters must be >= 1, --warmup >= 0")
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    # what bench_gpt.run reads of its arguments: four CPU processes, one stage each
+    settings = argparse.Namespace(
+        gpus=4, pp=4, microbatches=args.microbatches, warmup=args.warmup, iters=args.iters,
+        port=args.port, timeout=args.timeout, trace=False, profile=False,
+        memory_snapshots=False, find_syncs=False, installed=False)
+    extra = args.extra.split()
+    results, slack, reason = {}, None, ""
+    for name in SCHEDULES:
+        if name == "dpp-static" and slack is None:
+            results[name] = {"name": name, "error": "the dynamic run logged no slack"}
+            continue
+        flags = config_flags(name, slack, extra)
+        if args.simulate:
+            flags += trace_flags(name, out, args.warmup + 1, args.warmup + args.iters)
+        result = bench_gpt.run(name, flags, settings, out, model=TINY_GPT)
+        text = (out / f"{name}.log").read_text()
+        result["losses"] = losses(text)
+        if name == "dpp" and "error" not in result:
+            found = chosen_slack(text)
+            if found is not None:
+                slack, reason = found
+        results[name] = result
+    predicted = None
+    if args.simulate and slack is not None and "error" not in results["1f1b"]:
+        predicted = predict(trace_dir(out, "1f1b"), slack, results["1f1b"]["ms_per_iter"])
+    lines = table(results, slack, reason, predicted)
+    (out / "results.json").write_text(json.dumps(
+        {"results": results, "slack": slack, "reason": reason, "predicted": predicted},
+        indent=1))
+    (out / "table.txt").write_text("\n".join(lines) + "\n")
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""profiling/bench_two_pods.py's parts that run without a trainer: the flags of each
+schedule, what it reads from the logs, and the simulator's prediction from a trace."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron.dpp.sim.simulate import main as simulate_main
+from megatron.dpp.sim.simulator import CostModel, compare
+from profiling import bench_two_pods
+
+LOG = """\
+[05:07:50 rank0] INFO megatron.dpp.slack_measurement: DPP slack 2: measured hop 31.2 ms = 2.9 forwards (10.8 ms); simulated speedup 1.00/1.18/1.41 at slack 0/1/2
+[05:07:50 rank3] INFO megatron.trainer:  iteration        1/      10 | consumed samples: 32 | elapsed time per iteration (ms): 1444.3 | learning rate: 6.000000E-05 | global batch size:    32 | lm loss: 6.922725E+00 | loss scale: 1.0 |
+[05:07:52 rank3] INFO megatron.trainer:  iteration        2/      10 | consumed samples: 64 | elapsed time per iteration (ms): 1548.4 | learning rate: 4.000000E-05 | global batch size:    32 | lm loss: 6.901632E+00 | loss scale: 1.0 |
+"""
+
+
+def test_the_static_plan_runs_at_the_dynamic_runs_slack():
+    extra = ["--emulate-link-ms", "30"]
+    assert bench_two_pods.config_flags("1f1b", None, extra) == extra
+    assert bench_two_pods.config_flags("dpp", None, extra) == ["--use-dpp", *extra]
+    assert bench_two_pods.config_flags("dpp-static", 2, extra) == [
+        "--use-dpp", "--dpp-static", "--dpp-max-inflight", "2", *extra]
+
+
+def test_the_slack_and_losses_are_read_from_the_log():
+    slack, reason = bench_two_pods.chosen_slack(LOG)
+    assert slack == 2 and reason.startswith("DPP slack 2: measured hop 31.2 ms")
+    assert bench_two_pods.losses(LOG) == {1: 6.922725, 2: 6.901632}
+    assert bench_two_pods.chosen_slack(LOG.splitlines()[1]) is None
+
+
+def test_the_prediction_from_a_1f1b_trace(tmp_path, capsys):
+    """A 1F1B trace of the simulator itself (a hop of 3 forwards): the prediction gives the
+    traced 1F1B back exactly, plus the time outside the pipeline, and DPP at slack 2 what
+    the simulator gives it on the same durations."""
+    path = tmp_path / "1f1b.json"
+    cost = ["--cv", "0.3", "--seed", "4", "--latency", "3"]
+    simulate_main(["--pp", "4", "--microbatches", "16", *cost, "--schedules", "1f1b",
+                   "--trace", str(path), "--trace-schedule", "1f1b", "--json"])
+    capsys.readouterr()
+    makespan = compare(4, 16, CostModel(cv=0.3, latency=3.0), seed=4,
+                       schedules=("1f1b",))["1f1b"].makespan
+    predicted = bench_two_pods.predict(path, 2, iteration_ms=makespan + 5.0)
+    assert predicted["hop_ms"] == pytest.approx(3.0)
+    assert predicted["outside_ms"] == pytest.approx(5.0)
+    assert predicted["1f1b"]["iteration_ms"] == pytest.approx(makespan + 5.0)
+    assert predicted["dpp"]["makespan_ms"] < 0.8 * makespan
+    assert predicted["dpp-static"]["makespan_ms"] > predicted["dpp"]["makespan_ms"]
+
+
+def test_the_table_names_ratios_and_failures():
+    results = {
+        "1f1b": {"ms_per_iter": 600.0, "peak_mb_per_rank": [500.0, 490.0], "losses": {1: 6.9}},
+        "dpp": {"ms_per_iter": 400.0, "peak_mb_per_rank": [510.0, 495.0], "losses": {1: 6.9}},
+        "dpp-static": {"name": "dpp-static", "error": "exit 1"},
+    }
+    lines = bench_two_pods.table(results, 2, "DPP slack 2: why", None)
+    assert lines[1].split()[:3] == ["1f1b", "600.0", "1.000x"]
+    assert lines[2].split() == ["dpp", "400.0", "1.500x", "2", "510/495", "yes"]
+    assert lines[3] == "dpp-static   FAILED (exit 1)"
+    assert lines[-1] == "DPP slack 2: why"

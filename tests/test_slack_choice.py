@@ -1,0 +1,167 @@
+"""Choosing DPP's slack from measurements (megatron/dpp/slack_choice.py) and combining the
+ranks' measurements (megatron/dpp/slack_measurement.py): slack 0 on a calm link, more under
+latency, capped by the memory budget; message times across hosts with offset clocks."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from megatron.dpp.actions import Task
+from megatron.dpp.config import DppOptions, MemoryBudget
+from megatron.dpp.slack_choice import Measured, busiest_1f1b_bytes, choose_slack, held_bytes
+from megatron.dpp.slack_measurement import measured_from
+
+
+def measured(p: int, hop_ms: float, forward_ms: float = 10.0,
+             activation: tuple[float, ...] | None = None) -> Measured:
+    return Measured((forward_ms,) * p, (2 * forward_ms,) * p, (hop_ms,) * p,
+                    activation_bytes=activation)
+
+
+def test_a_calm_link_gets_slack_0_and_latency_more():
+    calm = choose_slack(measured(4, 0.2), 4, 16)
+    assert calm.slack == 0 and sorted(calm.simulated_ms) == [0, 1, 2]
+    slow = choose_slack(measured(4, 30.0), 4, 16)
+    assert slow.slack == 2
+    speedups = [slow.simulated_ms[0] / slow.simulated_ms[s] for s in (0, 1, 2)]
+    assert speedups == pytest.approx([1.0, 1.18, 1.42], abs=0.01)
+    assert slow.line().startswith("DPP slack 2: measured hop 30.0 ms = 3.0 forwards")
+    assert "1.00/1.18/1.42 at slack 0/1/2" in slow.line()
+    # half a forward already pays for slack
+    assert choose_slack(measured(4, 5.0), 4, 16).slack > 0
+    # the plan in order is simulated as such: it gains less at the same slack
+    static = choose_slack(measured(4, 30.0), 4, 16, static=True)
+    assert static.simulated_ms[2] > slow.simulated_ms[2]
+
+
+def test_forced_maximum_and_split_backward():
+    assert sorted(choose_slack(measured(4, 30.0), 4, 16, max_slack=1).simulated_ms) == [0, 1]
+    split = Measured((10.0,) * 4, (13.0,) * 4, (30.0,) * 4, weight_ms=(7.0,) * 4)
+    assert choose_slack(split, 4, 16, split_backward=True, weight_slices=4).slack == 2
+    with pytest.raises(ValueError, match="needs measured W times"):
+        choose_slack(measured(4, 30.0), 4, 16, split_backward=True)
+    with pytest.raises(ValueError, match="edge times for 4 ranks"):
+        choose_slack(Measured((10.0,) * 4, (20.0,) * 4, (1.0,) * 3), 4, 16)
+
+
+def test_the_memory_budget_caps_the_slack():
+    equal = (1e6,) * 4
+    # 1F1B's busiest stage (rank 0) holds 4 microbatches; at slack 1 it holds 5 > 4.6
+    capped = choose_slack(measured(4, 30.0, activation=equal), 4, 16,
+                          budget=MemoryBudget.parse("1.15x"))
+    assert capped.slack == 0 and sorted(capped.simulated_ms) == [0]
+    assert "caps the slack at 0" in capped.line()
+    assert "activations held per stage 4.0/3.0/2.0/1.0 MB" in capped.line()
+    # at p = 8: 8 * 1.15 = 9.2 leaves room for one more
+    assert choose_slack(measured(8, 30.0), 8, 32, budget=MemoryBudget.parse("1.15x")).slack == 1
+    # a size per stage: 5.5 MB lets rank 0 hold 5 microbatches of 1 MB, not 6
+    sized = choose_slack(measured(4, 30.0, activation=equal), 4, 16,
+                         budget=MemoryBudget.parse("5.5MB"))
+    assert sized.slack == 1 and max(sized.held_bytes) == 5e6
+    # a last stage with large activations (the logits) is what the budget meets first
+    heavy_last = (1e6, 1e6, 1e6, 4e6)
+    assert busiest_1f1b_bytes(measured(4, 0, activation=heavy_last), 4, 16) == 4e6
+    assert held_bytes(measured(4, 0, activation=heavy_last), 4, 16, 2) == [6e6, 5e6, 4e6, 12e6]
+    with pytest.raises(ValueError, match="needs measured activation bytes"):
+        choose_slack(measured(4, 30.0), 4, 16, budget=MemoryBudget.parse("1GB"))
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("1.15x", MemoryBudget(factor=1.15)), ("12GB", MemoryBudget(limit_bytes=12e9)),
+    ("800 MB", MemoryBudget(limit_bytes=8e8)), ("2GiB", MemoryBudget(limit_bytes=2 ** 31))])
+def test_memory_budgets_parse(text, expected):
+    assert MemoryBudget.parse(text) == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "1.15", "-2GB", "0x"])
+def test_a_bad_memory_budget_is_named(text):
+    with pytest.raises(ValueError, match="memory budget"):
+        MemoryBudget.parse(text)
+
+
+def test_the_trainers_flags_choose_or_force_the_slack():
+    def options(**flags):
+        return DppOptions.from_args(argparse.Namespace(**flags))
+
+    assert (options().adaptive, options().slack) == (True, 2)
+    forced = options(dpp_max_inflight=1)
+    assert (forced.adaptive, forced.slack) == (False, 1)
+    assert options(dpp_memory_budget="1.15x").budget == MemoryBudget(factor=1.15)
+    with pytest.raises(ValueError, match="a forced slack"):
+        options(dpp_max_inflight=1, dpp_memory_budget="1.15x")
+
+
+def _summary(stage: int, sent: dict, seen: dict, saved: float | None = None) -> dict:
+    return {"ranks": (10, 11), "stage": stage, "chunks": 1,
+            "task_ms": {("F", 0): 10.0 + stage, ("B", 0): 20.0 + stage},
+            "saved_bytes": saved, "sent": [sent], "seen": [seen]}
+
+
+def test_message_times_across_hosts_cancel_the_clock_offset():
+    """Stage 1's clock runs 100 s ahead; every message takes 30 ms. Each direction alone
+    is off by the offset, their mean is not; seen without waiting (an upper bound) only
+    counts where no waited message was seen."""
+    offset, hop = 100.0, 0.030
+    forward, backward = Task("F", 0, 0), Task("B", 0, 0)
+    late = Task("F", 0, 1)
+    stage0 = _summary(0, {(1, forward): 5.0, (1, late): 6.0},
+                      {(1, backward): (7.0 + hop, True)}, saved=2e6)
+    stage1 = _summary(1, {(0, backward): 7.0 + offset},
+                      {(0, forward): (5.0 + hop + offset, True),
+                       (0, late): (6.0 + 0.5 + offset, False)}, saved=3e6)
+    result = measured_from([stage0, stage1])
+    assert result.hop_ms[0] == pytest.approx(30.0)
+    assert result.forward_ms == (10.0, 11.0) and result.backward_ms == (20.0, 21.0)
+    assert result.activation_bytes == (2e6, 3e6)
+    # one direction only (a single host): its own time
+    stage0["seen"] = [{}]
+    assert measured_from([stage0, stage1]).hop_ms[0] == pytest.approx(1e3 * (hop + offset))
+
+
+def test_megatron_lms_trainer_refuses_a_budget_beside_a_forced_slack():
+    from megatron.dpp.megatron_lm.arguments import problems
+
+    def found(**flags):
+        return problems(argparse.Namespace(use_dpp=True, pipeline_model_parallel_size=2,
+                                           **flags))
+
+    assert found(dpp_memory_budget="1.15x") == []
+    assert found(dpp_max_inflight=1, dpp_memory_budget="1.15x") == [
+        "--dpp-memory-budget 1.15x caps the slack DPP chooses; --dpp-max-inflight 1 forces "
+        "one: give one of them"]
+    (bad,) = found(dpp_memory_budget="plenty")
+    assert bad.startswith("--dpp-memory-budget: memory budget 'plenty': expected a factor")
+
+
+@pytest.mark.parametrize("flags, problem", [
+    (["--use-dpp", "--dpp-max-inflight", "1", "--dpp-memory-budget", "1.15x"],
+     "--dpp-max-inflight 1 forces one: give one of them"),
+    (["--dpp-memory-budget", "2GB"], "--dpp-memory-budget needs --use-dpp"),
+    (["--use-dpp", "--dpp-memory-budget", "most"], "--dpp-memory-budget: memory budget 'most'"),
+])
+def test_the_trainer_names_a_bad_memory_budget(flags, problem):
+    from megatron.trainer.config.args_common import ArgumentError
+    from megatron.trainer.config.arguments import parse_args
+    from tests.trainer_runs import TINY, with_flags
+
+    with pytest.raises(ArgumentError, match=re.escape(problem)):
+        parse_args([*with_flags(TINY, pipeline_model_parallel_size=2, train_iters=1), *flags], world_size=2)
+    args = parse_args([*with_flags(TINY, pipeline_model_parallel_size=2, train_iters=1), "--use-dpp",
+                       "--dpp-memory-budget", "800MB"], world_size=2)
+    assert DppOptions.from_args(args).budget == MemoryBudget(limit_bytes=8e8)
+
+
+def test_a_size_budget_without_measured_activations_is_named():
+    """On CPU under the fused weight-gradient accumulation nothing counts the activations:
+    a budget in bytes cannot be met, a factor still can (equal bytes per stage)."""
+    from megatron.dpp.slack_measurement import PipelineShape, SlackAdapter
+
+    summaries = [_summary(0, {}, {}), _summary(1, {}, {})]
+    shape = PipelineShape((10, 11), 0, 1, 8, False, False, 1)
+    with pytest.raises(ValueError, match="the activations were not measured"):
+        SlackAdapter(2, False, MemoryBudget.parse("1GB"))._decide(summaries, shape)
+    choice = SlackAdapter(2, False, MemoryBudget.parse("1x"))._decide(summaries, shape)
+    assert choice.slack == 0 and choice.held_bytes is None

@@ -1,0 +1,85 @@
+"""DPP's slack chosen at run time (megatron/dpp/slack_measurement.py) on a real PP=2 gloo
+pipeline: the first two training calls measure at slack 0, then every rank runs the one
+slack rank 0 chose and logged; slow arrivals get slack, a memory budget caps it, and the
+losses stay megatron-core's."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import pytest
+
+from tests.distributed import run_ranks
+from tests.pipeline_runs import one_step
+from tests.trainer_runs import TINY, with_flags
+
+FLAGS = with_flags(TINY, pipeline_model_parallel_size=2, global_batch_size=16, train_iters=1)
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(level=logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def adaptive_runs(rank, world_size, runs):
+    """Per (delivery jitter in ms, memory budget) of `runs`: the slack of each of four
+    training calls of one adaptive DppSchedule, their losses, and what was logged."""
+    import os
+
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron.dpp.config import DppOptions
+    from megatron.dpp.schedule import DppSchedule
+    from megatron.dpp.transport.pipeline import JITTER_ENV
+    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.run.training import setup
+    from megatron.trainer.tasks.gpt import GPT_TASK
+
+    args = parse_args(FLAGS, world_size=world_size)
+    handler = _Lines()
+    logging.getLogger("megatron.dpp.slack_measurement").addHandler(handler)
+    logging.getLogger("megatron.dpp.slack_measurement").setLevel(logging.INFO)
+    with contextlib.ExitStack() as stack:
+        trainer = setup(GPT_TASK, args, stack)
+        m = args.num_microbatches
+        result = {"core": one_step(trainer, get_forward_backward_func(), m)[0], "runs": []}
+        for jitter, budget in runs:
+            os.environ[JITTER_ENV] = str(jitter)
+            handler.lines.clear()
+            dpp = DppSchedule(DppOptions(transport="torch", adaptive=True,
+                                         memory_budget=budget))
+            slacks, losses = [], []
+            try:
+                for _ in range(4):
+                    slacks.append(dpp.slack)
+                    losses.append(one_step(trainer, dpp, m)[0])
+            finally:
+                dpp.close()
+            result["runs"].append({"slacks": slacks, "losses": losses,
+                                   "lines": list(handler.lines)})
+    return result
+
+
+@pytest.mark.slow
+def test_slow_arrivals_get_slack_a_budget_caps_it_and_losses_stay():
+    runs = [(60, None), (60, "1.0x")]
+    results = run_ranks(2, adaptive_runs, 2, runs)
+    for rank, result in enumerate(results):
+        for run in result["runs"]:
+            assert all(losses == result["core"] for losses in run["losses"])
+            # measuring: None for two calls, then the choice
+            assert run["slacks"][:2] == [None, None]
+            assert run["slacks"][2] == run["slacks"][3]
+            assert len(run["lines"]) == (1 if rank == 0 else 0)
+    jittered, budgeted = (run for run in results[0]["runs"])
+    # arrivals 30 ms late on average: far more than a forward of the tiny model
+    assert jittered["slacks"][2] == 2 and results[1]["runs"][0]["slacks"][2] == 2
+    assert jittered["lines"][0].startswith("DPP slack 2: measured hop ")
+    # 1F1B's busiest stage (rank 0 holds 2 microbatches): no room for one more
+    assert budgeted["slacks"][2] == 0 and results[1]["runs"][1]["slacks"][2] == 0
+    assert "budget 1x 1F1B's busiest stage (caps the slack at 0)" in budgeted["lines"][0]
