@@ -1,0 +1,144 @@
+"""Emulated links and stragglers: a message on an emulated edge is not usable before its
+delay and comes within delay + jitter; the sender never waits for it; the straggler draw
+depends on the task, not on the order a schedule runs tasks in; bad flags get one line."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from megatron.dpp.transport.emulation import (
+    BACKWARD_TASK,
+    FORWARD_TASK,
+    Emulation,
+    LinkProfile,
+    StragglerProfile,
+    parse_link_ms,
+    parse_straggler,
+)
+from tests.distributed import run_ranks
+
+DELAY_MS, JITTER_MS = 120.0, 60.0
+MESSAGES = 6
+# scheduling and the backend's own transfer on a loaded 2-core machine
+SLACK_MS = 150.0
+
+
+def _timed_messages(rank: int, transport: str):
+    """Rank 0 sends MESSAGES tensors carrying their send time over an emulated link to rank
+    1, which records when each became available; rank 0 records how long each send took."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron.dpp.transport.channel import MessageKey, MessageKind
+    from megatron.dpp.transport.pipeline import PipelineTransport
+
+    dist.init_process_group("gloo")
+    emulation = Emulation(seed=5, link=LinkProfile(DELAY_MS, JITTER_MS, edges="all"))
+    channels = PipelineTransport([0, 1], num_chunks=1, device=torch.device("cpu"),
+                                 transport=transport, timeout=60, emulation=emulation)
+    result = []
+    try:
+        channels.barrier()
+        for i in range(MESSAGES):
+            key = MessageKey(MessageKind.ACTIVATION, 0, i)
+            if rank == 0:
+                started = time.time()
+                channels.send(1, key, torch.full((64, 32), started, dtype=torch.float64))
+                result.append(time.time() - started)
+                time.sleep(0.02)
+            else:
+                message = channels.take(key)
+                result.append((time.time() - float(message[0, 0])) * 1000)
+                assert bool((message == message[0, 0]).all()), f"message {i} corrupted"
+        channels.flush()
+        channels.barrier()
+    finally:
+        channels.close()
+        dist.destroy_process_group()
+    return result
+
+
+@pytest.mark.parametrize("transport", ["torch", "shm"])
+def test_emulated_link_delays_each_message_and_never_the_sender(transport):
+    sends, latencies = run_ranks(2, _timed_messages, transport)
+    assert max(sends) < 0.05, f"a send waited for the emulated link: {sends}"
+    assert min(latencies) >= DELAY_MS, f"a message usable before {DELAY_MS} ms: {latencies}"
+    assert max(latencies) <= DELAY_MS + JITTER_MS + SLACK_MS, latencies
+    # the jitter is drawn per message: not every message takes the same time
+    assert max(latencies) - min(latencies) > 1.0, latencies
+
+
+def test_straggler_draw_is_the_same_in_any_task_order():
+    emulation = Emulation(seed=11, straggler=StragglerProfile(None, 0.3, 3.0))
+    tasks = [(iteration, microbatch, stage, kind) for iteration in range(1, 4)
+             for microbatch in range(16) for stage in range(4)
+             for kind in (FORWARD_TASK, BACKWARD_TASK)]
+    shuffled = list(tasks)
+    random.Random(3).shuffle(shuffled)
+
+    def straggling(order):
+        return {task for task in order
+                if emulation.straggles(task[0], task[1], task[2], task[2], task[3])}
+
+    first, second = straggling(tasks), straggling(shuffled)
+    assert first == second
+    assert 0.2 * len(tasks) < len(first) < 0.4 * len(tasks)
+    # another seed draws other tasks; a stage outside STAGES never straggles
+    other = Emulation(seed=12, straggler=StragglerProfile(None, 0.3, 3.0))
+    assert {t for t in tasks if other.straggles(t[0], t[1], t[2], t[2], t[3])} != first
+    only_two = Emulation(seed=11, straggler=StragglerProfile((2,), 0.3, 3.0))
+    assert {t for t in tasks if only_two.straggles(t[0], t[1], t[2], t[2], t[3])} == {
+        t for t in first if t[2] == 2}
+
+
+def test_link_and_straggler_specs_parse():
+    assert parse_link_ms("30") == (30.0, 0.0)
+    assert parse_link_ms("30,7.5") == (30.0, 7.5)
+    assert parse_straggler("all:0.1:3") == StragglerProfile(None, 0.1, 3.0)
+    assert parse_straggler("1,3:0.5:2").stages == (1, 3)
+    for bad in ("", "a", "30,", "-1", "1,2,3"):
+        with pytest.raises(ValueError, match="--emulate-link-ms"):
+            parse_link_ms(bad)
+    for bad in ("all:0.1", "x:0.1:3", "all:1.5:3", "all:0.1:0.5", "-1:0.1:2"):
+        with pytest.raises(ValueError, match="--emulate-straggler"):
+            parse_straggler(bad)
+
+
+BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
+        "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--tokenizer-type",
+        "NullTokenizer", "--vocab-size", "128", "--pipeline-model-parallel-size", "4"]
+
+
+@pytest.mark.parametrize("flags, problem", [
+    (["--emulate-link-ms", "30"], "this job has one pod, so no edge would be emulated"),
+    (["--emulate-link-ms", "30,x", "--emulate-link-edges", "all"],
+     "--emulate-link-ms '30,x': expected D or D,J"),
+    (["--emulate-link-gbps", "10"], "--emulate-link-gbps adds size / G"),
+    (["--emulate-straggler", "4:0.1:3"], "stages are 0..3 at --pipeline-model-parallel-size 4"),
+    (["--emulate-straggler", "all:2:3"], "--emulate-straggler 'all:2:3': expected"),
+])
+def test_bad_emulation_flags_get_one_line(flags, problem):
+    from megatron.trainer.config.arguments import ArgumentError, parse_args
+
+    with pytest.raises(ArgumentError) as error:
+        parse_args(BASE + flags, world_size=4)
+    assert problem in str(error.value) and "\n" not in str(error.value)
+
+
+def test_emulation_is_off_by_default_and_described_once_on():
+    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.config.configs import EmulationConfig
+
+    assert not EmulationConfig.from_args(parse_args(BASE, world_size=4)).emulation().active
+    args = parse_args(BASE + ["--emulate-link-ms", "30,10", "--emulate-link-gbps", "25",
+                              "--emulate-link-edges", "all", "--emulate-straggler",
+                              "1:0.1:3", "--seed", "9"], world_size=4)
+    emulation = EmulationConfig.from_args(args).emulation()
+    assert emulation.link == LinkProfile(30.0, 10.0, 25.0, "all")
+    assert emulation.describe() == (
+        "emulated: link 30 ms + U(0, 10) ms + size / 25 GB/s on every pipeline edge; "
+        "stragglers on stage 1: p 0.1, x3 (seed 9; time only, values untouched)")
