@@ -142,3 +142,37 @@ def test_emulation_is_off_by_default_and_described_once_on():
     assert emulation.describe() == (
         "emulated: link 30 ms + U(0, 10) ms + size / 25 GB/s on every pipeline edge; "
         "stragglers on stage 1: p 0.1, x3 (seed 9; time only, values untouched)")
+
+
+def _pipeline_runs(rank: int, runs: list[list[str]]):
+    from tests.trainer_runs import train_runs
+
+    return [(record["losses"], record["grad_norms"], record["logs"])
+            for record in train_runs(rank, runs, 4)]
+
+
+@pytest.mark.slow
+def test_emulation_changes_time_only_under_both_schedules():
+    """PP=4 on CPU: megatron-core's 1F1B and --use-dpp train with the same losses and
+    gradient norms with a jittery link on every edge and stragglers on every stage as
+    without them, and as one stage does."""
+    from tests.trainer_runs import TINY, train_run, with_flags
+
+    base = with_flags(TINY, global_batch_size=16, train_iters=3, seed=4)
+    emulated = ["--emulate-link-ms", "15,10", "--emulate-link-edges", "all",
+                "--emulate-straggler", "all:0.3:2"]
+    pipelined = with_flags(base, pipeline_model_parallel_size=4)
+    dpp = with_flags(pipelined, use_dpp=True)
+    runs = [pipelined, pipelined + emulated, dpp, dpp + emulated]
+    core, core_emulated, dpp_plain, dpp_emulated = run_ranks(4, _pipeline_runs, runs)[3]
+    one_stage = run_ranks(1, train_run, base, 1)[0]
+    reference = [step["lm loss"] for step in one_stage["losses"]]
+    for losses, grad_norms, _ in (core, core_emulated, dpp_plain, dpp_emulated):
+        assert [step["lm loss"] for step in losses] == pytest.approx(reference, rel=1e-5)
+        assert grad_norms == pytest.approx(one_stage["grad_norms"], rel=1e-4)
+    assert core_emulated[0] == core[0] and core_emulated[1] == core[1]
+    assert dpp_emulated[0] == dpp_plain[0] and dpp_emulated[1] == dpp_plain[1]
+    # the last stage's own edge lines (rank 3 <-> rank 2), and the emulation said once
+    messages = [message for _, message in core_emulated[2]]
+    assert "megatron-core p2p over gloo for edge 3->2 (emulated link)" in messages
+    assert not any(m.startswith("emulated:") for m in messages)  # rank 0 logs it
