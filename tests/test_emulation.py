@@ -145,10 +145,20 @@ def test_emulation_is_off_by_default_and_described_once_on():
 
 
 def _pipeline_runs(rank: int, runs: list[list[str]]):
+    """Each run's (losses, gradient norms, trainer log), and the pipeline edge lines this
+    rank logged over all runs."""
+    import logging
+
+    from megatron.dpp.transport.pipeline import EDGE_LOGGER
     from tests.trainer_runs import train_runs
 
-    return [(record["losses"], record["grad_norms"], record["logs"])
-            for record in train_runs(rank, runs, 4)]
+    edges: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: edges.append(record.getMessage())
+    logging.getLogger(EDGE_LOGGER).addHandler(handler)
+    results = [(record["losses"], record["grad_norms"], record["logs"])
+               for record in train_runs(rank, runs, 4)]
+    return results, edges
 
 
 @pytest.mark.slow
@@ -164,7 +174,8 @@ def test_emulation_changes_time_only_under_both_schedules():
     pipelined = with_flags(base, pipeline_model_parallel_size=4)
     dpp = with_flags(pipelined, use_dpp=True)
     runs = [pipelined, pipelined + emulated, dpp, dpp + emulated]
-    core, core_emulated, dpp_plain, dpp_emulated = run_ranks(4, _pipeline_runs, runs)[3]
+    by_rank = run_ranks(4, _pipeline_runs, runs)
+    core, core_emulated, dpp_plain, dpp_emulated = by_rank[3][0]
     one_stage = run_ranks(1, train_run, base, 1)[0]
     reference = [step["lm loss"] for step in one_stage["losses"]]
     for losses, grad_norms, _ in (core, core_emulated, dpp_plain, dpp_emulated):
@@ -172,7 +183,10 @@ def test_emulation_changes_time_only_under_both_schedules():
         assert grad_norms == pytest.approx(one_stage["grad_norms"], rel=1e-4)
     assert core_emulated[0] == core[0] and core_emulated[1] == core[1]
     assert dpp_emulated[0] == dpp_plain[0] and dpp_emulated[1] == dpp_plain[1]
-    # the last stage's own edge lines (rank 3 <-> rank 2), and the emulation said once
-    messages = [message for _, message in core_emulated[2]]
-    assert "megatron-core p2p over gloo for edge 3->2 (emulated link)" in messages
-    assert not any(m.startswith("emulated:") for m in messages)  # rank 0 logs it
+    # every rank names each edge it sends on, under each schedule, emulated or not
+    _, middle_edges = by_rank[1]
+    for line in ("megatron-core p2p over gloo for edge 1->2", "megatron-core p2p over gloo "
+                 "for edge 1->0 (emulated link)", "DPP transport shm for edge 1->2:A",
+                 "DPP transport shm for edge 2->1:G (emulated link)"):
+        assert line in middle_edges, middle_edges
+    assert not any("edge 0->3" in line for line in by_rank[0][1])  # no ring at one chunk

@@ -47,6 +47,9 @@ from megatron.dpp.transport.emulation import (
 from megatron.dpp.transport.native import NativeInbox, make_inbox
 
 log = logging.getLogger(__name__)
+# each rank's line per pipeline edge it owns, naming its transport: logged on every rank
+EDGE_LOGGER = "megatron.dpp.transport.edges"
+edge_log = logging.getLogger(EDGE_LOGGER)
 
 # test hook: deliver each arrival after a random delay of up to this many milliseconds
 JITTER_ENV = "DPP_TEST_DELIVERY_JITTER_MS"
@@ -163,7 +166,7 @@ class PipelineTransport:
                     senders[edge] = EmulatedSendChannel(
                         senders[edge], emulation.edge_delays(edge.src, edge.dst, edge.kind),
                         device, sleeper, timeout)
-                log.info("DPP transport %s for edge %s%s", backend.name, edge_label(edge),
+                edge_log.info("DPP transport %s for edge %s%s", backend.name, edge_label(edge),
                          _edge_note(pods[edge.src], pods[edge.dst], link is not None))
             self._senders.update(senders)
             self._receivers.update(receivers)

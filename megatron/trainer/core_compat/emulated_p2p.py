@@ -19,33 +19,35 @@ import torch
 import torch.distributed as dist
 
 from megatron.dpp.transport.emulation import CudaLink, CudaSleep, DelayedDelivery, Emulation
+from megatron.dpp.transport.pipeline import EDGE_LOGGER
 
-log = logging.getLogger(__name__)
+edge_log = logging.getLogger(EDGE_LOGGER)
 
 
 class P2PLinks:
     """The emulated links between this rank and its two pipeline neighbours, for the whole
-    run (`close()` at its end). `pods[r]` is global rank r's pod."""
+    run (`close()` at its end). `pods[r]` is global rank r's pod; `ring`: the pipeline's
+    last stage feeds its first (virtual chunks)."""
 
     def __init__(self, emulation: Emulation, pp_group, pods: list[str], device: torch.device,
-                 timeout: float = 60.0):
+                 ring: bool, timeout: float = 60.0):
         self.rank = dist.get_rank()
         self.pp_group = pp_group
         self.gpu = device.type == "cuda"
         self.timeout = timeout
-        neighbours = _neighbours(pp_group)
+        neighbours = _neighbours(pp_group, ring)
         sleeper = CudaSleep() if self.gpu else None
         # one link a neighbour: its messages keep the order the schedule sent them in, which
         # is the order the neighbour posts its receives in
         self._links: dict[int, DelayedDelivery | CudaLink] = {}
-        for peer in sorted(neighbours - {self.rank}):
+        for peer in neighbours:
             # on CPU the sender delays, on a GPU the receiver: the edge into this rank
             src, dst = (peer, self.rank) if self.gpu else (self.rank, peer)
             if emulation.link_between(pods[src], pods[dst]) is not None:
                 delays = emulation.edge_delays(src, dst, -1)
                 self._links[peer] = (CudaLink(delays, sleeper, device) if self.gpu
                                      else DelayedDelivery(f"{src}->{dst}", delays))
-        log_edges(pp_group, pods, set(self._links))
+        log_edges(pp_group, pods, ring, set(self._links))
 
     def delays_sends_to(self, peer: int) -> bool:
         return not self.gpu and peer in self._links
@@ -74,23 +76,30 @@ class P2PLinks:
         self._links.clear()
 
 
-def _neighbours(pp_group) -> set[int]:
-    """The global ranks of this rank's pipeline neighbours."""
+def _neighbours(pp_group, ring: bool) -> list[int]:
+    """The global ranks this rank sends to: the next stage's (activations) and the
+    previous stage's (gradients); without a `ring` the last stage has no next and the
+    first no previous."""
     ranks = dist.get_process_group_ranks(pp_group)
     here = ranks.index(dist.get_rank())
-    return {ranks[(here + 1) % len(ranks)], ranks[(here - 1) % len(ranks)]} - {ranks[here]}
+    peers = []
+    if ring or here < len(ranks) - 1:
+        peers.append(ranks[(here + 1) % len(ranks)])
+    if ring or here > 0:
+        peers.append(ranks[(here - 1) % len(ranks)])
+    return sorted(set(peers) - {ranks[here]})
 
 
-def log_edges(pp_group, pods: list[str], emulated: set[int] = frozenset()) -> None:
+def log_edges(pp_group, pods: list[str], ring: bool, emulated: set[int] = frozenset()) -> None:
     """One line per pipeline edge of this rank under megatron-core's schedules: the
     process group's backend carries it (with NCCL, its transport follows the NCCL_*
     environment: docs/two_pods.md), across pods or not, emulated or not (`emulated`: the
     neighbours whose link is)."""
     rank = dist.get_rank()
     backend = dist.get_backend(pp_group)
-    for peer in sorted(_neighbours(pp_group)):
+    for peer in _neighbours(pp_group, ring):
         notes = [note for note in (
             "" if pods[rank] == pods[peer] else f"across pods {pods[rank]} -> {pods[peer]}",
             "emulated link" if peer in emulated else "") if note]
-        log.info("megatron-core p2p over %s for edge %d->%d%s", backend, rank, peer,
+        edge_log.info("megatron-core p2p over %s for edge %d->%d%s", backend, rank, peer,
                  f" ({', '.join(notes)})" if notes else "")

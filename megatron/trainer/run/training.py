@@ -252,10 +252,11 @@ def _core_p2p_links(configs: TrainerConfigs, emulation, pod: str | None, device,
         return None
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     pods = gather_pods(pod)
+    ring = (configs.parallel.virtual_pipeline_model_parallel_size or 1) > 1
     if emulation.link is None:
-        log_edges(pp_group, pods)
+        log_edges(pp_group, pods, ring)
         return None
-    links = P2PLinks(emulation, pp_group, pods, device, configs.schedule.dpp_timeout)
+    links = P2PLinks(emulation, pp_group, pods, device, ring, configs.schedule.dpp_timeout)
     # after an error a peer may be gone: drop what is still to be delivered
     stack.push(lambda exc_type, exc, traceback: links.close(abort=exc_type is not None))
     return links
