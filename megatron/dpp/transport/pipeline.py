@@ -14,6 +14,7 @@ sending side, whatever backend carries it.
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import os
 import random
@@ -93,13 +94,17 @@ class EmulatedSendChannel(SendChannel):
     """A send channel whose messages leave once the edge's emulated delay has passed since
     `send`, which returns at once. On CPU a delivery thread hands each message to the real
     channel; on a GPU the real channel is given it on a link stream that sleeps first (its
-    ready event is recorded there, so the consumer's stream waits, never the producer's)."""
+    ready event is recorded there, so the consumer's stream waits, never the producer's).
+    RDMA stages GPU messages through the host synchronously: there too a delivery thread
+    sends, on a side stream that waits for the producer's event."""
 
     def __init__(self, inner: SendChannel, delays: EdgeDelays, device: torch.device,
-                 sleeper: CudaSleep | None, timeout: float):
+                 sleeper: CudaSleep | None, timeout: float, host_staged: bool):
         self.edge, self.inner, self.timeout = inner.edge, inner, timeout
-        self._cuda = CudaLink(delays, sleeper, device) if device.type == "cuda" else None
+        gpu = device.type == "cuda"
+        self._cuda = CudaLink(delays, sleeper, device) if gpu and not host_staged else None
         self._delivery = None if self._cuda else DelayedDelivery(str(self.edge), delays)
+        self._side = torch.cuda.Stream(device) if gpu and host_staged else None
 
     def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
         # the channel's own reference: the schedule frees its output's storage after sending
@@ -111,10 +116,21 @@ class EmulatedSendChannel(SendChannel):
             with torch.cuda.stream(stream):
                 self.inner.send(key, tensor)
             return
+        if self._side is None:
+            deliver = functools.partial(self.inner.send, key, tensor)
+        else:
+            ready = torch.cuda.Event()
+            ready.record()
+            deliver = functools.partial(self._send_after, ready, key, tensor)
         try:
-            self._delivery.post(lambda: self.inner.send(key, tensor), nbytes)
+            self._delivery.post(deliver, nbytes)
         except RuntimeError as error:
             raise TransportError(str(error)) from error
+
+    def _send_after(self, ready, key: MessageKey, tensor: torch.Tensor) -> None:
+        with torch.cuda.stream(self._side):
+            self._side.wait_event(ready)
+            self.inner.send(key, tensor)
 
     def flush(self, timeout: float | None = None) -> None:
         if self._delivery is not None:
@@ -165,7 +181,7 @@ class PipelineTransport:
                 if link is not None and edge in senders:
                     senders[edge] = EmulatedSendChannel(
                         senders[edge], emulation.edge_delays(edge.src, edge.dst, edge.kind),
-                        device, sleeper, timeout)
+                        device, sleeper, timeout, host_staged=backend.name == "rdma")
                 edge_log.info("DPP transport %s for edge %s%s", backend.name, edge_label(edge),
                          _edge_note(pods[edge.src], pods[edge.dst], link is not None))
             self._senders.update(senders)
