@@ -190,3 +190,27 @@ def test_emulation_changes_time_only_under_both_schedules():
                  "DPP transport shm for edge 2->1:G (emulated link)"):
         assert line in middle_edges, middle_edges
     assert not any("edge 0->3" in line for line in by_rank[0][1])  # no ring at one chunk
+
+
+def _two_stage_runs(rank: int, runs: list[list[str]]):
+    from tests.trainer_runs import train_runs
+
+    return [(record["losses"], record["grad_norms"]) for record in train_runs(rank, runs, 2)]
+
+
+@pytest.mark.slow
+def test_emulated_link_under_megatron_cores_interleaved_schedule():
+    """PP=2 with two chunks a stage: megatron-core's interleaved schedule sends activations
+    and gradients to the same neighbour, unbatched (one neighbour), odd ranks on the world
+    group; through the emulated link the losses stay those without it and of PP=1."""
+    from tests.trainer_runs import TINY, train_run, with_flags
+
+    base = with_flags(TINY, global_batch_size=16, train_iters=2, seed=6)
+    interleaved = with_flags(base, pipeline_model_parallel_size=2,
+                             virtual_pipeline_model_parallel_size=2)
+    emulated = interleaved + ["--emulate-link-ms", "10,10", "--emulate-link-edges", "all"]
+    plain, with_link = run_ranks(2, _two_stage_runs, [interleaved, emulated])[1]
+    one_stage = run_ranks(1, train_run, base, 1)[0]
+    assert with_link == plain
+    assert [step["lm loss"] for step in with_link[0]] == pytest.approx(
+        [step["lm loss"] for step in one_stage["losses"]], rel=1e-5)
