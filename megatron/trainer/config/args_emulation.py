@@ -3,7 +3,7 @@ compute tasks (megatron/dpp/transport/emulation.py; docs/two_pods.md)."""
 
 from __future__ import annotations
 
-from megatron.trainer.config.args_common import add_flags
+from megatron.trainer.config.args_common import add_flags, cuda_available
 from megatron.trainer.config.configs import EmulationConfig
 
 
@@ -35,6 +35,10 @@ def validate_emulation(args, need) -> None:
         need(pods >= 2, f"--emulate-link-ms {args.emulate_link_ms} with --emulate-link-edges "
              "pods: this job has one pod, so no edge would be emulated; run across pods "
              "(--multi-node --node-ips) or emulate every edge with --emulate-link-edges all")
+    if args.emulate_link_ms is not None and not args.use_dpp and cuda_available():
+        need(not args.overlap_p2p_communication_warmup_flush,
+             "--emulate-link-ms on GPUs delays megatron-core's messages once it waited for "
+             "them; --overlap-p2p-communication-warmup-flush leaves them unwaited")
     if args.emulate_link_ms is not None or args.emulate_straggler is not None:
         need(args.pipeline_model_parallel_size > 1, "--emulate-link-ms and "
              "--emulate-straggler emulate a pipeline: they need "

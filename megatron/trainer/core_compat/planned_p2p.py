@@ -77,7 +77,8 @@ class PlannedShapesP2P(P2PCommunicator):
             if reqs:
                 raise PlannedShapeError("an emulated link on GPUs delays received messages "
                                         "after megatron-core waited for them; "
-                                        "--overlap-p2p-communication returns them unwaited")
+                                        "--overlap-p2p-communication-warmup-flush returns "
+                                        "them unwaited")
             self.links.delay_received(received_prev, self.prev_rank)
             self.links.delay_received(received_next, self.next_rank)
         return received_prev, received_next, reqs
