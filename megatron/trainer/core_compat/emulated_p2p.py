@@ -91,15 +91,16 @@ def _neighbours(pp_group, ring: bool) -> list[int]:
 
 
 def log_edges(pp_group, pods: list[str], ring: bool, emulated: set[int] = frozenset()) -> None:
-    """One line per pipeline edge of this rank under megatron-core's schedules: the
-    process group's backend carries it (with NCCL, its transport follows the NCCL_*
-    environment: docs/two_pods.md), across pods or not, emulated or not (`emulated`: the
-    neighbours whose link is)."""
+    """One line per pipeline edge of this rank under megatron-core's schedules, to and
+    from each neighbour: the process group's backend carries it (with NCCL, its transport
+    follows the NCCL_* environment: docs/two_pods.md), across pods or not, emulated or not
+    (`emulated`: the neighbours whose link is)."""
     rank = dist.get_rank()
     backend = dist.get_backend(pp_group)
     for peer in _neighbours(pp_group, ring):
-        notes = [note for note in (
-            "" if pods[rank] == pods[peer] else f"across pods {pods[rank]} -> {pods[peer]}",
-            "emulated link" if peer in emulated else "") if note]
-        edge_log.info("megatron-core p2p over %s for edge %d->%d%s", backend, rank, peer,
-                 f" ({', '.join(notes)})" if notes else "")
+        for src, dst in ((rank, peer), (peer, rank)):
+            notes = [note for note in (
+                "" if pods[src] == pods[dst] else f"across pods {pods[src]} -> {pods[dst]}",
+                "emulated link" if peer in emulated else "") if note]
+            edge_log.info("megatron-core p2p over %s for edge %d->%d%s", backend, src, dst,
+                          f" ({', '.join(notes)})" if notes else "")
