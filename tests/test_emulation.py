@@ -8,6 +8,7 @@ import random
 import time
 
 import pytest
+import torch
 
 from megatron.dpp.transport.emulation import (
     BACKWARD_TASK,
@@ -214,3 +215,49 @@ def test_emulated_link_under_megatron_cores_interleaved_schedule():
     assert with_link == plain
     assert [step["lm loss"] for step in with_link[0]] == pytest.approx(
         [step["lm loss"] for step in one_stage["losses"]], rel=1e-5)
+
+
+TASK_S = 0.1
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Doubles its input; its backward takes TASK_S."""
+
+    @staticmethod
+    def forward(ctx, value):
+        return value * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(TASK_S)
+        return grad * 2
+
+
+def test_a_straggling_task_takes_factor_times_as_long():
+    """The trainer's hook stretches a straggling forward after it ran and a straggling
+    backward from its output's gradient to the end of the pass, on CPU by sleeping."""
+    from types import SimpleNamespace
+
+    from megatron.trainer.run.emulation import Stragglers
+
+    task_s, factor = TASK_S, 3.0
+    rng = SimpleNamespace(current_key=(1, 0, 0), pp_rank=0)
+
+    def forward_step(data_iterator, model):
+        time.sleep(task_s)
+        x = torch.ones(4, requires_grad=True)
+        return _SlowBackward.apply(x), None
+
+    for prob, stretched in ((1.0, True), (0.0, False)):
+        emulation = Emulation(seed=1, straggler=StragglerProfile(None, prob, factor))
+        step = Stragglers(emulation, rng, torch.device("cpu")).wrap(forward_step)
+        started = time.monotonic()
+        output, _ = step(None, None)
+        forward_s = time.monotonic() - started
+        started = time.monotonic()
+        output.sum().backward()
+        backward_s = time.monotonic() - started
+        if stretched:
+            assert forward_s >= factor * task_s * 0.95 and backward_s >= factor * task_s * 0.95
+        else:
+            assert forward_s < factor * task_s * 0.95 and backward_s < factor * task_s * 0.95
