@@ -54,7 +54,7 @@ def load(path: Path = SCENARIOS) -> dict[str, dict]:
 
 
 def transports(log_text: str) -> list[str]:
-    """The DPP transports named in a run's log (one line per rank and backend)."""
+    """The DPP transports named in a run's log (one line per rank and edge)."""
     return sorted(set(TRANSPORT_LINE.findall(log_text)))
 
 
