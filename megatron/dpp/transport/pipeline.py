@@ -183,7 +183,7 @@ class PipelineTransport:
                         senders[edge], emulation.edge_delays(edge.src, edge.dst, edge.kind),
                         device, sleeper, timeout, host_staged=backend.name == "rdma")
                 edge_log.info("DPP transport %s for edge %s%s", backend.name, edge_label(edge),
-                         _edge_note(pods[edge.src], pods[edge.dst], link is not None))
+                              _edge_note(pods[edge.src], pods[edge.dst], link is not None))
             self._senders.update(senders)
             self._receivers.update(receivers)
         self._by_destination = {(e.dst, e.kind): ch for e, ch in self._senders.items()}

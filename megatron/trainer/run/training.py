@@ -122,7 +122,6 @@ class Trainer:
     planned_shapes: PlannedShapes | None = None
     stragglers: Stragglers | None = None  # --emulate-straggler
 
-
     @property
     def reporting(self) -> bool:
         """The last rank reports losses (it is on the last pipeline stage)."""
