@@ -288,12 +288,14 @@ class CudaSleep:
         return self._cycles_per_s
 
     def measured(self, kind: int, start, end) -> float:
-        """The last completed task of `kind`'s duration in seconds (0 before the first);
-        (start, end) is the task just recorded."""
+        """The last measured task of `kind`'s duration in seconds (0 before the first);
+        (start, end) is the task just recorded, measured next time unless one is still
+        waiting for its events (the host runs ahead of the device)."""
         pending = self._pending.get(kind)
-        if pending is not None and pending[1].query():
-            self._last_s[kind] = pending[0].elapsed_time(pending[1]) / 1000.0
-        self._pending[kind] = (start, end)
+        if pending is None or pending[1].query():
+            if pending is not None:
+                self._last_s[kind] = pending[0].elapsed_time(pending[1]) / 1000.0
+            self._pending[kind] = (start, end)
         return self._last_s.get(kind, 0.0)
 
 
