@@ -29,7 +29,7 @@ from profiling import bench_gpt  # noqa: E402
 
 log = logging.getLogger("bench_scenarios")
 SCENARIOS = Path(__file__).with_name("scenarios.toml")
-TRANSPORT_LINE = re.compile(r"DPP transport (\w+) for edges")
+TRANSPORT_LINE = re.compile(r"DPP transport (\w+) for edges?")
 
 
 def load(path: Path = SCENARIOS) -> dict[str, dict]:
@@ -54,7 +54,7 @@ def load(path: Path = SCENARIOS) -> dict[str, dict]:
 
 
 def transports(log_text: str) -> list[str]:
-    """The DPP transports named in a run's log (one line per rank and backend)."""
+    """The DPP transports named in a run's log (one line per rank and edge)."""
     return sorted(set(TRANSPORT_LINE.findall(log_text)))
 
 

@@ -95,9 +95,9 @@ def test_shm_still_refuses_edges_across_hosts():
 
 @pytest.mark.skipif(not native.available(), reason="native transport extension not built")
 def test_assign_backends_opens_rdma_across_hosts(monkeypatch):
-    monkeypatch.setattr(pipeline, "_hosts", lambda: HOSTS)
     monkeypatch.setattr(pipeline, "_rdma_problems", lambda: [None] * 4)
-    plan = pipeline._assign_backends(EDGES, "rdma", torch.device("cpu"), 12.0, native_inbox=True)
+    plan = pipeline._assign_backends(EDGES, "rdma", torch.device("cpu"), 12.0, native_inbox=True,
+                                     hosts=HOSTS)
     assert [(backend.name, edges) for backend, edges in plan] == [("shm", LOCAL),
                                                                    ("rdma", REMOTE)]
     assert isinstance(plan[1][0], RdmaBackend) and plan[1][0].timeout == 12.0
@@ -105,15 +105,16 @@ def test_assign_backends_opens_rdma_across_hosts(monkeypatch):
 
 @pytest.mark.skipif(bool(rdma.rdma_devices()), reason="this host has an RDMA device")
 def test_assign_backends_reports_this_hosts_missing_rdma(monkeypatch):
-    monkeypatch.setattr(pipeline, "_hosts", lambda: HOSTS)
     monkeypatch.setattr(pipeline, "_rdma_problems", lambda: [rdma.unavailable_reason()] * 4)
     reason = rdma.unavailable_reason()
     if native.build_info()["rdma"]:
         assert reason == NO_DEVICE_REASON
     with pytest.raises(TransportError) as caught:
-        pipeline._assign_backends(EDGES, "rdma", torch.device("cpu"), 10.0, native_inbox=True)
+        pipeline._assign_backends(EDGES, "rdma", torch.device("cpu"), 10.0, native_inbox=True,
+                                  hosts=HOSTS)
     assert reason in str(caught.value)
-    plan = pipeline._assign_backends(EDGES, "auto", torch.device("cpu"), 10.0, native_inbox=True)
+    plan = pipeline._assign_backends(EDGES, "auto", torch.device("cpu"), 10.0, native_inbox=True,
+                                     hosts=HOSTS)
     assert ("torch", REMOTE) in [(backend.name, edges) for backend, edges in plan]
 
 

@@ -44,6 +44,7 @@ from megatron.dpp.slack_measurement import IterationRecord, PipelineShape, Slack
 from megatron.dpp.topology import PipelineTopology
 from megatron.dpp.tracing import NullTracer
 from megatron.dpp.transport.channel import MessageKey, MessageKind
+from megatron.dpp.transport.emulation import Emulation
 from megatron.dpp.transport.pipeline import PipelineTransport
 from megatron.dpp.weight_grad import WeightGradStore
 
@@ -87,9 +88,12 @@ class DppSchedule:
     CUDA-graph blocks were given, if any)."""
 
     def __init__(self, options: DppOptions | None = None,
-                 weight_grads: WeightGradStore | None = None):
+                 weight_grads: WeightGradStore | None = None, pod: str | None = None,
+                 emulation: Emulation | None = None):
         self.options = options or DppOptions()
         self.weight_grads = weight_grads
+        self.pod = pod  # this rank's pod (transport/pipeline.py); None: its host
+        self.emulation = emulation
         self._transport: PipelineTransport | None = None
         self._coordinator: _TaskCoordinator | None = None
         self._gpu_queue: GpuQueue | None = None
@@ -132,6 +136,7 @@ class DppSchedule:
         self._transport = PipelineTransport(
             self._pipeline, num_chunks=num_chunks, device=device,
             transport=self.options.transport, timeout=self.options.timeout,
+            pod=self.pod, emulation=self.emulation,
         )
         self._coordinator = _TaskCoordinator()
         simulated_ms = float(os.environ.get(SIMULATED_TASK_ENV, "0"))

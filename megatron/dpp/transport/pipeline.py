@@ -4,11 +4,17 @@ Edges are the hops the topology (megatron/dpp/topology.py) sends outputs along:
 activations r -> r+1 and gradients r+1 -> r within every pipeline; with virtual chunks
 the ring closes (last rank -> rank 0 for activations, rank 0 -> last rank for gradients).
 Opening is collective over the whole job.
+
+Pods are the nodes of the launcher (`--node-ips`), which may share a host: an edge between
+two pods never takes shared memory or CUDA IPC, it takes RDMA where a device exists, else
+torch.distributed. An emulated link (emulation.py) delays each message of its edges on the
+sending side, whatever backend carries it.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import os
 import random
@@ -28,12 +34,23 @@ from megatron.dpp.transport.channel import (
     MessageKey,
     MessageKind,
     PythonInbox,
+    SendChannel,
     TransportError,
     brief,
+)
+from megatron.dpp.transport.emulation import (
+    CudaLink,
+    CudaSleep,
+    DelayedDelivery,
+    EdgeDelays,
+    Emulation,
 )
 from megatron.dpp.transport.native import NativeInbox, make_inbox
 
 log = logging.getLogger(__name__)
+# each rank's line per pipeline edge it owns, naming its transport: logged on every rank
+EDGE_LOGGER = "megatron.dpp.transport.edges"
+edge_log = logging.getLogger(EDGE_LOGGER)
 
 # test hook: deliver each arrival after a random delay of up to this many milliseconds
 JITTER_ENV = "DPP_TEST_DELIVERY_JITTER_MS"
@@ -73,11 +90,70 @@ class JitterInbox(PythonInbox):
         timer.start()
 
 
+class EmulatedSendChannel(SendChannel):
+    """A send channel whose messages leave once the edge's emulated delay has passed since
+    `send`, which returns at once. On CPU a delivery thread hands each message to the real
+    channel; on a GPU the real channel is given it on a link stream that sleeps first (its
+    ready event is recorded there, so the consumer's stream waits, never the producer's).
+    RDMA stages GPU messages through the host synchronously: there too a delivery thread
+    sends, on a side stream that waits for the producer's event."""
+
+    def __init__(self, inner: SendChannel, delays: EdgeDelays, device: torch.device,
+                 sleeper: CudaSleep | None, timeout: float, host_staged: bool):
+        self.edge, self.inner, self.timeout = inner.edge, inner, timeout
+        gpu = device.type == "cuda"
+        self._cuda = CudaLink(delays, sleeper, device) if gpu and not host_staged else None
+        self._delivery = None if self._cuda else DelayedDelivery(str(self.edge), delays)
+        self._side = torch.cuda.Stream(device) if gpu and host_staged else None
+
+    def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
+        # the channel's own reference: the schedule frees its output's storage after sending
+        tensor = tensor.detach()
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._cuda is not None:
+            stream, _ = self._cuda.delayed_stream(nbytes)
+            tensor.record_stream(stream)
+            with torch.cuda.stream(stream):
+                self.inner.send(key, tensor)
+            return
+        if self._side is None:
+            deliver = functools.partial(self.inner.send, key, tensor)
+        else:
+            ready = torch.cuda.Event()
+            ready.record()
+            deliver = functools.partial(self._send_after, ready, key, tensor)
+        try:
+            self._delivery.post(deliver, nbytes)
+        except RuntimeError as error:
+            raise TransportError(str(error)) from error
+
+    def _send_after(self, ready, key: MessageKey, tensor: torch.Tensor) -> None:
+        with torch.cuda.stream(self._side):
+            self._side.wait_event(ready)
+            self.inner.send(key, tensor)
+
+    def flush(self, timeout: float | None = None) -> None:
+        if self._delivery is not None:
+            try:
+                self._delivery.drain(timeout)
+            except (RuntimeError, TimeoutError) as error:
+                raise TransportError(str(error)) from error
+        self.inner.flush(timeout)
+
+    def close(self, abort: bool = False) -> None:
+        if self._delivery is not None:
+            self._delivery.close(abort, self.timeout)
+        self.inner.close(abort)
+
+
 class PipelineTransport:
-    """This rank's send channels (by destination rank and kind) and its inbox."""
+    """This rank's send channels (by destination rank and kind) and its inbox. `pod`: this
+    rank's pod (its node's address under --node-ips; default its host name); `emulation`:
+    the emulated links to apply to the edges it selects."""
 
     def __init__(self, pipeline_ranks: list[int], num_chunks: int, device: torch.device,
-                 transport: str, timeout: float):
+                 transport: str, timeout: float, pod: str | None = None,
+                 emulation: Emulation | None = None):
         if transport not in TRANSPORTS:
             raise ValueError(f"--dpp-transport {transport}: choose one of {', '.join(TRANSPORTS)}")
         self.rank = dist.get_rank()
@@ -94,15 +170,22 @@ class PipelineTransport:
         self._senders = {}
         self._receivers = {}
         native_inbox = isinstance(self.inbox, NativeInbox)
+        pods = _gather(pod or os.uname().nodename)
+        sleeper = CudaSleep() if device.type == "cuda" else None
         for backend, backend_edges in _assign_backends(edges, transport, device, timeout,
-                                                       native_inbox):
+                                                       native_inbox, pods):
             senders, receivers = backend.open(backend_edges, self.rank, self.inbox)
+            for edge in [e for e in backend_edges if self.rank in (e.src, e.dst)]:
+                link = emulation.link_between(pods[edge.src], pods[edge.dst]) \
+                    if emulation is not None else None
+                if link is not None and edge in senders:
+                    senders[edge] = EmulatedSendChannel(
+                        senders[edge], emulation.edge_delays(edge.src, edge.dst, edge.kind),
+                        device, sleeper, timeout, host_staged=backend.name == "rdma")
+                edge_log.info("DPP transport %s for edge %s%s", backend.name, edge_label(edge),
+                              _edge_note(pods[edge.src], pods[edge.dst], link is not None))
             self._senders.update(senders)
             self._receivers.update(receivers)
-            mine = [e for e in backend_edges if self.rank in (e.src, e.dst)]
-            if mine:
-                log.info("DPP transport %s for edges %s", backend.name,
-                         ", ".join(f"{e.src}->{e.dst}:{e.kind.name[0]}" for e in mine))
         self._by_destination = {(e.dst, e.kind): ch for e, ch in self._senders.items()}
         self.inbox.set_sources(self._receivers)
 
@@ -183,13 +266,20 @@ def _all_pipelines(mine: list[int]) -> list[list[int]]:
     return [list(p) for p in sorted({tuple(p) for p in _gather(list(mine))})]
 
 
-def _hosts() -> list[str]:
-    return _gather(os.uname().nodename)
+def edge_label(edge: Edge) -> str:
+    return f"{edge.src}->{edge.dst}:{edge.kind.name[0]}"
 
 
-def _assign_backends(edges, transport, device, timeout, native_inbox):
+def _edge_note(src_pod: str, dst_pod: str, emulated: bool) -> str:
+    where = "" if src_pod == dst_pod else f"across pods {src_pod} -> {dst_pod}"
+    notes = [note for note in (where, "emulated link" if emulated else "") if note]
+    return f" ({', '.join(notes)})" if notes else ""
+
+
+def _assign_backends(edges, transport, device, timeout, native_inbox, hosts):
     """[(backend, its edges)] in an order every rank agrees on. The shared-memory backend
-    needs the inbox to be a NativeInbox."""
+    needs the inbox to be a NativeInbox; `hosts[r]` is rank r's pod: edges between pods
+    are edges across hosts."""
     from megatron.dpp.transport.rdma import RdmaBackend
     from megatron.dpp.transport.torch_backend import TorchBackend
 
@@ -201,7 +291,6 @@ def _assign_backends(edges, transport, device, timeout, native_inbox):
             raise TransportError(f"--dpp-transport shm does not run with {JITTER_ENV} (the "
                                  "delayed delivery is a torch-backend test hook)")
         native = None
-    hosts = _hosts()
     crosses_hosts = any(hosts[e.src] != hosts[e.dst] for e in edges)
     # gathered, not local: every rank must reach the same plan (opening is collective)
     rdma_problems = _rdma_problems() if crosses_hosts and transport in ("rdma", "auto") else None

@@ -34,6 +34,7 @@ from megatron.trainer.config.args_dpp import (
     validate_cuda_graphs,
     validate_dpp,
 )
+from megatron.trainer.config.args_emulation import emulation_args, validate_emulation
 from megatron.trainer.config.args_logging import add_logging_args, io_args, validate_trace
 from megatron.trainer.config.args_megatron_lm import (
     add_megatron_lm_args,
@@ -82,6 +83,7 @@ def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
     add_checkpoint_args(parser.add_argument_group("checkpoint format and behaviour"))
     dpp_args(parser.add_argument_group("dynamic pipeline (DPP)"))
     fast_path_args(parser.add_argument_group("fast path defaults (fast_path.py)"))
+    emulation_args(parser.add_argument_group("emulated links and stragglers (docs/two_pods.md)"))
     add_logging_args(parser.add_argument_group("logging: TensorBoard and W&B"))
     add_megatron_lm_args(parser.add_argument_group("further Megatron-LM flags"))
     add_variable_length_args(parser)
@@ -168,6 +170,7 @@ def validate_args(args, world_size: int, model: str = "gpt") -> None:
     validate_embedding_wgrad(args, need)
     validate_mla(args, need)
     validate_dpp(args, need)
+    validate_emulation(args, need)
     validate_variable_lengths(args, need)
     validate_trace(args, need)
     validate_fim(args, need)

@@ -9,7 +9,7 @@ them on the Namespace with every other check, so that one message names all prob
 a configuration built any other way is checked by the same rules.
 
 The topics: model, parallelism, data, schedule (batches, iterations, DPP), precision, the
-fast path, logging; the checkpoint's is megatron/trainer/checkpoint/checkpoint_config.py.
+fast path, logging, emulation (emulated links and stragglers); the checkpoint's is megatron/trainer/checkpoint/checkpoint_config.py.
 """
 
 from __future__ import annotations
@@ -21,6 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron.dpp.config import MemoryBudget
+from megatron.dpp.transport.emulation import (
+    Emulation,
+    LinkProfile,
+    parse_link_ms,
+    parse_straggler,
+)
 from megatron.trainer.checkpoint.checkpoint_config import CheckpointConfig
 from megatron.trainer.config.args_common import ArgumentError, one_line
 from megatron.trainer.data.microbatches import lengths_per_sample
@@ -370,6 +376,42 @@ class TokenizerConfig:
 
 
 @dataclass(frozen=True)
+class EmulationConfig(FlagConfig):
+    """Emulated variability of the pipeline (megatron/dpp/transport/emulation.py), seeded by
+    --seed: link delays on chosen edges and straggling compute tasks; off by default."""
+
+    emulate_link_ms: str | None
+    emulate_link_gbps: float | None
+    emulate_link_edges: str
+    emulate_straggler: str | None
+    seed: int
+
+    @staticmethod
+    def rules(values, need: Need) -> None:
+        for parse, text in ((parse_link_ms, values.emulate_link_ms),
+                            (parse_straggler, values.emulate_straggler)):
+            if text is not None:
+                try:
+                    parse(text)
+                except ValueError as problem:
+                    need(False, str(problem))
+        gbps = values.emulate_link_gbps
+        need(gbps is None or gbps > 0, f"--emulate-link-gbps {gbps} must be > 0")
+        need(gbps is None or values.emulate_link_ms is not None,
+             "--emulate-link-gbps adds size / G to each message's delay: it needs "
+             "--emulate-link-ms (0 for bandwidth alone)")
+
+    def emulation(self) -> Emulation:
+        link = None
+        if self.emulate_link_ms is not None:
+            delay, jitter = parse_link_ms(self.emulate_link_ms)
+            link = LinkProfile(delay, jitter, self.emulate_link_gbps, self.emulate_link_edges)
+        straggler = (None if self.emulate_straggler is None
+                     else parse_straggler(self.emulate_straggler))
+        return Emulation(self.seed, link, straggler)
+
+
+@dataclass(frozen=True)
 class TrainerConfigs:
     """Every topic's configuration of one run, built once from the validated flags (after
     the fast path has settled for the model)."""
@@ -382,10 +424,12 @@ class TrainerConfigs:
     fast_path: FastPathConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
+    emulation: EmulationConfig
 
     @classmethod
     def from_args(cls, args) -> TrainerConfigs:
         return cls(ModelConfig.from_args(args), ParallelConfig.from_args(args),
                    DataConfig.from_args(args), ScheduleConfig.from_args(args),
                    PrecisionConfig.from_args(args), FastPathConfig.from_args(args),
-                   CheckpointConfig.from_args(args), LoggingConfig.from_args(args))
+                   CheckpointConfig.from_args(args), LoggingConfig.from_args(args),
+                   EmulationConfig.from_args(args))

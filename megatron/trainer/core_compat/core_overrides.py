@@ -223,6 +223,18 @@ P2P_SHAPE_EXCHANGE = Internal(
     "trainer/core_compat/planned_p2p.py PlannedShapesP2P",
     positional=(("self", "tensor_send_next", "tensor_send_prev", "recv_prev", "recv_next"),),
     read_by=("self._communicate_shapes(",), read_in=f"{_P2P}:P2PCommunicator._communicate")
+# emulated_p2p.py: sends on an emulated edge leave megatron-core's p2p call; they are posted
+# on the group its unbatched p2p receives them on (odd ranks of two stages: the world group)
+P2P_COMMUNICATE = Internal(
+    f"{_P2P}:P2PCommunicator._communicate", "replaced",
+    "trainer/core_compat/planned_p2p.py PlannedShapesP2P._communicate (emulated links)",
+    keywords=("tensor_send_next", "tensor_send_prev", "recv_prev", "recv_next",
+              "tensor_shape", "wait_on_reqs"),
+    read_by=("self.next_rank", "self.prev_rank", "p2p_func = _p2p_ops"),
+    read_in=f"{_P2P}:P2PCommunicator._communicate")
+P2P_ODD_RANKS_SEND_ON_WORLD = Internal(
+    f"{_P2P}:_p2p_ops", "private", "trainer/core_compat/planned_p2p.py "
+    "PlannedShapesP2P._send_group", read_by=("even_recv_odd_send_group = torch.distributed.group.WORLD",))
 ONE_F_ONE_B_COMMUNICATOR, INTERLEAVED_COMMUNICATOR = (Internal(
     f"{_SCHEDULES}:forward_backward_pipelining_{kind}_interleaving", "called",
     "trainer/run/training.py train_step, evaluate (planned_p2p.PlannedShapes.arguments)",

@@ -16,9 +16,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import torch.distributed as dist
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import get_schedule_table
 from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megatron.trainer.core_compat.emulated_p2p import P2PLinks
 
 # what megatron-core's schedules build for themselves when given no communicator (those of
 # the names the installed version declares)
@@ -33,14 +36,62 @@ class PlannedShapeError(RuntimeError):
 class PlannedShapesP2P(P2PCommunicator):
     """P2P of megatron-core's schedule for one step whose messages' shapes are known:
     `messages` gives, for each direction (activations sent and received, gradients sent and
-    received), the [s, b, h] of every message it passes on this stage, in order."""
+    received), the [s, b, h] of every message it passes on this stage, in order (None: the
+    shapes are uniform, megatron-core's own). `links`: the emulated links its messages
+    take (emulated_p2p.py)."""
 
-    def __init__(self, pp_group, config, messages: dict[str, Sequence[Sequence[int]]]):
+    def __init__(self, pp_group, config, messages: dict[str, Sequence[Sequence[int]]] | None,
+                 links: P2PLinks | None = None):
         super().__init__(pp_group=pp_group, config=config)
-        self.messages = {direction: [tuple(int(d) for d in shape)
-                                     for shape in messages[direction]]
-                         for direction in _DIRECTIONS}
+        self.messages = None if messages is None else {
+            direction: [tuple(int(d) for d in shape) for shape in messages[direction]]
+            for direction in _DIRECTIONS}
         self._done = dict.fromkeys(_DIRECTIONS, 0)
+        self.links = links
+
+    def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next,
+                     tensor_shape, wait_on_reqs=True):
+        if self.links is None:
+            return super()._communicate(
+                tensor_send_next=tensor_send_next, tensor_send_prev=tensor_send_prev,
+                recv_prev=recv_prev, recv_next=recv_next, tensor_shape=tensor_shape,
+                wait_on_reqs=wait_on_reqs)
+        # sends on an emulated edge leave through the link's delivery thread, unwaited; the
+        # activation first, as the neighbour posts its receive from its previous stage first
+        delayed_next = delayed_prev = None
+        if tensor_send_next is not None and self.links.delays_sends_to(self.next_rank):
+            delayed_next, tensor_send_next = tensor_send_next, None
+        if tensor_send_prev is not None and self.links.delays_sends_to(self.prev_rank):
+            delayed_prev, tensor_send_prev = tensor_send_prev, None
+        if self.messages is not None and (delayed_next is not None or delayed_prev is not None):
+            self._communicate_shapes(delayed_next, delayed_prev, False, False)  # the plan's
+        group = self._send_group()
+        for tensor, peer in ((delayed_next, self.next_rank), (delayed_prev, self.prev_rank)):
+            if tensor is not None:
+                self.links.send(tensor, peer, group)
+        received_prev, received_next, reqs = super()._communicate(
+            tensor_send_next=tensor_send_next, tensor_send_prev=tensor_send_prev,
+            recv_prev=recv_prev, recv_next=recv_next, tensor_shape=tensor_shape,
+            wait_on_reqs=wait_on_reqs)
+        if self.links.gpu:
+            if reqs:
+                raise PlannedShapeError("an emulated link on GPUs delays received messages "
+                                        "after megatron-core waited for them; "
+                                        "--overlap-p2p-communication-warmup-flush returns "
+                                        "them unwaited")
+            self.links.delay_received(received_prev, self.prev_rank)
+            self.links.delay_received(received_next, self.next_rank)
+        return received_prev, received_next, reqs
+
+    def _send_group(self):
+        """The group megatron-core's receiver posts this rank's messages on: its own
+        pipeline group, except that unbatched p2p between two stages receives from odd
+        ranks on the world group (p2p_communication._p2p_ops)."""
+        group = self.pp_group
+        if (self.config.batch_p2p_comm or group.size() != 2 or group.rank() % 2 == 0
+                or dist.get_backend(group) == "ucc"):
+            return group
+        return dist.group.WORLD
 
     def _next(self, direction: str) -> tuple[int, tuple[int, ...]]:
         index, planned = self._done[direction], self.messages[direction]
@@ -52,6 +103,9 @@ class PlannedShapesP2P(P2PCommunicator):
         return index, planned[index]
 
     def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+        if self.messages is None:
+            return super()._communicate_shapes(tensor_send_next, tensor_send_prev, recv_prev,
+                                               recv_next)
         for direction, tensor in (("send_next", tensor_send_next),
                                   ("send_prev", tensor_send_prev)):
             if tensor is not None:
@@ -88,11 +142,14 @@ def boundary_messages(shapes: Sequence[Sequence[int]], stage: int, pp_size: int,
 
 
 class PlannedShapes:
-    """One stage's planned p2p for megatron-core's schedule, built once (the process groups,
-    the stage's place); `arguments` gives each step's keyword arguments."""
+    """One stage's p2p for megatron-core's schedule, built once (the process groups, the
+    stage's place); `arguments` gives each step's keyword arguments. `planned`: the
+    receive shapes come from the plan (variable lengths); `links`: emulated links."""
 
-    def __init__(self, pp_group, stage: int, config, num_chunks: int, sequence_split: int):
+    def __init__(self, pp_group, stage: int, config, num_chunks: int, sequence_split: int,
+                 planned: bool = True, links: P2PLinks | None = None):
         self.pp_group, self.stage, self.config = pp_group, stage, config
+        self.planned, self.links = planned, links
         self.pp_size = pp_group.size()
         self.num_chunks = num_chunks
         self.group_size = config.microbatch_group_size_per_vp_stage or self.pp_size
@@ -105,9 +162,12 @@ class PlannedShapes:
     def arguments(self, microbatches: Sequence[tuple[int, int]]) -> dict:
         """The schedule's `p2p_communicator` and `pg_collection` for one step whose
         microbatches are (padded length, rows), in the order the schedule reads them."""
-        shapes = [(length // self.sequence_split, rows, self.config.hidden_size)
-                  for length, rows in microbatches]
-        messages = boundary_messages(shapes, self.stage, self.pp_size, self.num_chunks,
-                                     self.group_size)
-        return {"p2p_communicator": PlannedShapesP2P(self.pp_group, self.config, messages),
+        messages = None
+        if self.planned:
+            shapes = [(length // self.sequence_split, rows, self.config.hidden_size)
+                      for length, rows in microbatches]
+            messages = boundary_messages(shapes, self.stage, self.pp_size, self.num_chunks,
+                                         self.group_size)
+        return {"p2p_communicator": PlannedShapesP2P(self.pp_group, self.config, messages,
+                                                     self.links),
                 "pg_collection": self.groups}

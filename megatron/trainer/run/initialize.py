@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from megatron.dpp.transport.pipeline import EDGE_LOGGER
 from megatron.trainer.config.arguments import ArgumentError
 from megatron.trainer.core_compat.cpu_compat import CpuCompat
 from megatron.trainer.run.determinism import deterministic_mode
@@ -29,7 +30,7 @@ _CORE_NOISE = (("megatron.core.rerun_state_machine", "RerunStateMachine initiali
 
 def setup_logging(rank: int, world_size: int) -> None:
     """INFO from rank 0 (set-up) and from the last rank (it holds the losses, as in
-    Megatron); warnings from everyone. megatron.core's own chatter only at DEBUG."""
+    Megatron), and each rank's pipeline edges; warnings from everyone. megatron.core's own chatter only at DEBUG."""
     level = logging.getLevelName(os.environ.get("MEGATRON_LOG_LEVEL", "INFO").upper())
     logging.basicConfig(
         level=level if rank == 0 else max(logging.WARNING, level),
@@ -40,6 +41,8 @@ def setup_logging(rank: int, world_size: int) -> None:
     if rank == world_size - 1:
         logging.getLogger("megatron.trainer").setLevel(level)
         logging.getLogger("megatron.dpp").setLevel(level)
+    # every rank names the transport of each pipeline edge it owns
+    logging.getLogger(EDGE_LOGGER).setLevel(level)
     if level > logging.DEBUG:
         logging.getLogger("megatron.core").setLevel(logging.WARNING)
         for name, start in _CORE_NOISE:

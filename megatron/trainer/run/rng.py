@@ -49,13 +49,16 @@ class ForwardRng:
             self._default = torch.default_generator
         # forwards of chunks without transformer layers in the current schedule call
         self._counted: dict[int, int] = {}
+        # (iteration, microbatch, virtual stage) of the forward step running or last run
+        self.current_key: tuple[int, int, int] | None = None
 
     def keyed(self, forward_step_func: Callable, iteration: int) -> Callable:
         """The forward step for one schedule call of training iteration `iteration`."""
         self._counted = {}
 
         def forward_step(data_iterator, model, *args):
-            self.reseed(iteration, self._microbatch(model), self._virtual_stage(model))
+            self.current_key = (iteration, self._microbatch(model), self._virtual_stage(model))
+            self.reseed(*self.current_key)
             return forward_step_func(data_iterator, model, *args)
 
         return forward_step

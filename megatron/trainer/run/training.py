@@ -31,6 +31,7 @@ from megatron.trainer.config import fast_path
 from megatron.trainer.config.arguments import ArgumentError, parse_args
 from megatron.trainer.config.configs import LoggingConfig, TokenizerConfig, TrainerConfigs
 from megatron.trainer.core_compat import core_overrides, no_apex
+from megatron.trainer.core_compat.emulated_p2p import P2PLinks, log_edges
 from megatron.trainer.core_compat.planned_p2p import PlannedShapes
 from megatron.trainer.core_compat.reruns import (
     RerunConfig,
@@ -59,6 +60,7 @@ from megatron.trainer.model.models import (
     use_transformer_engine,
 )
 from megatron.trainer.run import metrics, replica_check
+from megatron.trainer.run.emulation import Stragglers, gather_pods, pod_of
 from megatron.trainer.run.failures import exit_on_known_failures
 from megatron.trainer.run.initialize import initialize_distributed, setup_logging
 from megatron.trainer.run.manual_gc import ManualGC
@@ -115,8 +117,10 @@ class Trainer:
     # whether the ranks have met after the first step's recordings (record_warm_shapes)
     block_graphs: list = field(default_factory=list)
     graphs_settled: bool = False
-    # megatron-core's schedule told each microbatch's shape by the plan (None: not needed)
+    # megatron-core's schedule told each microbatch's shape by the plan, or given emulated
+    # links (None: megatron-core's own p2p)
     planned_shapes: PlannedShapes | None = None
+    stragglers: Stragglers | None = None  # --emulate-straggler
 
     @property
     def reporting(self) -> bool:
@@ -126,7 +130,8 @@ class Trainer:
     def forward_step_func(self, iteration: int) -> Callable:
         """The model's forward step for one schedule call of `iteration`, its random draws
         keyed by (seed, iteration, microbatch, virtual stage)."""
-        return self.rng.keyed(self.task.make_forward_step(self.args, self.device), iteration)
+        step = self.rng.keyed(self.task.make_forward_step(self.args, self.device), iteration)
+        return step if self.stragglers is None else self.stragglers.wrap(step)
 
 
 def pretrain(task: ModelTask, argv=None, extra_args_provider=None) -> checkpointing.TrainingState:
@@ -214,9 +219,14 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
              ("DPP" if configs.schedule.use_dpp else "megatron-core") + (
                  ", each backward split into B and W" if weight_grads is not None else ""),
              "Transformer Engine" if use_transformer_engine(args) else "megatron.core + SDPA")
-    schedule = forward_backward_func(args, weight_grads)
-    planned_shapes = _planned_shapes(configs, config, len(model))
-    if planned_shapes is not None:
+    emulation = configs.emulation.emulation()
+    if emulation.active and dist.get_rank() == 0:
+        log.info("%s", emulation.describe())
+    pod = pod_of(args)
+    schedule = forward_backward_func(args, weight_grads, pod, emulation)
+    links = _core_p2p_links(configs, emulation, pod, device, stack)
+    planned_shapes = _planned_shapes(configs, config, len(model), links)
+    if planned_shapes is not None and planned_shapes.planned:
         log.info("megatron-core's schedule with variable lengths: each microbatch's shape "
                  "comes from the plan (no shape exchange and device sync per message)")
     if hasattr(schedule, "close"):
@@ -225,25 +235,47 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     reruns.start(stack, state.iteration)
     collector = stack.enter_context(
         ManualGC(args.manual_gc, args.manual_gc_interval, args.manual_gc_eval))
+    rng = ForwardRng(args.seed, device)
+    stragglers = Stragglers(emulation, rng, device) if emulation.straggler else None
     return Trainer(args, task, device, model, optimizer, scheduler, config,
-                   _batch_calculator(configs), datasets, state, schedule,
-                   ForwardRng(args.seed, device), configs, timers, collector=collector,
-                   checkpointer=checkpointer, reruns=reruns, block_graphs=block_graphs,
-                   planned_shapes=planned_shapes, memory_history=history)
+                   _batch_calculator(configs), datasets, state, schedule, rng, configs, timers,
+                   collector=collector, checkpointer=checkpointer, reruns=reruns,
+                   block_graphs=block_graphs, planned_shapes=planned_shapes,
+                   stragglers=stragglers, memory_history=history)
 
 
-def _planned_shapes(configs: TrainerConfigs, config, num_chunks: int) -> PlannedShapes | None:
-    """Where megatron-core's schedule (1F1B or interleaved) takes its receive shapes from
-    the plan, in training and evaluation: across stages with variable lengths."""
+def _core_p2p_links(configs: TrainerConfigs, emulation, pod: str | None, device,
+                    stack: contextlib.ExitStack) -> P2PLinks | None:
+    """Under megatron-core's pipeline schedules: log each edge's transport, and the emulated
+    links (--emulate-link-ms) their messages take (None: no link emulated)."""
+    if configs.schedule.use_dpp or configs.parallel.pipeline_model_parallel_size == 1:
+        return None
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    pods = gather_pods(pod)
+    ring = (configs.parallel.virtual_pipeline_model_parallel_size or 1) > 1
+    if emulation.link is None:
+        log_edges(pp_group, pods, ring)
+        return None
+    links = P2PLinks(emulation, pp_group, pods, device, ring, configs.schedule.dpp_timeout)
+    # after an error a peer may be gone: drop what is still to be delivered
+    stack.push(lambda exc_type, exc, traceback: links.close(abort=exc_type is not None))
+    return links
+
+
+def _planned_shapes(configs: TrainerConfigs, config, num_chunks: int,
+                    links: P2PLinks | None = None) -> PlannedShapes | None:
+    """Where megatron-core's schedule (1F1B or interleaved) takes the trainer's p2p, in
+    training and evaluation: across stages with variable lengths (receive shapes from the
+    plan) or with emulated links."""
     parallel = configs.parallel
     if configs.schedule.use_dpp or parallel.pipeline_model_parallel_size == 1 or (
-            not config.variable_seq_lengths):
+            not config.variable_seq_lengths and links is None):
         return None
     split = parallel.context_parallel_size * (
         parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1)
     return PlannedShapes(parallel_state.get_pipeline_model_parallel_group(),
                          parallel_state.get_pipeline_model_parallel_rank(), config, num_chunks,
-                         split)
+                         split, planned=config.variable_seq_lengths, links=links)
 
 
 def _dataset_watch(args) -> StallWatch:
@@ -300,11 +332,12 @@ def _install_schedule_hooks(config, model, optimizer, configs: TrainerConfigs) -
     config.timers = None
 
 
-def forward_backward_func(args, weight_grads: WeightGradStore | None = None):
+def forward_backward_func(args, weight_grads: WeightGradStore | None = None,
+                          pod: str | None = None, emulation=None):
     if args.use_dpp:
         from megatron.dpp import get_forward_backward_func
 
-        return get_forward_backward_func(args, weight_grads)
+        return get_forward_backward_func(args, weight_grads, pod, emulation)
     if weight_grads is not None:
         return SplitBackwardNoPipelining(weight_grads)
     from megatron.core.pipeline_parallel import get_forward_backward_func

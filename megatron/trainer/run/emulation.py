@@ -1,0 +1,75 @@
+"""The trainer's side of the emulated variability (megatron/dpp/transport/emulation.py):
+each rank's pod, the emulated links under megatron-core's schedules, and the stragglers
+around both schedules' forward and backward tasks (the same hook for megatron-core's
+schedules and DPP's, so the same tasks straggle under each)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron.dpp.transport.emulation import (
+    BACKWARD_TASK,
+    FORWARD_TASK,
+    CudaSleep,
+    Emulation,
+    StretchedTask,
+)
+from megatron.trainer.run.rng import ForwardRng
+
+
+def pod_of(args) -> str | None:
+    """This rank's pod: its node's address under --multi-node --node-ips (the node is
+    torchrun's GROUP_RANK), else None (its host name decides)."""
+    if not (args.multi_node and args.node_ips):
+        return None
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    node = int(os.environ.get("GROUP_RANK", dist.get_rank() // max(local, 1)))
+    return args.node_ips[node]
+
+
+def gather_pods(pod: str | None) -> list[str]:
+    """Every rank's pod, by global rank (collective)."""
+    pods: list = [None] * dist.get_world_size()
+    dist.all_gather_object(pods, pod or os.uname().nodename)
+    return pods
+
+
+class Stragglers:
+    """Wraps a schedule's forward step (inside ForwardRng's, whose key it reads): a
+    straggling forward is stretched after it ran; a straggling backward, from the moment
+    its output's gradient arrives to the end of that backward pass (an autograd callback)."""
+
+    def __init__(self, emulation: Emulation, rng: ForwardRng, device: torch.device):
+        self.emulation = emulation
+        self.rng = rng
+        self.device = device
+        self.factor = emulation.straggler.factor
+        self.sleeper = CudaSleep() if device.type == "cuda" else None
+
+    def wrap(self, forward_step: Callable) -> Callable:
+        def straggling_forward_step(data_iterator, model, *args):
+            task = StretchedTask(self.factor, self.device)
+            output, loss_func = forward_step(data_iterator, model, *args)
+            if self._straggles(FORWARD_TASK):
+                task.finish(self.sleeper, FORWARD_TASK)
+            if isinstance(output, torch.Tensor) and output.requires_grad and \
+                    self._straggles(BACKWARD_TASK):
+                output.register_hook(self._stretch_backward)
+            return output, loss_func
+
+        return straggling_forward_step
+
+    def _straggles(self, task_kind: int) -> bool:
+        iteration, microbatch, virtual_stage = self.rng.current_key
+        return self.emulation.straggles(iteration, microbatch, self.rng.pp_rank, virtual_stage,
+                                        task_kind)
+
+    def _stretch_backward(self, grad):
+        task = StretchedTask(self.factor, self.device)
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: task.finish(self.sleeper, BACKWARD_TASK))
+        return grad
