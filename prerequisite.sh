@@ -84,6 +84,9 @@ native_stale() {
   built=$(ls megatron/dpp/_native*.so 2>/dev/null | head -n 1)
   [ -z "$built" ] && return 0
   [ -n "$(find csrc setup.py -newer "$built" -print -quit)" ] && return 0
+  # built before the verbs headers were installed: the RDMA part is missing
+  [ -e /usr/include/infiniband/verbs.h ] && ! "$PY" -c "from megatron.dpp.transport import native
+import sys; sys.exit(not native.build_info()['rdma'])" 2>/dev/null && return 0
   command -v nvidia-smi >/dev/null 2>&1 && [ -z "$(ls megatron/trainer/kernels/_gemm_epilogues*.so 2>/dev/null)" ]
 }
 # the editable install must point at this checkout (one made from another clone, or before

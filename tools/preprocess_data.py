@@ -297,6 +297,8 @@ def preprocess(args: argparse.Namespace) -> Summary:
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    # megatron.core's notes at import (which FSDP it found) say nothing about the data
+    logging.getLogger("megatron.core").setLevel(logging.WARNING)
     args = parse_args(argv)
     try:
         summary = preprocess(args)
