@@ -336,16 +336,20 @@ def data_tokenizer(prefix: str, sample: dict[str, str | None]) -> dict[str, str]
 
 # torchrun's report of a failed rank: its own traceback, then a block framed by "=" lines
 TORCHRUN_FAILURE = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
+# torchrun's own end on SIGTERM / SIGINT: the ranks say how they stopped
+TORCHRUN_SIGNALLED = "torch.distributed.elastic.multiprocessing.api.SignalException"
 TORCHRUN_AGENT_NOISE = re.compile(
-    r"elastic/multiprocessing/api\.py:\d+\] (Sending process \d+ closing signal|failed \(exitcode)")
+    r"elastic/multiprocessing/api\.py:\d+\] (Sending process \d+ closing signal|failed \(exitcode"
+    r"|Closing process \d+ via signal)|elastic/agent/server/api\.py:\d+\] Received \S+ death "
+    r"signal")
 FAILURE_LINE = re.compile(r" ERROR megatron\.trainer\.run\.failures: (.*)$")
 USAGE_LINE = re.compile(r"^\S+\.py: \S")
 
 
 def console_lines(lines):
     """The lines of a run's output that the terminal shows: all but torchrun's own
-    traceback and failure block (the log keeps them) and its agent's notes on stopping the
-    other ranks, with each rank's one-line error shown once (every rank reports the same
+    traceback and failure block (the log keeps them), its traceback on SIGTERM / SIGINT and
+    its agent's notes on stopping the ranks, with each rank's one-line error shown once (every rank reports the same
     bad flag or bad data). A rank's own traceback (a bug) is shown."""
     shown_errors: set[str] = set()
     traceback: list[str] = []
@@ -360,6 +364,9 @@ def console_lines(lines):
                 continue
             if line.startswith(TORCHRUN_FAILURE):
                 traceback, frame_lines_left = [], 2
+                continue
+            if line.startswith(TORCHRUN_SIGNALLED):
+                traceback = []
                 continue
             yield from traceback
             traceback = []

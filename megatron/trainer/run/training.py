@@ -11,6 +11,7 @@ import importlib.util
 import logging
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -59,6 +60,12 @@ from megatron.trainer.model.models import (
     use_transformer_engine,
 )
 from megatron.trainer.run import metrics, replica_check
+from megatron.trainer.run.exit_signals import (
+    ExitSignals,
+    LauncherWatch,
+    StoppedBySignal,
+    launched_by_torchrun,
+)
 from megatron.trainer.run.failures import exit_on_known_failures
 from megatron.trainer.run.initialize import initialize_distributed, setup_logging
 from megatron.trainer.run.manual_gc import ManualGC
@@ -117,6 +124,7 @@ class Trainer:
     graphs_settled: bool = False
     # megatron-core's schedule told each microbatch's shape by the plan (None: not needed)
     planned_shapes: PlannedShapes | None = None
+    exit_signals: ExitSignals | None = None  # --exit-signal-handler
 
     @property
     def reporting(self) -> bool:
@@ -134,6 +142,8 @@ def pretrain(task: ModelTask, argv=None, extra_args_provider=None) -> checkpoint
     Ctrl-C) ends the rank with one line naming the cause (megatron.trainer.run.failures)."""
     setup_logging(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
     with exit_on_known_failures(sys.argv[0]):
+        if launched_by_torchrun():
+            LauncherWatch().start()
         args = parse_args(argv, extra_args_provider, model=task.name.lower())
         with contextlib.ExitStack() as stack:
             trainer = setup(task, args, stack)
@@ -224,11 +234,15 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
     reruns.start(stack, state.iteration)
     collector = stack.enter_context(
         ManualGC(args.manual_gc, args.manual_gc_interval, args.manual_gc_eval))
+    # last: a signal during set-up ends the rank at once, one during training at a step's end
+    exit_signals = (stack.enter_context(ExitSignals(device)) if args.exit_signal_handler
+                    else None)
     return Trainer(args, task, device, model, optimizer, scheduler, config,
                    _batch_calculator(configs), datasets, state, schedule,
                    ForwardRng(args.seed, device), configs, timers, collector=collector,
                    checkpointer=checkpointer, reruns=reruns, block_graphs=block_graphs,
-                   planned_shapes=planned_shapes, memory_history=history)
+                   planned_shapes=planned_shapes, memory_history=history,
+                   exit_signals=exit_signals)
 
 
 def _planned_shapes(configs: TrainerConfigs, config, num_chunks: int) -> PlannedShapes | None:
@@ -486,6 +500,23 @@ def record_warm_shapes(trainer: Trainer) -> None:
         trainer.graphs_settled = True
 
 
+def _stop_on_signal(trainer: Trainer, signum: int) -> None:
+    """--exit-signal-handler, at a step boundary: end the run where a rank received SIGTERM
+    or SIGINT (`signum`, 0: none did), after saving this iteration unless it was just saved."""
+    if not signum:
+        return
+    checkpoint, iteration = trainer.configs.checkpoint, trainer.state.iteration
+    saved = "no checkpoint saved (no --save)"
+    if checkpoint.save:
+        if not (checkpoint.save_interval and iteration % checkpoint.save_interval == 0):
+            trainer.checkpointer.save(trainer.model, trainer.optimizer, trainer.scheduler,
+                                      trainer.state)
+        trainer.checkpointer.wait()
+        saved = f"saved iteration {iteration} to {checkpoint.save}"
+    raise StoppedBySignal(signum, f"stopped by {signal.Signals(signum).name} after iteration "
+                          f"{iteration} of {trainer.configs.schedule.train_iters}; {saved}")
+
+
 def _stop_on_verdict(trainer: Trainer, verdict) -> None:
     """End the run as the rerun state machine decided, with the checkpoint it asks for (of
     the last completed iteration: this one's optimizer step has not run)."""
@@ -639,6 +670,8 @@ def train(trainer: Trainer) -> None:
                 trainer.model, state.iteration,
                 parallel.use_distributed_optimizer and parallel.overlap_param_gather)
         _checkpoint(trainer)
+        if trainer.exit_signals is not None and state.iteration < schedule.train_iters:
+            _stop_on_signal(trainer, trainer.exit_signals.agreed())
         if schedule.exit_interval and state.iteration % schedule.exit_interval == 0:
             break
     checkpoint = trainer.configs.checkpoint
@@ -649,6 +682,9 @@ def train(trainer: Trainer) -> None:
         trainer.checkpointer.wait()
     trainer.tracer.close()
     board.close()
+    # the ranks end together: one whose peers failed after their last collective fails here
+    # too, rather than end well and leave its node's torchrun waiting (300 s) for theirs
+    dist.barrier()
 
 
 def _checkpoint(trainer: Trainer) -> None:
