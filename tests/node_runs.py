@@ -33,8 +33,8 @@ def script_env(run_dir: Path, **settings) -> dict[str, str]:
 
 
 def two_node_settings(**settings) -> dict[str, str]:
-    return dict(NODE_IPS=LOOPBACK_NODES, MASTER_PORT=str(free_port()), RDZV_TIMEOUT="120",
-                **{k: str(v) for k, v in settings.items()})
+    return {"NODE_IPS": LOOPBACK_NODES, "MASTER_PORT": str(free_port()), "RDZV_TIMEOUT": "120",
+            **{k: str(v) for k, v in settings.items()}}
 
 
 class Node:

@@ -12,6 +12,7 @@ wakes up while the interpreter shuts down aborts the process."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import sys
@@ -26,6 +27,7 @@ from megatron.trainer.config.arguments import ArgumentError
 from megatron.trainer.core_compat.reruns import NonFiniteResult, ResultValidationStop
 from megatron.trainer.data.batch_schedule import BatchScheduleError
 from megatron.trainer.data.data import DataError
+from megatron.trainer.data.index_cache import IndexCacheError
 from megatron.trainer.data.tokenizer import TokenizerError, TokenizerFlagError
 from megatron.trainer.model.models import ModelFlagError
 from megatron.trainer.run.exit_signals import StoppedBySignal
@@ -48,12 +50,19 @@ def known_failure(error: BaseException) -> tuple[str, int] | None:
         return str(error), error.status
     if isinstance(error, SettingsMismatch):
         return str(error), EXIT_USAGE
+    if isinstance(error, IndexCacheError):
+        return f"dataset index cache: {error}", EXIT_FAILED
     if isinstance(error, DataError):
         return f"bad training data: {error}", EXIT_FAILED
     if isinstance(error, TokenizerError):
         return f"tokenizer: {error}", EXIT_FAILED
     if isinstance(error, TransportError):
-        return f"pipeline transport: {error}", EXIT_FAILED
+        message = f"pipeline transport: {error}"
+        if "shm_open of " in message and os.strerror(errno.ENOENT) in message:
+            message += (" (the shm channels need the ranks of one host name to share /dev/shm;"
+                        " containers on the host network with their own /dev/shm do not: give "
+                        "them one, or use --dpp-transport torch)")
+        return message, EXIT_FAILED
     if isinstance(error, CheckpointError):
         return f"checkpoint: {error}", EXIT_FAILED
     if isinstance(error, CoreInternalsError | BatchScheduleError | ReplicaMismatch

@@ -39,6 +39,7 @@ from megatron.trainer.core_compat.reruns import (
     ResultValidationStop,
     stop_on_non_finite,
 )
+from megatron.trainer.data import index_cache
 from megatron.trainer.data.batch_schedule import batch_size_schedule
 from megatron.trainer.data.data import MicroBatchIterator, check_data_paths, microbatch_lengths
 from megatron.trainer.data.data_splits import check_splits
@@ -157,6 +158,8 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
         raise ArgumentError(f"{lengths_source(args)} is for GPT; {task.name}'s samples are "
                             "not single sequences of their own lengths")
     check_data_paths(args)  # before the job starts: every rank reads its own files
+    if args.data_path and not args.mock_data:
+        index_cache.check_cache(args.data_cache_path, args.data_blend[0])
     check_splits(args, by_document=task.splits_by_document)
     try:
         model_fallbacks = fast_path.resolve_for_model(args, task.masked_attention)
@@ -216,7 +219,7 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
             state = checkpointer.load(model, optimizer, scheduler)
     if not configs.fast_path.megatron_optimizer_fallbacks:
         no_apex.use_fused_adam(optimizer)
-    with _dataset_watch(args):
+    with _dataset_watch(args), index_cache.write_errors_named(args.data_cache_path):
         datasets = task.build_datasets(args, tokenizer)
     log.info("%s: %d parameters on this rank, %d model chunk(s), schedule %s, layers %s",
              task.name, sum(p.numel() for c in model for p in c.parameters()), len(model),
