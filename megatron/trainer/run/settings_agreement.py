@@ -33,6 +33,8 @@ TOPICS = (ModelConfig, ParallelConfig, ScheduleConfig, PrecisionConfig, DataConf
 # a node's own: its paths and waiting times
 NODE_LOCAL = {"data_path", "data_cache_path", "num_workers", "distributed_timeout_minutes",
               "dpp_timeout", "distributed_backend"}
+# derived from compared flags (named through them), or compared under another name
+DERIVED = {"model", "world_size", "data_parallel_size", "num_microbatches", "params_dtype"}
 
 FURTHER = (
     "seed", "optimizer", "lr", "min_lr", "lr_decay_style", "lr_decay_iters", "lr_decay_samples",
@@ -52,8 +54,10 @@ class SettingsMismatch(Exception):
 def settings_of(args) -> dict[str, str]:
     """Flag -> value (as text) of the settings that must agree, for this rank."""
     names = [field.name for topic in TOPICS for field in dataclasses.fields(topic)
-             if field.name not in NODE_LOCAL] + [name for name in FURTHER if hasattr(args, name)]
-    settings = {_flag(name): _text(getattr(args, name)) for name in dict.fromkeys(names)}
+             if field.name not in NODE_LOCAL | DERIVED]
+    names += [name for name in FURTHER if hasattr(args, name)]
+    settings = {"the entry point": f"pretrain_{args.model}.py"}
+    settings.update({_flag(name): _text(getattr(args, name)) for name in dict.fromkeys(names)})
     settings["--save"] = "given" if args.save else "not given"
     settings["--load"] = "given" if args.load else "not given"
     if args.data_path:
