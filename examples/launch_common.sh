@@ -251,10 +251,11 @@ dpp_worker_command() {
 # torchrun (the command after $1, the log) in the background, so that a SIGTERM of this
 # script (docker stop, Kubernetes) reaches it at once: bash runs a trap only after the
 # foreground command ends. torchrun passes the signal on to the ranks, which end at a step
-# boundary under --exit-signal-handler (Ctrl-C too, which a background command would
-# otherwise ignore until torchrun sets its handlers). The terminal gets the ranks' output without torchrun's traceback
-# (the log keeps it); tee and the filter ignore Ctrl-C so that the log keeps the ranks'
-# last lines. Returns torchrun's status; DPP_STOP_SIGNAL names a signal received.
+# boundary under --exit-signal-handler; Ctrl-C is passed on too (a background command
+# ignores it until torchrun sets its handlers). The terminal gets the ranks' output
+# without torchrun's traceback (the log keeps it); tee and the filter ignore Ctrl-C so that
+# the log keeps the ranks' last lines. Returns torchrun's status; DPP_STOP_SIGNAL names a
+# signal received.
 dpp_run_torchrun() {
     local logfile=$1 output trainer status
     shift

@@ -1,6 +1,7 @@
 """Launch scripts and torchrun started as a test's "nodes" (loopback addresses 127.0.0.1 and
-127.0.0.2 on this machine), each in a session of its own, with what a test needs to stop,
-kill or interrupt them and to find every process they left behind."""
+127.0.0.2 on this machine), each started by setsid (a process group of its own, as a
+terminal's job), with what a test needs to stop, kill or interrupt them and to find every
+process they left behind."""
 
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ def two_node_settings(**settings) -> dict[str, str]:
 
 
 class Node:
-    """One launch script (or any command) run in a session of its own; its output goes to
-    `out` in the run directory."""
+    """One launch script (or any command) started by setsid; its output goes to `out` in
+    the run directory."""
 
     def __init__(self, command: list[str], env: dict[str, str], run_dir: Path):
         self.run_dir = Path(run_dir)
@@ -80,8 +81,8 @@ class Node:
         return self.process.poll()
 
     def processes(self) -> list[int]:
-        """The live processes started from this node's command, those in sessions of their
-        own included (torchrun starts each rank in a new session): every process whose
+        """The live processes started from this node's command, those torchrun moved out of
+        its process group included (it starts each rank with setsid): every process whose
         parent is one of them, remembered once seen so that orphans are found too."""
         table = _process_table()
         grew = True
