@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 
 import pytest
 
@@ -88,6 +89,24 @@ def test_ctrl_c_on_the_launch_script_ends_with_130_and_the_log_keeps_the_last_li
     assert len(STOPPED.findall(node.log())) == 2, node.log()[-3000:]
 
 
+def test_ctrl_c_while_the_ranks_start_ends_at_once_without_a_traceback(tmp_path):
+    node = Node.script("run_single_gpt.sh", tmp_path, TRAIN_ITERS=ITERS)
+    try:
+        while "running: " not in node.output():
+            assert node.process.poll() is None, node.output()[-3000:]
+            time.sleep(0.1)
+        time.sleep(1.0)  # the ranks import torch and megatron-core
+        os.killpg(node.process.pid, signal.SIGINT)
+        status = node.wait(15)
+        left = node.wait_until_gone(10)
+    finally:
+        node.kill()
+    out = node.output()
+    assert status == 130 and left == [], out[-3000:]
+    assert "Traceback" not in out and "During handling" not in out, out[-3000:]
+    assert "[run_single_gpt.sh] stopped by SIGINT (exit 130)" in out
+
+
 def test_sigterm_to_one_rank_stops_every_rank_after_the_same_iteration(tmp_path):
     """scancel or a node's own shutdown may reach some ranks only: they agree at each
     step boundary, so the others stop after the same iteration and the save is whole."""
@@ -137,6 +156,10 @@ def test_the_console_hides_torchruns_traceback_on_a_signal():
         "signal: 15\n",
     ]
     assert list(launch.console_lines(log)) == log[:1]
+    # a second signal while torchrun stops the ranks chains a second traceback to the first
+    chained = log + ["\n", "During handling of the above exception, another exception "
+                     "occurred:\n", "\n"] + log[3:] + ["[run_single_gpt.sh] stopped\n"]
+    assert list(launch.console_lines(chained)) == [log[0], "[run_single_gpt.sh] stopped\n"]
 
 
 def test_settings_that_differ_within_a_node_name_the_ranks():

@@ -349,6 +349,8 @@ def data_tokenizer(prefix: str, sample: dict[str, str | None]) -> dict[str, str]
 # torchrun's report of a failed rank: its own traceback, then a block framed by "=" lines
 TORCHRUN_FAILURE = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
 TORCHRUN_MAIN = "torch/distributed/run.py"  # a frame of torchrun's own tracebacks
+CHAINED_EXCEPTIONS = ("During handling of the above exception, another exception occurred:",
+                      "The above exception was the direct cause of the following exception:")
 # torchrun's own end on SIGTERM / SIGINT: the ranks say how they stopped
 TORCHRUN_SIGNALLED = "torch.distributed.elastic.multiprocessing.api.SignalException"
 TORCHRUN_AGENT_NOISE = re.compile(
@@ -368,10 +370,14 @@ def console_lines(lines):
     shown_errors: set[str] = set()
     traceback: list[str] = []
     frame_lines_left = 0  # "=" lines still to skip in torchrun's failure block
+    chained = False  # after a hidden traceback: the lines joining it to the next one
     for line in lines:
         if frame_lines_left:
             frame_lines_left -= line.startswith("=" * 20)
             continue
+        if chained and (not line.strip() or line.strip() in CHAINED_EXCEPTIONS):
+            continue
+        chained = False
         if traceback:
             if line[:1].isspace():
                 traceback.append(line)
@@ -380,7 +386,8 @@ def console_lines(lines):
                 traceback, frame_lines_left = [], 2
                 continue
             if line.startswith(TORCHRUN_SIGNALLED):
-                traceback = []
+                # a second signal during its shutdown chains a second traceback to the first
+                traceback, chained = [], True
                 continue
             if not any(TORCHRUN_MAIN in frame for frame in traceback):
                 yield from traceback

@@ -77,6 +77,14 @@ def launched_by_torchrun(env=os.environ) -> bool:
     return "TORCHELASTIC_RUN_ID" in env
 
 
+def follow_torchrun() -> None:
+    """In a rank torchrun started, from the start: Ctrl-C, which torchrun passes on, ends
+    the rank (a torchrun started in the background by a script gives its ranks an ignored
+    SIGINT), and the rank stops when torchrun is gone (LauncherWatch)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    LauncherWatch().start()
+
+
 class LauncherWatch:
     """A daemon thread that waits for this process's parent (the launcher) to end; see the
     module's docstring. `grace_s`: how long after its SIGTERM the rank may still run."""

@@ -63,8 +63,8 @@ from megatron.trainer.model.models import (
 from megatron.trainer.run import metrics, replica_check
 from megatron.trainer.run.exit_signals import (
     ExitSignals,
-    LauncherWatch,
     StoppedBySignal,
+    follow_torchrun,
     launched_by_torchrun,
 )
 from megatron.trainer.run.failures import exit_on_known_failures
@@ -144,7 +144,7 @@ def pretrain(task: ModelTask, argv=None, extra_args_provider=None) -> checkpoint
     setup_logging(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
     with exit_on_known_failures(sys.argv[0]):
         if launched_by_torchrun():
-            LauncherWatch().start()
+            follow_torchrun()
         args = parse_args(argv, extra_args_provider, model=task.name.lower())
         with contextlib.ExitStack() as stack:
             trainer = setup(task, args, stack)
