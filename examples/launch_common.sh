@@ -215,7 +215,7 @@ dpp_train_flags() {
         --log-interval "${LOG_INTERVAL:-$([[ $on_gpu == 1 ]] && echo 10 || echo 5)}"
         --eval-interval "${EVAL_INTERVAL:-$iters}"
         --eval-iters "${EVAL_ITERS:-$([[ $on_gpu == 1 ]] && echo 10 || echo 1)}"
-        --log-throughput)
+        --log-throughput --exit-signal-handler)
     if [[ -n ${VPP:-} ]]; then TRAIN_FLAGS+=(--virtual-pipeline-model-parallel-size "$VPP"); fi
     case ${PRECISION:-$([[ $on_gpu == 1 ]] && echo bf16 || echo fp32)} in
         bf16) TRAIN_FLAGS+=(--bf16) ;;
@@ -247,6 +247,37 @@ dpp_worker_command() {
     words+=(bash "run_worker_${DPP_MODEL}.sh")
     if (( ${#DPP_EXTRA[@]} )); then words+=("$(printf '%q ' "${DPP_EXTRA[@]}")"); fi
     echo "${words[*]}"
+}
+
+# torchrun (the command after $1, the log) in the background, so that a SIGTERM of this
+# script (docker stop, Kubernetes) reaches it at once: bash runs a trap only after the
+# foreground command ends. torchrun passes the signal on to the ranks, which end at a step
+# boundary under --exit-signal-handler; Ctrl-C is passed on too (a background command
+# ignores it until torchrun sets its handlers). The terminal gets the ranks' output
+# without torchrun's traceback (the log keeps it); tee and the filter ignore Ctrl-C so that
+# the log keeps the ranks' last lines. Returns torchrun's status; DPP_STOP_SIGNAL names a
+# signal received.
+dpp_run_torchrun() {
+    local logfile=$1 output trainer status
+    shift
+    DPP_STOP_SIGNAL=
+    exec {output}> >(tee -i "$logfile" | PYTHONPATH="$DPP_REPO${PYTHONPATH:+:$PYTHONPATH}" \
+        "$PYTHON" -m megatron.trainer.launch console)
+    local filter=$!
+    "$@" >&"$output" 2>&1 &
+    trainer=$!
+    exec {output}>&-
+    trap 'DPP_STOP_SIGNAL=TERM; kill -TERM "$trainer" 2>/dev/null' TERM
+    trap 'DPP_STOP_SIGNAL=INT; kill -INT "$trainer" 2>/dev/null' INT
+    while true; do
+        status=0
+        wait "$trainer" || status=$?
+        # a trapped signal ends `wait` early: wait again while torchrun still runs
+        kill -0 "$trainer" 2>/dev/null || break
+    done
+    trap - TERM INT
+    wait "$filter" 2>/dev/null || true
+    return "$status"
 }
 
 dpp_launch() {
@@ -333,10 +364,16 @@ dpp_launch() {
         mv "$logfile" "$logfile.$kept"
         dpp_say "kept the previous run's log of RUN_DIR as $logfile.$kept"
     fi
-    # the terminal gets the ranks' output without torchrun's traceback (the log keeps it)
-    local status=0
-    "${cmd[@]}" 2>&1 | tee "$logfile" | PYTHONPATH="$DPP_REPO${PYTHONPATH:+:$PYTHONPATH}" \
-        "$PYTHON" -m megatron.trainer.launch console || status=${PIPESTATUS[0]}
+    local status
+    dpp_run_torchrun "$logfile" "${cmd[@]}" || status=$?
+    status=${status:-0}
+    if [[ -n $DPP_STOP_SIGNAL ]]; then
+        # the ranks saved (with CHECKPOINT_DIR) and logged their line; the job's status is
+        # the signal's, as a shell reports it
+        status=$(( 128 + $(kill -l "$DPP_STOP_SIGNAL") ))
+        dpp_say "stopped by SIG$DPP_STOP_SIGNAL (exit $status); full log: $logfile"
+        exit "$status"
+    fi
     if (( status != 0 )); then
         # torchrun exits 1 whatever the rank's status; its failure block holds the rank's
         local trainer_status

@@ -286,18 +286,30 @@ def prepare_data_cache(model: str, trainer_argv: list[str], world_size: int) -> 
     megatron.core builds them on global rank 0 only and the other ranks then read them, which
     needs a filesystem every node sees; a worker node calls this first so that its ranks find
     identical files locally (the same flags and seed give the same files)."""
-    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.config.arguments import ArgumentError, parse_args
     from megatron.trainer.config.configs import TokenizerConfig
+    from megatron.trainer.data import index_cache
+    from megatron.trainer.data.data import DataError
 
     if model == "gpt":
         from megatron.trainer.tasks.gpt import GPT_TASK as task
     else:
         from megatron.trainer.tasks.bert import BERT_TASK as task
-    args = parse_args(trainer_argv, world_size=world_size, model=model)
+    try:
+        args = parse_args(trainer_argv, world_size=world_size, model=model)
+    except ArgumentError as error:
+        raise LaunchError(f"the trainer's flags: {error}") from None
     if args.mock_data:
         return
-    # the trainer's own tokenizer (with --fim-data's added tokens): the same index files
-    task.build_datasets(args, TokenizerConfig.from_args(args).build())
+    try:
+        index_cache.check_cache(args.data_cache_path, args.data_blend[0])
+        # the trainer's own tokenizer (with --fim-data's added tokens): the same index files
+        with index_cache.write_errors_named(args.data_cache_path):
+            task.build_datasets(args, TokenizerConfig.from_args(args).build())
+    except DataError as error:
+        what = "dataset index cache" if isinstance(error, index_cache.IndexCacheError) \
+            else "bad training data"
+        raise LaunchError(f"{what}: {error}") from None
 
 
 # the launcher's variable for each recorded tokenizer file
@@ -336,8 +348,15 @@ def data_tokenizer(prefix: str, sample: dict[str, str | None]) -> dict[str, str]
 
 # torchrun's report of a failed rank: its own traceback, then a block framed by "=" lines
 TORCHRUN_FAILURE = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
+TORCHRUN_MAIN = "torch/distributed/run.py"  # a frame of torchrun's own tracebacks
+CHAINED_EXCEPTIONS = ("During handling of the above exception, another exception occurred:",
+                      "The above exception was the direct cause of the following exception:")
+# torchrun's own end on SIGTERM / SIGINT: the ranks say how they stopped
+TORCHRUN_SIGNALLED = "torch.distributed.elastic.multiprocessing.api.SignalException"
 TORCHRUN_AGENT_NOISE = re.compile(
-    r"elastic/multiprocessing/api\.py:\d+\] (Sending process \d+ closing signal|failed \(exitcode)")
+    r"elastic/multiprocessing/api\.py:\d+\] (Sending process \d+ closing signal|failed \(exitcode"
+    r"|Closing process \d+ via signal)|elastic/agent/server/api\.py:\d+\] Received \S+ death "
+    r"signal")
 # torch's note, at megatron-core's import, on a machine with a CUDA toolkit whose GPUs the
 # run does not use (CUDA_VISIBLE_DEVICES= for CPU ranks): nothing the user must act on
 LIBRARY_NOISE = re.compile(r"cpp_extension\.py:\d+\] No CUDA runtime is found, using CUDA_HOME="
@@ -348,16 +367,21 @@ USAGE_LINE = re.compile(r"^\S+\.py: \S")
 
 def console_lines(lines):
     """The lines of a run's output that the terminal shows: all but torchrun's own
-    traceback and failure block (the log keeps them) and its agent's notes on stopping the
-    other ranks, with each rank's one-line error shown once (every rank reports the same
-    bad flag or bad data). A rank's own traceback (a bug) is shown."""
+    tracebacks (of an error: its last line only) and failure block (the log keeps them) and
+    its agent's notes on stopping the ranks, with each rank's one-line error shown once
+    (every rank reports the same bad flag or bad data). A rank's own traceback (a bug) is
+    shown."""
     shown_errors: set[str] = set()
     traceback: list[str] = []
     frame_lines_left = 0  # "=" lines still to skip in torchrun's failure block
+    chained = False  # after a hidden traceback: the lines joining it to the next one
     for line in lines:
         if frame_lines_left:
             frame_lines_left -= line.startswith("=" * 20)
             continue
+        if chained and (not line.strip() or line.strip() in CHAINED_EXCEPTIONS):
+            continue
+        chained = False
         if traceback:
             if line[:1].isspace():
                 traceback.append(line)
@@ -365,7 +389,13 @@ def console_lines(lines):
             if line.startswith(TORCHRUN_FAILURE):
                 traceback, frame_lines_left = [], 2
                 continue
-            yield from traceback
+            if line.startswith(TORCHRUN_SIGNALLED):
+                # a second signal during its shutdown chains a second traceback to the first
+                traceback, chained = [], True
+                continue
+            if not any(TORCHRUN_MAIN in frame for frame in traceback):
+                yield from traceback
+            # torchrun's own (no worker joined, say): its last line says what happened
             traceback = []
         if line.rstrip("\n") == "Traceback (most recent call last):":
             traceback = [line]

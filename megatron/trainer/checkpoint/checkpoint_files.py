@@ -8,7 +8,7 @@ deleted, truncated or overwritten file is then named instead of surfacing, deep 
 reader, as a bare EOFError. After a failed load `load_failure` turns megatron.core's or
 torch.distributed.checkpoint's error (which wraps every rank's) into one line: a tensor of
 another shape by its name and both shapes, with the model flags that differ from the
-checkpoint's.
+checkpoint's, or a checkpoint saved without optimizer state loaded with it.
 """
 
 from __future__ import annotations
@@ -129,8 +129,25 @@ def load_failure(path: str, error: BaseException, strictness: str, saved_args: d
             if differing:
                 message += f" (flags that differ, this run vs checkpoint: {differing})"
             return message
+    if _lacks_optimizer_state(path, causes):
+        return (f"{path} holds no optimizer state (saved with --no-save-optim): resume from it "
+                "with --no-load-optim (a new optimizer state), or from a checkpoint saved "
+                "with one")
     described = "; ".join(dict.fromkeys(_named(cause) for cause in causes))
     return f"loading {path} (--dist-ckpt-strictness {strictness}) failed: {described}"
+
+
+def _lacks_optimizer_state(path: str, causes: list[BaseException]) -> bool:
+    """Whether the load failed looking up an optimizer tensor in a checkpoint that holds
+    none (megatron.core's KeyError names the first missing key and lists every saved one)."""
+    if not any(isinstance(cause, KeyError) and str(cause).strip("'\"").startswith("optimizer.")
+               for cause in causes):
+        return False
+    try:
+        keys = FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception:  # unreadable: the general message says what failed
+        return False
+    return not any(key.startswith("optimizer.") for key in keys)
 
 
 def _rank_errors(error: BaseException) -> list[BaseException]:

@@ -46,6 +46,10 @@ def add_megatron_lm_args(g):
         "--ddp-average-in-collective":
             "average the gradients over data-parallel ranks inside the reduction instead of "
             "scaling them before it",
+        "--exit-signal-handler":
+            "SIGTERM and SIGINT end the run after the iteration in progress, the same one on "
+            "every rank, with a checkpoint when --save is given; exit status 128 + the "
+            "signal's number (143, 130)",
         "--spec str": dict(nargs="+", help="'local': megatron-core's local layer spec, the same "
                            "as --transformer-impl local (other module specs are refused)"),
     })

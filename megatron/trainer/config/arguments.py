@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from megatron.trainer.config.args_checkpoint import (
     add_checkpoint_args,
@@ -18,7 +19,12 @@ from megatron.trainer.config.args_checkpoint import (
     validate_checkpoint_args_and_eval,
     validate_checkpointing,
 )
-from megatron.trainer.config.args_common import ArgumentError, cuda_available, one_line
+from megatron.trainer.config.args_common import (
+    ArgumentError,
+    cuda_available,
+    is_number,
+    one_line,
+)
 from megatron.trainer.config.args_data import (
     add_fim_args,
     add_variable_length_args,
@@ -70,8 +76,17 @@ from megatron.trainer.config.args_training import (
 from megatron.trainer.config.configs import LoggingConfig, ModelConfig, ParallelConfig
 
 
+class FlagParser(argparse.ArgumentParser):
+    """argparse's own errors (a value of the wrong type, a missing value) as ArgumentError:
+    one line naming the flag, which the entry points print once per rank and the launch
+    scripts once per job, instead of the whole usage on every rank."""
+
+    def error(self, message):
+        raise ArgumentError(f"{message} (--help lists the flags)")
+
+
 def build_parser(extra_args_provider=None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = FlagParser(
         description="MegatronDPP trainer", allow_abbrev=False, conflict_handler="error"
     )
     model_args(parser.add_argument_group("model"))
@@ -106,13 +121,28 @@ def parse_args(argv=None, extra_args_provider=None, world_size=None,
     """`model` ("gpt" or "bert", the entry point) picks the defaults that differ by model,
     as Megatron-LM's pretrain_gpt.py and pretrain_bert.py do (the tokenizer)."""
     parser = build_parser(extra_args_provider)
-    args, unknown = parser.parse_known_args(argv)
+    args, unknown = parser.parse_known_args(attach_negative_numbers(argv))
     if unknown:
         raise ArgumentError(f"unknown flags: {' '.join(unknown)}")
     apply_checkpoint_args(args)
     world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     validate_args(args, world, model)
     return args
+
+
+def attach_negative_numbers(argv):
+    """`--lr -1e-3` as `--lr=-1e-3`: argparse takes a word starting with '-' for a flag
+    unless it looks like -1 or -.5, so a value such as -1e-3 would be "expected one
+    argument" rather than the range check's message."""
+    attached = []
+    for word in sys.argv[1:] if argv is None else argv:
+        previous = attached[-1] if attached else ""
+        if (word.startswith("-") and is_number(word) and previous.startswith("--")
+                and "=" not in previous):
+            attached[-1] = f"{previous}={word}"
+        else:
+            attached.append(word)
+    return attached
 
 
 def validate_args(args, world_size: int, model: str = "gpt") -> None:

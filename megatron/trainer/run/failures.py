@@ -1,6 +1,7 @@
-"""How a rank ends on an error. A known failure (a bad flag, bad data, tokenizer flags or files, a pipeline peer that
-failed or hung, a checkpoint that cannot be written, a megatron-core whose internals moved,
-Ctrl-C) is reported in one line that names its cause, and the rank exits non-zero; its
+"""How a rank ends on an error. A known failure (a bad flag, nodes given different settings,
+bad data, tokenizer flags or files, a pipeline peer that failed or hung, a checkpoint that
+cannot be written, a megatron-core whose internals moved, Ctrl-C, a stop on SIGTERM or SIGINT
+under --exit-signal-handler) is reported in one line that names its cause, and the rank exits non-zero; its
 traceback goes to the log at DEBUG (MEGATRON_LOG_LEVEL=DEBUG shows it). Anything else is a
 bug and keeps its traceback.
 
@@ -11,6 +12,7 @@ wakes up while the interpreter shuts down aborts the process."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import sys
@@ -26,10 +28,13 @@ from megatron.trainer.config.arguments import ArgumentError
 from megatron.trainer.core_compat.reruns import NonFiniteResult, ResultValidationStop
 from megatron.trainer.data.batch_schedule import BatchScheduleError
 from megatron.trainer.data.data import DataError
+from megatron.trainer.data.index_cache import IndexCacheError
 from megatron.trainer.data.tokenizer import TokenizerError, TokenizerFlagError
 from megatron.trainer.model.models import ModelFlagError
+from megatron.trainer.run.exit_signals import StoppedBySignal
 from megatron.trainer.run.memory_history import MemorySnapshotError
 from megatron.trainer.run.replica_check import ReplicaMismatch
+from megatron.trainer.run.settings_agreement import SettingsMismatch
 
 log = logging.getLogger("megatron.trainer.run.failures")
 
@@ -42,12 +47,23 @@ def known_failure(error: BaseException) -> tuple[str, int] | None:
     """(one-line message, exit status) for a known failure; None for anything else."""
     if isinstance(error, KeyboardInterrupt):
         return "interrupted (SIGINT)", EXIT_INTERRUPTED
+    if isinstance(error, StoppedBySignal):
+        return str(error), error.status
+    if isinstance(error, SettingsMismatch):
+        return str(error), EXIT_USAGE
+    if isinstance(error, IndexCacheError):
+        return f"dataset index cache: {error}", EXIT_FAILED
     if isinstance(error, DataError):
         return f"bad training data: {error}", EXIT_FAILED
     if isinstance(error, TokenizerError):
         return f"tokenizer: {error}", EXIT_FAILED
     if isinstance(error, TransportError):
-        return f"pipeline transport: {error}", EXIT_FAILED
+        message = f"pipeline transport: {error}"
+        if "shm_open of " in message and os.strerror(errno.ENOENT) in message:
+            message += (" (the shm channels need the ranks of one host name to share /dev/shm;"
+                        " containers on the host network with their own /dev/shm do not: give "
+                        "them one, or use --dpp-transport torch)")
+        return message, EXIT_FAILED
     if isinstance(error, CheckpointError):
         return f"checkpoint: {error}", EXIT_FAILED
     if isinstance(error, CoreInternalsError | BatchScheduleError | ReplicaMismatch

@@ -18,6 +18,7 @@ from megatron.dpp.transport.pipeline import EDGE_LOGGER
 from megatron.trainer.config.arguments import ArgumentError
 from megatron.trainer.core_compat.cpu_compat import CpuCompat
 from megatron.trainer.run.determinism import deterministic_mode
+from megatron.trainer.run.settings_agreement import check_settings_agree
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ def initialize_distributed(args, stack: contextlib.ExitStack) -> torch.device:
             f"rendezvous ({dist.get_world_size()})"
         )
     stack.push(_shutdown)
+    # before megatron-core's groups: their sizes come from the settings compared here
+    check_settings_agree(args)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,

@@ -11,6 +11,7 @@ import importlib.util
 import logging
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +40,7 @@ from megatron.trainer.core_compat.reruns import (
     ResultValidationStop,
     stop_on_non_finite,
 )
+from megatron.trainer.data import index_cache
 from megatron.trainer.data.batch_schedule import batch_size_schedule
 from megatron.trainer.data.data import MicroBatchIterator, check_data_paths, microbatch_lengths
 from megatron.trainer.data.data_splits import check_splits
@@ -61,6 +63,12 @@ from megatron.trainer.model.models import (
 )
 from megatron.trainer.run import metrics, replica_check
 from megatron.trainer.run.emulation import Stragglers, gather_pods, pod_of
+from megatron.trainer.run.exit_signals import (
+    ExitSignals,
+    StoppedBySignal,
+    follow_torchrun,
+    launched_by_torchrun,
+)
 from megatron.trainer.run.failures import exit_on_known_failures
 from megatron.trainer.run.initialize import initialize_distributed, setup_logging
 from megatron.trainer.run.manual_gc import ManualGC
@@ -121,6 +129,7 @@ class Trainer:
     # links (None: megatron-core's own p2p)
     planned_shapes: PlannedShapes | None = None
     stragglers: Stragglers | None = None  # --emulate-straggler
+    exit_signals: ExitSignals | None = None  # --exit-signal-handler
 
     @property
     def reporting(self) -> bool:
@@ -139,6 +148,8 @@ def pretrain(task: ModelTask, argv=None, extra_args_provider=None) -> checkpoint
     Ctrl-C) ends the rank with one line naming the cause (megatron.trainer.run.failures)."""
     setup_logging(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
     with exit_on_known_failures(sys.argv[0]):
+        if launched_by_torchrun():
+            follow_torchrun()
         args = parse_args(argv, extra_args_provider, model=task.name.lower())
         with contextlib.ExitStack() as stack:
             trainer = setup(task, args, stack)
@@ -152,6 +163,8 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
         raise ArgumentError(f"{lengths_source(args)} is for GPT; {task.name}'s samples are "
                             "not single sequences of their own lengths")
     check_data_paths(args)  # before the job starts: every rank reads its own files
+    if args.data_path and not args.mock_data:
+        index_cache.check_cache(args.data_cache_path, args.data_blend[0])
     check_splits(args, by_document=task.splits_by_document)
     try:
         model_fallbacks = fast_path.resolve_for_model(args, task.masked_attention)
@@ -212,7 +225,7 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
             state = checkpointer.load(model, optimizer, scheduler)
     if not configs.fast_path.megatron_optimizer_fallbacks:
         no_apex.use_fused_adam(optimizer)
-    with _dataset_watch(args):
+    with _dataset_watch(args), index_cache.write_errors_named(args.data_cache_path):
         datasets = task.build_datasets(args, tokenizer)
     log.info("%s: %d parameters on this rank, %d model chunk(s), schedule %s, layers %s",
              task.name, sum(p.numel() for c in model for p in c.parameters()), len(model),
@@ -237,11 +250,14 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
         ManualGC(args.manual_gc, args.manual_gc_interval, args.manual_gc_eval))
     rng = ForwardRng(args.seed, device)
     stragglers = Stragglers(emulation, rng, device) if emulation.straggler else None
+    # last: a signal during set-up ends the rank at once, one during training at a step's end
+    exit_signals = (stack.enter_context(ExitSignals(device)) if args.exit_signal_handler
+                    else None)
     return Trainer(args, task, device, model, optimizer, scheduler, config,
                    _batch_calculator(configs), datasets, state, schedule, rng, configs, timers,
                    collector=collector, checkpointer=checkpointer, reruns=reruns,
                    block_graphs=block_graphs, planned_shapes=planned_shapes,
-                   stragglers=stragglers, memory_history=history)
+                   stragglers=stragglers, memory_history=history, exit_signals=exit_signals)
 
 
 def _core_p2p_links(configs: TrainerConfigs, emulation, pod: str | None, device,
@@ -520,6 +536,23 @@ def record_warm_shapes(trainer: Trainer) -> None:
         trainer.graphs_settled = True
 
 
+def _stop_on_signal(trainer: Trainer, signum: int) -> None:
+    """--exit-signal-handler, at a step boundary: end the run where a rank received SIGTERM
+    or SIGINT (`signum`, 0: none did), after saving this iteration unless it was just saved."""
+    if not signum:
+        return
+    checkpoint, iteration = trainer.configs.checkpoint, trainer.state.iteration
+    saved = "no checkpoint saved (no --save)"
+    if checkpoint.save:
+        if not (checkpoint.save_interval and iteration % checkpoint.save_interval == 0):
+            trainer.checkpointer.save(trainer.model, trainer.optimizer, trainer.scheduler,
+                                      trainer.state)
+        trainer.checkpointer.wait()
+        saved = f"saved iteration {iteration} to {checkpoint.save}"
+    raise StoppedBySignal(signum, f"stopped by {signal.Signals(signum).name} after iteration "
+                          f"{iteration} of {trainer.configs.schedule.train_iters}; {saved}")
+
+
 def _stop_on_verdict(trainer: Trainer, verdict) -> None:
     """End the run as the rerun state machine decided, with the checkpoint it asks for (of
     the last completed iteration: this one's optimizer step has not run)."""
@@ -673,6 +706,8 @@ def train(trainer: Trainer) -> None:
                 trainer.model, state.iteration,
                 parallel.use_distributed_optimizer and parallel.overlap_param_gather)
         _checkpoint(trainer)
+        if trainer.exit_signals is not None and state.iteration < schedule.train_iters:
+            _stop_on_signal(trainer, trainer.exit_signals.agreed())
         if schedule.exit_interval and state.iteration % schedule.exit_interval == 0:
             break
     checkpoint = trainer.configs.checkpoint
@@ -683,6 +718,9 @@ def train(trainer: Trainer) -> None:
         trainer.checkpointer.wait()
     trainer.tracer.close()
     board.close()
+    # the ranks end together: one whose peers failed after their last collective fails here
+    # too, rather than end well and leave its node's torchrun waiting (300 s) for theirs
+    dist.barrier()
 
 
 def _checkpoint(trainer: Trainer) -> None:

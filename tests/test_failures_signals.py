@@ -1,0 +1,171 @@
+"""SIGTERM (docker stop, Kubernetes, scancel) and SIGINT (Ctrl-C) under --exit-signal-handler:
+every rank finishes the same iteration, saves, and exits 143 or 130 with one line; the
+checkpoint resumes to the losses of a run never stopped."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from megatron.trainer import launch
+from megatron.trainer.run.exit_signals import ExitSignals
+from megatron.trainer.run.settings_agreement import mismatch_message
+from tests.job import TINY_GPT, Job
+from tests.node_runs import Node
+
+START_S = 240
+ITERS = 20
+STOPPED = re.compile(r"ERROR megatron\.trainer\.run\.failures: stopped by (SIG\w+) after "
+                     rf"iteration (\d+) of {ITERS}; (.*)$", re.MULTILINE)
+
+
+def _stop_script(tmp_path, signum: int, whole_group: bool, **settings) -> tuple[Node, int]:
+    """run_single_gpt.sh stopped by `signum` once it logged iteration 2: sent to the script
+    alone (docker stop, Kubernetes) or to its whole process group (a terminal's Ctrl-C)."""
+    node = Node.script("run_single_gpt.sh", tmp_path, TRAIN_ITERS=ITERS, LOG_INTERVAL=1,
+                       **settings)
+    try:
+        node.wait_for(" iteration        2/", START_S)
+        if whole_group:
+            os.killpg(node.process.pid, signum)
+        else:
+            node.process.send_signal(signum)
+        status = node.wait(60)
+        assert node.wait_until_gone(10) == [], "processes left after the script ended"
+    finally:
+        node.kill()
+    return node, status
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launch_script_saves_and_resumes_to_the_same_losses(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    stopped, status = _stop_script(tmp_path / "stopped", signal.SIGTERM, whole_group=False,
+                                   CHECKPOINT_DIR=checkpoints)
+    out = stopped.output()
+    assert status == 143, out[-3000:]
+    lines = STOPPED.findall(out)
+    assert len(lines) == 1, out[-3000:]  # every rank logs it; the terminal shows it once
+    name, iteration, saved = lines[0]
+    assert name == "SIGTERM" and saved == f"saved iteration {iteration} to {checkpoints}"
+    assert "Traceback" not in out and "SignalException" not in out
+    assert "[run_single_gpt.sh] stopped by SIGTERM (exit 143)" in out
+    # the log has every rank's line
+    assert len(STOPPED.findall(stopped.log())) == 2
+    assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == iteration
+    stop = int(iteration)
+    assert 2 <= stop < ITERS and len(stopped.losses()) == stop
+
+    resumed = Node.script("run_single_gpt.sh", tmp_path / "resumed", TRAIN_ITERS=ITERS,
+                          LOG_INTERVAL=1, CHECKPOINT_DIR=checkpoints)
+    never_stopped = Node.script("run_single_gpt.sh", tmp_path / "whole", TRAIN_ITERS=ITERS,
+                                LOG_INTERVAL=1)
+    try:
+        assert resumed.wait(START_S) == 0, resumed.output()[-3000:]
+        assert never_stopped.wait(START_S) == 0, never_stopped.output()[-3000:]
+    finally:
+        resumed.kill()
+        never_stopped.kill()
+    reference = never_stopped.losses()
+    assert len(reference) == ITERS
+    assert stopped.losses() == reference[:stop]
+    assert resumed.losses() == reference[stop:]
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_the_launch_script_ends_with_130_and_the_log_keeps_the_last_lines(tmp_path):
+    node, status = _stop_script(tmp_path, signal.SIGINT, whole_group=True)
+    out = node.output()
+    assert status == 130, out[-3000:]
+    lines = STOPPED.findall(out)
+    assert len(lines) == 1 and lines[0][0] == "SIGINT", out[-3000:]
+    assert lines[0][2] == "no checkpoint saved (no --save)"
+    assert "Traceback" not in out
+    # tee ignored the Ctrl-C: train.log has both ranks' last line
+    assert len(STOPPED.findall(node.log())) == 2, node.log()[-3000:]
+
+
+def test_ctrl_c_while_the_ranks_start_ends_at_once_without_a_traceback(tmp_path):
+    node = Node.script("run_single_gpt.sh", tmp_path, TRAIN_ITERS=ITERS)
+    try:
+        while "running: " not in node.output():
+            assert node.process.poll() is None, node.output()[-3000:]
+            time.sleep(0.1)
+        time.sleep(1.0)  # the ranks import torch and megatron-core
+        os.killpg(node.process.pid, signal.SIGINT)
+        status = node.wait(15)
+        left = node.wait_until_gone(10)
+    finally:
+        node.kill()
+    out = node.output()
+    assert status == 130 and left == [], out[-3000:]
+    assert "Traceback" not in out and "During handling" not in out, out[-3000:]
+    assert "[run_single_gpt.sh] stopped by SIGINT (exit 130)" in out
+
+
+def test_sigterm_to_one_rank_stops_every_rank_after_the_same_iteration(tmp_path):
+    """scancel or a node's own shutdown may reach some ranks only: they agree at each
+    step boundary, so the others stop after the same iteration and the save is whole."""
+    save = tmp_path / "checkpoints"
+    flags = TINY_GPT + ["--train-iters", "100000", "--pipeline-model-parallel-size", "2",
+                        "--use-dpp", "--exit-signal-handler", "--save", str(save)]
+    with Job("pretrain_gpt.py", flags, 2, tmp_path / "job") as job:
+        job.wait_for(1, " iteration        2/", START_S)
+        job.signal(0, signal.SIGTERM)
+        statuses = [job.wait(rank, 60) for rank in (0, 1)]
+        left = job.wait_until_gone(10)
+    assert statuses == [143, 143] and left == [], job.log(0)[-2000:] + job.log(1)[-2000:]
+    stopped = [re.findall(r"stopped by SIGTERM after iteration (\d+) of 100000; saved "
+                          rf"iteration (\d+) to {re.escape(str(save))}", job.log(rank))
+               for rank in (0, 1)]
+    assert stopped[0] == stopped[1] and len(stopped[0]) == 1, stopped
+    iteration = stopped[0][0][0]
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == iteration
+    assert "Traceback" not in job.log(0) + job.log(1)
+
+
+def test_a_second_ctrl_c_does_not_wait_for_the_step():
+    with ExitSignals(device=None) as signals:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert signals.received == signal.SIGTERM
+        os.kill(os.getpid(), signal.SIGINT)  # after another signal: still waits
+        assert signals.received == signal.SIGTERM
+    with ExitSignals(device=None) as signals, pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        assert signals.received == signal.SIGINT
+        os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_the_console_hides_torchruns_traceback_on_a_signal():
+    log = [
+        "[12:00:00 rank1] ERROR megatron.trainer.run.failures: stopped by SIGTERM after "
+        "iteration 6 of 40; saved iteration 6 to /ckpt\n",
+        "W1129 12:00:00.1 torch/distributed/elastic/agent/server/api.py:751] Received "
+        "Signals.SIGTERM death signal, shutting down workers\n",
+        "W1129 12:00:00.2 torch/distributed/elastic/multiprocessing/api.py:871] Closing "
+        "process 42 via signal SIGTERM\n",
+        "Traceback (most recent call last):\n",
+        '  File "/venv/bin/torchrun", line 8, in <module>\n',
+        "    sys.exit(main())\n",
+        "torch.distributed.elastic.multiprocessing.api.SignalException: Process 41 got "
+        "signal: 15\n",
+    ]
+    assert list(launch.console_lines(log)) == log[:1]
+    # a second signal while torchrun stops the ranks chains a second traceback to the first
+    chained = log + ["\n", "During handling of the above exception, another exception "
+                     "occurred:\n", "\n"] + log[3:] + ["[run_single_gpt.sh] stopped\n"]
+    assert list(launch.console_lines(chained)) == [log[0], "[run_single_gpt.sh] stopped\n"]
+
+
+def test_settings_that_differ_within_a_node_name_the_ranks():
+    same = {"--num-layers": "4", "--seed": "1"}
+    gathered = [(0, same), (0, {**same, "--seed": "2"}), (1, same), (1, same)]
+    assert mismatch_message(gathered) == (
+        "the nodes were given different settings: --seed 1 on rank 0 (node 0), node 1, 2 on "
+        "rank 1 (node 0) (start every node with the same flags and settings)")
+    assert mismatch_message([(0, same), (1, dict(same))]) is None
