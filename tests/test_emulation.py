@@ -16,8 +16,9 @@ from tests.distributed import run_ranks
 
 DELAY_MS, JITTER_MS = 120.0, 60.0
 MESSAGES = 6
-# scheduling and the backend's own transfer on a loaded 2-core machine
-SLACK_MS = 150.0
+# what scheduling and the backend's own transfer may add on a loaded 2-core machine, where
+# a process can wait seconds for a core: never a bound below the delay, only above it
+LATE_MS = 5000.0
 
 
 def _timed_messages(rank: int, transport: str):
@@ -94,9 +95,11 @@ def test_emulated_link_delays_each_message_and_never_the_sender(transport):
         sends, latencies = run_ranks(2, _timed_core_messages)
     else:
         sends, latencies = run_ranks(2, _timed_messages, transport)
-    assert max(sends) < 0.05, f"a send waited for the emulated link: {sends}"
+    # a send that waited for the link would take DELAY_MS or more, every one of them
+    assert sorted(sends)[len(sends) // 2] < DELAY_MS / 1000 and max(sends) < LATE_MS / 1000, (
+        f"a send waited for the emulated link: {sends}")
     assert min(latencies) >= DELAY_MS, f"a message usable before {DELAY_MS} ms: {latencies}"
-    assert max(latencies) <= DELAY_MS + JITTER_MS + SLACK_MS, latencies
+    assert max(latencies) <= DELAY_MS + JITTER_MS + LATE_MS, latencies
     # the jitter is drawn per message: not every message takes the same time
     assert max(latencies) - min(latencies) > 1.0, latencies
 
