@@ -31,6 +31,7 @@ from megatron.dpp.variability import Emulation
 
 log = logging.getLogger(__name__)
 
+
 class EdgeDelays:
     """The delays of the messages of one emulated edge, from pipeline stage `src` to `dst`:
     each keyed by the iteration (set before each schedule call) and the task the message
