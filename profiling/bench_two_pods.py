@@ -16,7 +16,10 @@ the same small tracing cost), and the simulator is fed, per traced iteration of 
 run, its task times and message time (consumer start minus producer end where the consumer
 waited: profiling/sim_compare.py): it predicts each schedule's iteration time (the median
 simulated makespan plus the 1F1B run's median time outside the pipeline) beside the
-measured one.
+measured one. Under --emulate-link-ms each message's hop is the link's own draw for that
+message in that iteration (megatron/dpp/variability.py, the one the runs applied) plus
+what the measured hop leaves beyond the link's mean; stragglers are in the measured task
+times already, and straggle the same tasks under every schedule.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the `profiling` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron.dpp.sim.simulator import simulate  # noqa: E402
+from megatron.dpp.sim.simulator import link_latency, simulate  # noqa: E402
+from megatron.dpp.variability import Emulation  # noqa: E402
+from megatron.trainer.config.configs import EmulationConfig  # noqa: E402
 from profiling import bench_gpt  # noqa: E402
 from profiling.aggregate import load_spans, load_trace  # noqa: E402
 from profiling.report import COMPUTE_KINDS, iteration_reports  # noqa: E402
@@ -46,6 +51,9 @@ TINY_GPT = [
 SLACK = re.compile(r"DPP slack (\d+): (.*)")
 LOSS = re.compile(r"iteration\s+(\d+)/.*\| lm loss: ([-+.\dE]+)")
 SCHEDULES = ("1f1b", "dpp", "dpp-static")
+# one activation or gradient of TINY_GPT: seq-length x micro-batch x hidden, fp32 on CPU
+MESSAGE_BYTES = 128 * 2 * 128 * 4
+TRAINER_SEED = 1234  # the trainer's --seed default
 
 
 def config_flags(name: str, slack: int | None, extra: list[str]) -> list[str]:
@@ -76,14 +84,30 @@ def losses(log_text: str) -> dict[int, float]:
     return {int(it): float(value) for it, value in LOSS.findall(log_text)}
 
 
-def predict(directory: Path, slack: int, iteration_ms: float) -> dict[str, dict]:
+def emulation_of(extra: list[str]) -> Emulation:
+    """The link and stragglers the trainer emulates under the flags `extra`."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--emulate-link-ms")
+    parser.add_argument("--emulate-link-gbps", type=float)
+    parser.add_argument("--emulate-link-edges", default="pods")
+    parser.add_argument("--emulate-straggler")
+    parser.add_argument("--seed", type=int, default=TRAINER_SEED)
+    known, _ = parser.parse_known_args(extra)
+    return EmulationConfig(**vars(known)).emulation()
+
+
+def predict(directory: Path, slack: int, iteration_ms: float,
+            emulation: Emulation | None = None,
+            message_bytes: int = MESSAGE_BYTES) -> dict[str, dict]:
     """The simulator on each traced iteration's task times and message time: per schedule
-    the median makespan and that plus the traced run's median time outside the pipeline."""
+    the median makespan and that plus the traced run's median time outside the pipeline.
+    With an emulated link each message's hop is its draw (the module docstring)."""
     spans, iterations = load_spans(load_trace(str(directory)))
     reports = iteration_reports(spans, iterations)
     outside = iteration_ms - statistics.median(r["makespan_ms"] for r in reports)
     makespans: dict[str, list[float]] = {name: [] for name in SCHEDULES}
     hops = []
+    link = None if emulation is None else emulation.link
     for report in reports:
         compute = [s for s in spans if s.iteration == report["iteration"]
                    and s.kind in COMPUTE_KINDS]
@@ -91,13 +115,18 @@ def predict(directory: Path, slack: int, iteration_ms: float) -> dict[str, dict]
         durations = measured_durations(compute, pp, 1)
         hop_ms, _ = estimate_latency(compute, pp, 1)
         hops.append(hop_ms)
+        latency = hop_ms
+        if link is not None:
+            latency = link_latency(link, pp, emulation.seed, report["iteration"], message_bytes,
+                                   max(0.0, hop_ms - link.mean_ms(message_bytes)))
         m = len(durations.microbatch_factor)
         for name in SCHEDULES:
             makespans[name].append(simulate(name, pp, m, durations,
                                             slack=0 if name == "1f1b" else slack,
-                                            latency=hop_ms).makespan)
+                                            latency=latency).makespan)
     predicted = {"hop_ms": statistics.median(hops), "iterations": len(reports),
-                 "outside_ms": outside}
+                 "outside_ms": outside,
+                 "link": None if link is None else link.describe()}
     for name, values in makespans.items():
         makespan = statistics.median(values)
         predicted[name] = {"makespan_ms": makespan, "iteration_ms": makespan + outside}
@@ -136,7 +165,9 @@ def table(results: dict[str, dict], slack: int | None, reason: str,
         lines.append(reason)
     if predicted:
         lines.append(f"simulator fed the 1F1B trace ({predicted['iterations']} iterations): "
-                     f"hop {predicted['hop_ms']:.1f} ms (median), "
+                     f"hop {predicted['hop_ms']:.1f} ms (median"
+                     + (f"; each message's own draw of the {predicted['link']}"
+                        if predicted.get("link") else "") + "), "
                      f"{predicted['outside_ms']:.1f} ms an iteration outside the pipeline")
     return lines
 
@@ -183,7 +214,8 @@ def main(argv=None) -> int:
         results[name] = result
     predicted = None
     if args.simulate and slack is not None and "error" not in results["1f1b"]:
-        predicted = predict(trace_dir(out, "1f1b"), slack, results["1f1b"]["ms_per_iter"])
+        predicted = predict(trace_dir(out, "1f1b"), slack, results["1f1b"]["ms_per_iter"],
+                            emulation_of(extra))
     lines = table(results, slack, reason, predicted)
     (out / "results.json").write_text(json.dumps(
         {"results": results, "slack": slack, "reason": reason, "predicted": predicted},

@@ -61,3 +61,27 @@ def test_the_table_names_ratios_and_failures():
     assert lines[2].split() == ["dpp", "400.0", "1.500x", "2", "510/495", "yes"]
     assert lines[3] == "dpp-static   FAILED (exit 1)"
     assert lines[-1] == "DPP slack 2: why"
+
+
+def test_the_prediction_under_an_emulated_link_draws_each_messages_hop(tmp_path, capsys):
+    """A 1F1B trace of the simulator under a jittery link (30 ms + U(0, 20) ms on every
+    edge, seed 4): fed the same link and seed, the prediction draws each message's own hop
+    and gives the traced 1F1B back exactly; a median hop for every message does not."""
+    path = tmp_path / "1f1b.json"
+    link = ["--emulate-link-ms", "30,20", "--emulate-link-edges", "all", "--seed", "4"]
+    simulate_main(["--pp", "4", "--microbatches", "16", "--cv", "0.3", *link,
+                   "--schedules", "1f1b", "--trace", str(path), "--trace-schedule", "1f1b",
+                   "--json"])
+    capsys.readouterr()
+    emulation = bench_two_pods.emulation_of(["--use-dpp", *link])
+    assert emulation.seed == 4 and emulation.link.jitter_ms == 20.0
+    cost = CostModel(forward=10.0, cv=0.3, link=emulation.link)
+    makespan = compare(4, 16, cost, seed=4, schedules=("1f1b",))["1f1b"].makespan
+    drawn = bench_two_pods.predict(path, 2, makespan, emulation, message_bytes=0)
+    assert drawn["1f1b"]["makespan_ms"] == pytest.approx(makespan)
+    assert "link 30 ms + U(0, 20) ms on every pipeline edge" in bench_two_pods.table(
+        {}, 2, "", drawn)[-1]
+    flat = bench_two_pods.predict(path, 2, makespan)
+    assert abs(flat["1f1b"]["makespan_ms"] / makespan - 1) > 0.01
+    assert bench_two_pods.emulation_of([]).link is None
+    assert bench_two_pods.emulation_of([]).seed == bench_two_pods.TRAINER_SEED

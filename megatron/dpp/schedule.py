@@ -44,8 +44,8 @@ from megatron.dpp.slack_measurement import IterationRecord, PipelineShape, Slack
 from megatron.dpp.topology import PipelineTopology
 from megatron.dpp.tracing import NullTracer
 from megatron.dpp.transport.channel import MessageKey, MessageKind
-from megatron.dpp.transport.emulation import Emulation
 from megatron.dpp.transport.pipeline import PipelineTransport
+from megatron.dpp.variability import Emulation
 from megatron.dpp.weight_grad import WeightGradStore
 
 
@@ -100,6 +100,7 @@ class DppSchedule:
         self.tracer = NullTracer()  # the trainer installs a Tracer under --trace
         self._microbatch_costs: list[float] | None = None
         self._cost_order = True
+        self._iteration = 0
         self._adapter = (SlackAdapter(self.options.slack, self.options.static,
                                       self.options.budget)
                          if self.options.adaptive else None)
@@ -119,6 +120,11 @@ class DppSchedule:
         by the next call only."""
         self._microbatch_costs = None if costs is None else list(costs)
         self._cost_order = reorder
+
+    def set_iteration(self, iteration: int) -> None:
+        """The training iteration of the next calls: each emulated message's delay is drawn
+        by it (variability.py), as the simulator draws that iteration's."""
+        self._iteration = iteration
 
     def close(self) -> None:
         if self._gpu_queue is not None:
@@ -174,6 +180,7 @@ class DppSchedule:
         config = get_model_config(model[0])
         device = next(model[0].parameters()).device
         self._open(device, len(model))
+        self._transport.set_iteration(self._iteration)
         self._transport.barrier()
         costs, self._microbatch_costs = self._microbatch_costs, None
         if costs is not None and len(costs) != num_microbatches:

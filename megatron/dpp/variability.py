@@ -1,16 +1,20 @@
 """Reproducible link and straggler profiles: what a slow network link and straggling stages
-do to a pipeline's time, as pure functions of a seed, so that the simulator and an
-emulating runtime draw exactly the same delays whatever order they ask in.
+do to a pipeline's time, as pure functions of a seed. The one model of both: the simulator
+(sim/simulator.py) and the runtime's emulation below both schedules (transport/emulation.py)
+take every delay and straggle factor from these draws, so that fed the same flags and seed
+they apply exactly the same ones, whatever order they ask in.
 
-Link: a message on an affected edge becomes usable `delay_ms` + U(0, `jitter_ms`) +
-bytes / `gbps` after it was sent (gbps: gigabits per second). Edges: `all` pipeline edges,
-or `pods`: only those between pods (the stages split into `pods` equal consecutive groups,
-as two nodes of a job hold the two halves of a pipeline).
+Link: a message on an emulated edge becomes usable `delay_ms` + U(0, `jitter_ms`) +
+bytes / `gbps` GB/s after it was sent. Edges: `all` pipeline edges, or `pods`: only those
+between pods (at runtime the ranks' own pods; in the simulator the stages split into
+`pods` equal consecutive groups, as two nodes of a job hold the two halves of a pipeline).
+A message's draw is keyed by (seed, iteration, source stage, destination stage, and the
+task it feeds there: kind, local chunk, microbatch).
 
 Straggler: with probability `prob` a compute task (F, B or W) on one of `stages` (None: all)
-takes `factor` times as long. Every draw is a hash of (seed, iteration, microbatch, stage,
-task kind) (a message's of its edge and the task it feeds), never a position in a random
-stream, so it does not depend on which rank asks first or how many draws came before.
+takes `factor` times as long; its draw is keyed by (seed, iteration, microbatch, stage,
+local chunk, task kind). A draw is a hash of its key, never a position in a random stream,
+so it does not depend on which rank asks first or how many draws came before.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
+LINK_EDGES = ("pods", "all")
 _SCALE = float(1 << 64)
 
 
@@ -36,9 +41,9 @@ def pod_of(stage: int, pp_size: int, pods: int) -> int:
 
 @dataclass(frozen=True)
 class LinkProfile:
-    """A slow link on some pipeline edges (see the module docstring)."""
+    """A slow link on some pipeline edges (see the module docstring); `gbps` in GB/s."""
 
-    delay_ms: float = 0.0
+    delay_ms: float
     jitter_ms: float = 0.0
     gbps: float | None = None
     edges: str = "pods"
@@ -46,12 +51,13 @@ class LinkProfile:
 
     def __post_init__(self):
         if self.delay_ms < 0 or self.jitter_ms < 0:
-            raise ValueError(f"link delay and jitter must be >= 0 ms, got {self.delay_ms}, "
-                             f"{self.jitter_ms}")
+            raise ValueError(f"emulated link delay {self.delay_ms} ms, jitter {self.jitter_ms} "
+                             "ms: both must be >= 0")
         if self.gbps is not None and self.gbps <= 0:
-            raise ValueError(f"link bandwidth must be > 0 Gbit/s, got {self.gbps}")
-        if self.edges not in ("pods", "all"):
-            raise ValueError(f"link edges {self.edges!r}: choose pods or all")
+            raise ValueError(f"emulated link bandwidth {self.gbps} GB/s must be > 0")
+        if self.edges not in LINK_EDGES:
+            raise ValueError(f"emulated link edges {self.edges!r}: choose one of "
+                             f"{', '.join(LINK_EDGES)}")
         if self.pods < 1:
             raise ValueError(f"pods must be >= 1, got {self.pods}")
 
@@ -59,30 +65,34 @@ class LinkProfile:
     def parse(cls, milliseconds: str, gbps: float | None = None, edges: str = "pods",
               pods: int = 2) -> LinkProfile:
         """From the command line's `D[,J]` (milliseconds)."""
-        parts = milliseconds.split(",")
         try:
-            values = [float(part) for part in parts]
+            values = [float(part) for part in milliseconds.split(",")]
         except ValueError:
             values = []
-        if not 1 <= len(values) <= 2:
-            raise ValueError(f"link delay {milliseconds!r}: expected D or D,J in milliseconds")
+        if len(values) not in (1, 2) or any(v < 0 for v in values):
+            raise ValueError(f"--emulate-link-ms {milliseconds!r}: expected D or D,J "
+                             "(milliseconds >= 0), e.g. 30 or 30,10")
         return cls(values[0], values[1] if len(values) == 2 else 0.0, gbps, edges, pods)
 
     def affects(self, src: int, dst: int, pp_size: int) -> bool:
-        """Whether the edge between pipeline stages src and dst is emulated."""
+        """Whether the edge between pipeline stages src and dst is emulated, its pods those
+        of `self.pods` equal groups of stages (the simulator's view)."""
         if src == dst:
             return False
-        return self.edges == "all" or (pod_of(src, pp_size, self.pods)
-                                       != pod_of(dst, pp_size, self.pods))
+        return self.emulates(pod_of(src, pp_size, self.pods), pod_of(dst, pp_size, self.pods))
+
+    def emulates(self, src_pod, dst_pod) -> bool:
+        """Whether an edge from a rank of `src_pod` to one of `dst_pod` is emulated."""
+        return self.edges == "all" or src_pod != dst_pod
 
     def mean_ms(self, nbytes: int = 0) -> float:
-        """The mean time a message of `nbytes` spends on an affected edge."""
+        """The mean time a message of `nbytes` spends on an emulated edge."""
         return self.delay_ms + self.jitter_ms / 2 + self._transfer_ms(nbytes)
 
     def hop_ms(self, seed: int, iteration: int, src: int, dst: int, kind: str, chunk: int,
                microbatch: int, nbytes: int = 0) -> float:
         """The time from send to usable of the message from stage src to dst that feeds
-        task (kind, chunk, microbatch) there."""
+        task (kind, local chunk, microbatch) there."""
         jitter = 0.0
         if self.jitter_ms:
             jitter = self.jitter_ms * unit_draw("link", seed, iteration, src, dst, kind, chunk,
@@ -90,56 +100,97 @@ class LinkProfile:
         return self.delay_ms + jitter + self._transfer_ms(nbytes)
 
     def _transfer_ms(self, nbytes: int) -> float:
-        return 0.0 if self.gbps is None else nbytes * 8e-6 / self.gbps
+        return 0.0 if self.gbps is None else nbytes / (self.gbps * 1e6)
 
     def describe(self) -> str:
-        jitter = f" + U(0, {self.jitter_ms:g}) ms" if self.jitter_ms else ""
-        rate = f" + bytes / {self.gbps:g} Gbit/s" if self.gbps else ""
-        return f"link {self.delay_ms:g} ms{jitter}{rate} on {self.edges} edges"
+        text = f"link {self.delay_ms:g} ms"
+        if self.jitter_ms:
+            text += f" + U(0, {self.jitter_ms:g}) ms"
+        if self.gbps:
+            text += f" + size / {self.gbps:g} GB/s"
+        return text + (" on every pipeline edge" if self.edges == "all"
+                       else " on the edges between pods")
 
 
 @dataclass(frozen=True)
 class StragglerProfile:
     """Straggling compute tasks (see the module docstring); `stages` None: every stage."""
 
+    stages: tuple[int, ...] | None
     prob: float
     factor: float
-    stages: frozenset[int] | None = None
 
     def __post_init__(self):
-        if not 0.0 <= self.prob <= 1.0:
-            raise ValueError(f"straggler probability must be in [0, 1], got {self.prob}")
-        if self.factor < 1.0:
-            raise ValueError(f"straggler factor must be >= 1, got {self.factor}")
+        if not 0 <= self.prob <= 1:
+            raise ValueError(f"straggler probability {self.prob} not in [0, 1]")
+        if self.factor < 1:
+            raise ValueError(f"straggler factor {self.factor} must be >= 1")
+        if self.stages is not None and any(stage < 0 for stage in self.stages):
+            raise ValueError(f"straggler stages {self.stages}: stage numbers are >= 0")
 
     @classmethod
     def parse(cls, text: str) -> StragglerProfile:
-        """From the command line's STAGES:PROB:FACTOR (STAGES: `all` or stage numbers
-        joined by commas)."""
+        """From the command line's STAGES:PROB:FACTOR (STAGES: `all`, a stage number or
+        stage numbers joined by commas)."""
+        problem = (f"--emulate-straggler {text!r}: expected STAGES:PROB:FACTOR (STAGES a stage "
+                   "number, a comma list or all; PROB in [0, 1]; FACTOR >= 1), e.g. all:0.1:3")
         parts = text.split(":")
         if len(parts) != 3:
-            raise ValueError(f"straggler {text!r}: expected STAGES:PROB:FACTOR, e.g. all:0.1:3")
-        stages = None
+            raise ValueError(problem)
         try:
-            if parts[0] != "all":
-                stages = frozenset(int(s) for s in parts[0].split(","))
-            prob, factor = float(parts[1]), float(parts[2])
+            stages = None if parts[0] == "all" else tuple(int(s) for s in parts[0].split(","))
+            return cls(stages, float(parts[1]), float(parts[2]))
         except ValueError:
-            raise ValueError(f"straggler {text!r}: STAGES is 'all' or stage numbers, PROB and "
-                             "FACTOR numbers") from None
-        if stages is not None and any(s < 0 for s in stages):
-            raise ValueError(f"straggler {text!r}: stage numbers must be >= 0")
-        return cls(prob, factor, stages)
+            raise ValueError(problem) from None
 
-    def factor_of(self, seed: int, iteration: int, microbatch: int, stage: int,
-                  kind: str) -> float:
-        """How many times its usual time this task takes (1 or `factor`)."""
-        if self.stages is not None and stage not in self.stages:
+    def factor_of(self, seed: int, iteration: int, microbatch: int, stage: int, kind: str,
+                  chunk: int = 0) -> float:
+        """How many times its usual time task (kind, chunk, microbatch) of pipeline stage
+        `stage` takes (1 or `factor`)."""
+        if self.prob == 0 or (self.stages is not None and stage not in self.stages):
             return 1.0
-        hit = unit_draw("straggler", seed, iteration, microbatch, stage, kind) < self.prob
+        hit = unit_draw("straggler", seed, iteration, microbatch, stage, chunk, kind) < self.prob
         return self.factor if hit else 1.0
 
     def describe(self) -> str:
-        where = "all stages" if self.stages is None else "stages " + ",".join(
-            map(str, sorted(self.stages)))
+        where = "every stage" if self.stages is None else "stage " + ",".join(
+            map(str, self.stages))
         return f"stragglers on {where}: p {self.prob:g}, x{self.factor:g}"
+
+
+@dataclass(frozen=True)
+class Emulation:
+    """A run's emulated variability, seeded by `seed`; no link and no straggler: off."""
+
+    seed: int
+    link: LinkProfile | None = None
+    straggler: StragglerProfile | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.link is not None or self.straggler is not None
+
+    def describe(self) -> str:
+        parts = [p.describe() for p in (self.link, self.straggler) if p is not None]
+        return f"emulated: {'; '.join(parts)} (seed {self.seed}; time only, values untouched)"
+
+    def link_between(self, src_pod, dst_pod) -> LinkProfile | None:
+        """The profile of the link from a rank of `src_pod` to one of `dst_pod`, or None
+        where that edge is not emulated."""
+        if self.link is None or not self.link.emulates(src_pod, dst_pod):
+            return None
+        return self.link
+
+    def delay_s(self, iteration: int, src: int, dst: int, kind: str, chunk: int,
+                microbatch: int, nbytes: int) -> float:
+        """Seconds from send to usable of the message from stage src to dst that feeds task
+        (kind, chunk, microbatch) there (LinkProfile.hop_ms)."""
+        return self.link.hop_ms(self.seed, iteration, src, dst, kind, chunk, microbatch,
+                                nbytes) / 1000.0
+
+    def straggle_factor(self, iteration: int, microbatch: int, stage: int, chunk: int,
+                        kind: str) -> float:
+        """How many times its usual time this task takes (StragglerProfile.factor_of)."""
+        if self.straggler is None:
+            return 1.0
+        return self.straggler.factor_of(self.seed, iteration, microbatch, stage, kind, chunk)

@@ -130,7 +130,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="a message on an emulated edge is usable D ms (+ U(0, J) ms) "
                              "after it was sent")
     parser.add_argument("--emulate-link-gbps", type=float, default=None,
-                        help="with --emulate-link-ms: add message bytes / this (Gbit/s)")
+                        help="with --emulate-link-ms: add message bytes / this (GB/s)")
     parser.add_argument("--emulate-link-edges", choices=("pods", "all"), default="pods",
                         help="the emulated edges: between the two pods (halves of the "
                              "pipeline) or all")
@@ -140,7 +140,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="with probability PROB a task on STAGES (all, or numbers joined "
                              "by commas) takes FACTOR times as long")
     parser.add_argument("--iteration", type=int, default=0,
-                        help="the training iteration whose link and straggler draws to use")
+                        help="the training iteration whose link and straggler draws to use (the "
+                             "trainer counts its iterations from 1)")
     parser.add_argument("--backward-ratio", type=float, default=2.0)
     parser.add_argument("--split-backward", action="store_true",
                         help="B and W tasks: DPP places W, zb-h1 runs, the static schedules "

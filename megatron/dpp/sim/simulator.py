@@ -130,7 +130,7 @@ def sample_durations(
     """Durations from the cost model; `split_backward` samples B and W apart (the backward's
     time split by `cost.weight_share`, an independent jitter on each). The cost model's
     stragglers stretch the tasks they hit (drawn per seed, iteration, microbatch, the
-    task's pipeline stage and kind)."""
+    task's pipeline stage, local chunk and kind: variability.py, the runtime's draws)."""
     if cost.slow_stage is not None and not 0 <= cost.slow_stage < pp_size:
         raise ValueError(f"CostModel: slow_stage {cost.slow_stage} not in [0, {pp_size})")
     rng = random.Random(seed)
@@ -155,9 +155,9 @@ def sample_durations(
         tables = {FORWARD: forward, BACKWARD: backward, WEIGHT: weight}
         for kind, table in tables.items():
             for v, row in enumerate(table):
-                stage = topology.placement(v)[0]
+                stage, chunk = topology.placement(v)
                 for i in range(num_microbatches):
-                    row[i] *= cost.straggler.factor_of(seed, iteration, i, stage, kind)
+                    row[i] *= cost.straggler.factor_of(seed, iteration, i, stage, kind, chunk)
     return Durations(forward, backward, factors, weight if split_backward else None)
 
 

@@ -1,194 +1,71 @@
-"""Emulated links and stragglers: reproducible variability that changes time only.
+"""Emulated links and stragglers: the runtime machinery that applies the variability of
+megatron/dpp/variability.py (its profiles and seeded draws, the simulator's) below both
+pipeline runtimes, changing time only.
 
-One place for both pipeline runtimes: DPP's transports (pipeline.py) and the trainer's
-megatron-core p2p layer send through `DelayedDelivery`, and both schedules' forward and
-backward tasks stretch through `Emulation.straggles`. Nothing here touches a tensor's
-values, so losses and gradients stay those of the run without emulation.
+DPP's transports (pipeline.py) and the trainer's megatron-core p2p layer send through
+`DelayedDelivery` or `CudaLink`, each message delayed by its own keyed draw (`EdgeDelays`);
+both schedules' forward and backward tasks stretch through `StretchedTask` by the factor
+`Emulation.straggle_factor` draws. Nothing here touches a tensor's values, so losses and
+gradients stay those of the run without emulation.
 
 * A link: each message on an emulated edge becomes usable D ms (plus a uniform 0..J ms,
   plus its size / G) after it was sent. On CPU a delivery thread per edge carries out the
   real send once that time has passed, in the order of sending; on a GPU a link stream
   sleeps on the device (`CudaLink`) and the consumer waits on the event after it.
-* A straggler: a compute task on a chosen stage takes FACTOR times as long with
-  probability PROB. The draw is keyed by (seed, iteration, microbatch, stage, task kind),
-  so the same tasks straggle whichever order a schedule runs them in.
+* A straggler: a compute task on a chosen stage takes FACTOR times as long.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import queue
-import random
-import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from megatron.dpp.actions import BACKWARD, FORWARD
+from megatron.dpp.transport.channel import MessageKey, MessageKind
+from megatron.dpp.variability import Emulation
+
 log = logging.getLogger(__name__)
-
-LINK_EDGES = ("pods", "all")
-FORWARD_TASK, BACKWARD_TASK = 0, 1
-
-
-@dataclass(frozen=True)
-class LinkProfile:
-    """delay_ms + U(0, jitter_ms) + size / gbps per message, on the edges `edges` names:
-    "pods" (between ranks of different pods) or "all" (every pipeline edge)."""
-
-    delay_ms: float
-    jitter_ms: float = 0.0
-    gbps: float | None = None
-    edges: str = "pods"
-
-    def __post_init__(self):
-        if self.delay_ms < 0 or self.jitter_ms < 0:
-            raise ValueError(f"emulated link delay {self.delay_ms} ms, jitter {self.jitter_ms} "
-                             "ms: both must be >= 0")
-        if self.gbps is not None and self.gbps <= 0:
-            raise ValueError(f"emulated link bandwidth {self.gbps} GB/s must be > 0")
-        if self.edges not in LINK_EDGES:
-            raise ValueError(f"emulated link edges {self.edges!r}: choose one of "
-                             f"{', '.join(LINK_EDGES)}")
-
-    def emulates(self, src_pod: str, dst_pod: str) -> bool:
-        return self.edges == "all" or src_pod != dst_pod
-
-    def describe(self) -> str:
-        text = f"link {self.delay_ms:g} ms"
-        if self.jitter_ms:
-            text += f" + U(0, {self.jitter_ms:g}) ms"
-        if self.gbps:
-            text += f" + size / {self.gbps:g} GB/s"
-        return text + (" on every pipeline edge" if self.edges == "all"
-                       else " on the edges between pods")
-
-
-@dataclass(frozen=True)
-class StragglerProfile:
-    """With probability `prob` a forward or backward on one of `stages` (pipeline ranks;
-    None: every stage) takes `factor` times as long."""
-
-    stages: tuple[int, ...] | None
-    prob: float
-    factor: float
-
-    def __post_init__(self):
-        if not 0 <= self.prob <= 1:
-            raise ValueError(f"straggler probability {self.prob} not in [0, 1]")
-        if self.factor < 1:
-            raise ValueError(f"straggler factor {self.factor} must be >= 1")
-        if self.stages is not None and any(stage < 0 for stage in self.stages):
-            raise ValueError(f"straggler stages {self.stages}: stage numbers are >= 0")
-
-    def describe(self) -> str:
-        stages = "every stage" if self.stages is None else \
-            "stage " + ",".join(map(str, self.stages))
-        return f"stragglers on {stages}: p {self.prob:g}, x{self.factor:g}"
-
-
-def parse_link_ms(text: str) -> tuple[float, float]:
-    """"D" or "D,J" (milliseconds) -> (D, J)."""
-    parts = text.split(",")
-    try:
-        values = [float(part) for part in parts]
-    except ValueError:
-        values = []
-    if len(values) not in (1, 2) or any(v < 0 for v in values):
-        raise ValueError(f"--emulate-link-ms {text!r}: expected D or D,J (milliseconds >= 0), "
-                         "e.g. 30 or 30,10")
-    return values[0], values[1] if len(values) == 2 else 0.0
-
-
-def parse_straggler(text: str) -> StragglerProfile:
-    """"STAGES:PROB:FACTOR", STAGES a stage, a comma list of them, or "all"."""
-    problem = (f"--emulate-straggler {text!r}: expected STAGES:PROB:FACTOR (STAGES a stage "
-               "number, a comma list or all; PROB in [0, 1]; FACTOR >= 1), e.g. all:0.1:3")
-    parts = text.split(":")
-    if len(parts) != 3:
-        raise ValueError(problem)
-    try:
-        stages = None if parts[0] == "all" else tuple(int(s) for s in parts[0].split(","))
-        return StragglerProfile(stages, float(parts[1]), float(parts[2]))
-    except ValueError:
-        raise ValueError(problem) from None
-
-
-@dataclass(frozen=True)
-class Emulation:
-    """The run's emulated variability, seeded by `seed`; no link and no straggler: off."""
-
-    seed: int
-    link: LinkProfile | None = None
-    straggler: StragglerProfile | None = None
-
-    @property
-    def active(self) -> bool:
-        return self.link is not None or self.straggler is not None
-
-    def describe(self) -> str:
-        parts = [p.describe() for p in (self.link, self.straggler) if p is not None]
-        return f"emulated: {'; '.join(parts)} (seed {self.seed}; time only, values untouched)"
-
-    def link_between(self, src_pod: str, dst_pod: str) -> LinkProfile | None:
-        """The profile of the link from a rank of `src_pod` to one of `dst_pod`, or None
-        where that edge is not emulated."""
-        if self.link is None or not self.link.emulates(src_pod, dst_pod):
-            return None
-        return self.link
-
-    def edge_delays(self, src: int, dst: int, kind: int) -> EdgeDelays:
-        """The delays of the messages along one edge (global ranks, message kind)."""
-        return EdgeDelays(self.link, _hash(self.seed, 1, src, dst, kind))
-
-    def straggles(self, iteration: int, microbatch: int, stage: int, virtual_stage: int,
-                  task_kind: int) -> bool:
-        """Whether this task straggles; `stage` is the pipeline rank STAGES selects."""
-        profile = self.straggler
-        if profile is None or profile.prob == 0 or (
-                profile.stages is not None and stage not in profile.stages):
-            return False
-        draw = _hash(self.seed, 2, iteration, microbatch, virtual_stage, task_kind)
-        return draw / 2.0 ** 63 < profile.prob
 
 
 class EdgeDelays:
-    """Seconds each message of one edge is delayed by, drawn in sending order."""
+    """The delays of the messages of one emulated edge, from pipeline stage `src` to `dst`:
+    each keyed by the iteration (set before each schedule call) and the task the message
+    feeds (variability.Emulation.delay_s, the simulator's draw)."""
 
-    def __init__(self, link: LinkProfile, seed: int):
-        self.link = link
-        self._rng = random.Random(seed)
+    def __init__(self, emulation: Emulation, src: int, dst: int):
+        self.emulation, self.src, self.dst = emulation, src, dst
+        self.iteration = 0
 
-    def next(self, nbytes: int) -> float:
-        link = self.link
-        ms = link.delay_ms + (self._rng.uniform(0, link.jitter_ms) if link.jitter_ms else 0.0)
-        seconds = ms / 1000.0
-        if link.gbps:
-            seconds += nbytes / (link.gbps * 1e9)
-        return seconds
+    def of(self, key: MessageKey, nbytes: int) -> float:
+        """Seconds from send to usable of the message `key` of `nbytes`."""
+        kind = FORWARD if key.kind == MessageKind.ACTIVATION else BACKWARD
+        return self.emulation.delay_s(self.iteration, self.src, self.dst, kind, key.chunk,
+                                      key.microbatch, nbytes)
 
 
 class DelayedDelivery:
     """The delivery thread of one emulated edge: `post` returns at once; the thread runs
     the posted action (the real send, or the delivery into an inbox) once the message's
-    delay has passed since it was posted, in posting order. An action's failure is raised
+    delay has passed since it was posted (each action's own delay), in posting order. An action's failure is raised
     by the next `post` or `drain`."""
 
-    def __init__(self, name: str, delays: EdgeDelays):
+    def __init__(self, name: str):
         self.name = name
-        self.delays = delays
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"emulated-link-{name}",
                                         daemon=True)
         self._thread.start()
 
-    def post(self, action: Callable[[], None], nbytes: int) -> None:
+    def post(self, action: Callable[[], None], delay_s: float) -> None:
+        """Run `action` `delay_s` seconds from now (after the actions posted before)."""
         self._raise_failure()
-        self._queue.put((time.monotonic() + self.delays.next(nbytes), action))
+        self._queue.put((time.monotonic() + delay_s, action))
 
     def drain(self, timeout: float | None = None) -> None:
         """Wait until every posted action has run."""
@@ -237,26 +114,27 @@ class DelayedDelivery:
 
 
 class StretchedTask:
-    """Extends one task to `factor` times its own duration. On CPU: the host sleeps for the
+    """Extends one task, started at construction, to `factor` times its own duration (the
+    factor given at its end, once the task's key is known). On CPU: the host sleeps for the
     rest after the task. On a GPU: the compute stream spins for (factor - 1) times the
     task's last measured duration (`CudaSleep`; the host never waits for the device)."""
 
-    def __init__(self, factor: float, device: torch.device):
-        self.factor = factor
+    def __init__(self, device: torch.device):
         self.gpu = device.type == "cuda"
         self.started = time.monotonic()
         if self.gpu:
             self._start = torch.cuda.Event(enable_timing=True)
             self._start.record()
 
-    def finish(self, sleeper: CudaSleep | None = None, kind: int = FORWARD_TASK) -> None:
+    def finish(self, factor: float, sleeper: CudaSleep | None = None,
+               kind: str = FORWARD) -> None:
         if not self.gpu:
             elapsed = time.monotonic() - self.started
-            time.sleep(elapsed * (self.factor - 1))
+            time.sleep(elapsed * (factor - 1))
             return
         end = torch.cuda.Event(enable_timing=True)
         end.record()
-        sleeper.spin(sleeper.measured(kind, self._start, end) * (self.factor - 1))
+        sleeper.spin(sleeper.measured(kind, self._start, end) * (factor - 1))
 
 
 class CudaSleep:
@@ -266,8 +144,8 @@ class CudaSleep:
 
     def __init__(self):
         self._cycles_per_s: float | None = None
-        self._pending: dict[int, tuple] = {}
-        self._last_s: dict[int, float] = {}
+        self._pending: dict[str, tuple] = {}
+        self._last_s: dict[str, float] = {}
 
     def spin(self, seconds: float, stream=None) -> None:
         if seconds <= 0:
@@ -287,7 +165,7 @@ class CudaSleep:
             self._cycles_per_s = cycles / (start.elapsed_time(end) / 1000.0)
         return self._cycles_per_s
 
-    def measured(self, kind: int, start, end) -> float:
+    def measured(self, kind: str, start, end) -> float:
         """The last measured task of `kind`'s duration in seconds (0 before the first);
         (start, end) is the task just recorded, measured next time unless one is still
         waiting for its events (the host runs ahead of the device)."""
@@ -307,29 +185,22 @@ class CudaLink:
 
     RING = 4
 
-    def __init__(self, delays: EdgeDelays, sleeper: CudaSleep, device: torch.device):
-        self.delays = delays
+    def __init__(self, sleeper: CudaSleep, device: torch.device):
         self.sleeper = sleeper
         self._streams = [torch.cuda.Stream(device) for _ in range(self.RING)]
         self._next = 0
         self._delivered = None
 
-    def delayed_stream(self, nbytes: int):
+    def delayed_stream(self, delay_s: float):
         """(stream, event): work queued next on the stream, and whatever waits on the
-        event, runs once the current stream's work so far and the message's delay have
+        event, runs once the current stream's work so far and `delay_s` seconds have
         passed (and after the edge's previous message)."""
         stream = self._streams[self._next]
         self._next = (self._next + 1) % self.RING
         stream.wait_stream(torch.cuda.current_stream())
-        self.sleeper.spin(self.delays.next(nbytes), stream)
+        self.sleeper.spin(delay_s, stream)
         if self._delivered is not None:
             stream.wait_event(self._delivered)
         self._delivered = torch.cuda.Event()
         self._delivered.record(stream)
         return stream, self._delivered
-
-
-def _hash(*values: int) -> int:
-    """A 63-bit integer from signed 64-bit integers."""
-    digest = hashlib.blake2b(struct.pack(f"<{len(values)}q", *values), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1

@@ -38,14 +38,9 @@ from megatron.dpp.transport.channel import (
     TransportError,
     brief,
 )
-from megatron.dpp.transport.emulation import (
-    CudaLink,
-    CudaSleep,
-    DelayedDelivery,
-    EdgeDelays,
-    Emulation,
-)
+from megatron.dpp.transport.emulation import CudaLink, CudaSleep, DelayedDelivery, EdgeDelays
 from megatron.dpp.transport.native import NativeInbox, make_inbox
+from megatron.dpp.variability import Emulation
 
 log = logging.getLogger(__name__)
 # each rank's line per pipeline edge it owns, naming its transport: logged on every rank
@@ -101,17 +96,18 @@ class EmulatedSendChannel(SendChannel):
     def __init__(self, inner: SendChannel, delays: EdgeDelays, device: torch.device,
                  sleeper: CudaSleep | None, timeout: float, host_staged: bool):
         self.edge, self.inner, self.timeout = inner.edge, inner, timeout
+        self.delays = delays
         gpu = device.type == "cuda"
-        self._cuda = CudaLink(delays, sleeper, device) if gpu and not host_staged else None
-        self._delivery = None if self._cuda else DelayedDelivery(str(self.edge), delays)
+        self._cuda = CudaLink(sleeper, device) if gpu and not host_staged else None
+        self._delivery = None if self._cuda else DelayedDelivery(str(self.edge))
         self._side = torch.cuda.Stream(device) if gpu and host_staged else None
 
     def send(self, key: MessageKey, tensor: torch.Tensor) -> None:
         # the channel's own reference: the schedule frees its output's storage after sending
         tensor = tensor.detach()
-        nbytes = tensor.numel() * tensor.element_size()
+        delay_s = self.delays.of(key, tensor.numel() * tensor.element_size())
         if self._cuda is not None:
-            stream, _ = self._cuda.delayed_stream(nbytes)
+            stream, _ = self._cuda.delayed_stream(delay_s)
             tensor.record_stream(stream)
             with torch.cuda.stream(stream):
                 self.inner.send(key, tensor)
@@ -123,7 +119,7 @@ class EmulatedSendChannel(SendChannel):
             ready.record()
             deliver = functools.partial(self._send_after, ready, key, tensor)
         try:
-            self._delivery.post(deliver, nbytes)
+            self._delivery.post(deliver, delay_s)
         except RuntimeError as error:
             raise TransportError(str(error)) from error
 
@@ -170,6 +166,8 @@ class PipelineTransport:
         self._senders = {}
         self._receivers = {}
         native_inbox = isinstance(self.inbox, NativeInbox)
+        stage_of = {rank: stage for ranks in pipelines for stage, rank in enumerate(ranks)}
+        self._emulated: list[EmulatedSendChannel] = []
         pods = _gather(pod or os.uname().nodename)
         sleeper = CudaSleep() if device.type == "cuda" else None
         for backend, backend_edges in _assign_backends(edges, transport, device, timeout,
@@ -179,15 +177,23 @@ class PipelineTransport:
                 link = emulation.link_between(pods[edge.src], pods[edge.dst]) \
                     if emulation is not None else None
                 if link is not None and edge in senders:
+                    delays = EdgeDelays(emulation, stage_of[edge.src], stage_of[edge.dst])
                     senders[edge] = EmulatedSendChannel(
-                        senders[edge], emulation.edge_delays(edge.src, edge.dst, edge.kind),
-                        device, sleeper, timeout, host_staged=backend.name == "rdma")
+                        senders[edge], delays, device, sleeper, timeout,
+                        host_staged=backend.name == "rdma")
+                    self._emulated.append(senders[edge])
                 edge_log.info("DPP transport %s for edge %s%s", backend.name, edge_label(edge),
                               _edge_note(pods[edge.src], pods[edge.dst], link is not None))
             self._senders.update(senders)
             self._receivers.update(receivers)
         self._by_destination = {(e.dst, e.kind): ch for e, ch in self._senders.items()}
         self.inbox.set_sources(self._receivers)
+
+    def set_iteration(self, iteration: int) -> None:
+        """The training iteration the next messages belong to: part of each emulated
+        message's delay draw."""
+        for channel in self._emulated:
+            channel.delays.iteration = iteration
 
     def send(self, dst: int, key: MessageKey, tensor: torch.Tensor) -> None:
         try:

@@ -1,5 +1,6 @@
 """Emulated variability flags: a slow or jittery link between pipeline stages, straggling
-compute tasks (megatron/dpp/transport/emulation.py; docs/two_pods.md)."""
+compute tasks (megatron/dpp/variability.py, megatron/dpp/transport/emulation.py;
+docs/two_pods.md)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ def emulation_args(g):
             metavar="STAGES:PROB:FACTOR",
             help="emulated stragglers: with probability PROB a forward or backward on STAGES "
                  "(a stage number, a comma list or all) takes FACTOR times as long; the draw "
-                 "is keyed by (seed, iteration, microbatch, stage, task), the same for every "
-                 "schedule"),
+                 "is keyed by (seed, iteration, microbatch, stage, chunk, task), the same for "
+                 "every schedule and the simulator"),
     })
 
 

@@ -21,12 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron.dpp.config import MemoryBudget
-from megatron.dpp.transport.emulation import (
-    Emulation,
-    LinkProfile,
-    parse_link_ms,
-    parse_straggler,
-)
+from megatron.dpp.variability import Emulation, LinkProfile, StragglerProfile
 from megatron.trainer.checkpoint.checkpoint_config import CheckpointConfig
 from megatron.trainer.config.args_common import ArgumentError, one_line
 from megatron.trainer.data.microbatches import lengths_per_sample
@@ -377,8 +372,8 @@ class TokenizerConfig:
 
 @dataclass(frozen=True)
 class EmulationConfig(FlagConfig):
-    """Emulated variability of the pipeline (megatron/dpp/transport/emulation.py), seeded by
-    --seed: link delays on chosen edges and straggling compute tasks; off by default."""
+    """Emulated variability of the pipeline (megatron/dpp/variability.py's profiles and
+    draws, applied by megatron/dpp/transport/emulation.py), seeded by --seed: link delays on chosen edges and straggling compute tasks; off by default."""
 
     emulate_link_ms: str | None
     emulate_link_gbps: float | None
@@ -388,8 +383,8 @@ class EmulationConfig(FlagConfig):
 
     @staticmethod
     def rules(values, need: Need) -> None:
-        for parse, text in ((parse_link_ms, values.emulate_link_ms),
-                            (parse_straggler, values.emulate_straggler)):
+        for parse, text in ((LinkProfile.parse, values.emulate_link_ms),
+                            (StragglerProfile.parse, values.emulate_straggler)):
             if text is not None:
                 try:
                     parse(text)
@@ -402,12 +397,10 @@ class EmulationConfig(FlagConfig):
              "--emulate-link-ms (0 for bandwidth alone)")
 
     def emulation(self) -> Emulation:
-        link = None
-        if self.emulate_link_ms is not None:
-            delay, jitter = parse_link_ms(self.emulate_link_ms)
-            link = LinkProfile(delay, jitter, self.emulate_link_gbps, self.emulate_link_edges)
+        link = None if self.emulate_link_ms is None else LinkProfile.parse(
+            self.emulate_link_ms, self.emulate_link_gbps, self.emulate_link_edges)
         straggler = (None if self.emulate_straggler is None
-                     else parse_straggler(self.emulate_straggler))
+                     else StragglerProfile.parse(self.emulate_straggler))
         return Emulation(self.seed, link, straggler)
 
 

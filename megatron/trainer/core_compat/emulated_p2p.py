@@ -18,8 +18,10 @@ import logging
 import torch
 import torch.distributed as dist
 
-from megatron.dpp.transport.emulation import CudaLink, CudaSleep, DelayedDelivery, Emulation
+from megatron.dpp.transport.channel import MessageKey
+from megatron.dpp.transport.emulation import CudaLink, CudaSleep, DelayedDelivery, EdgeDelays
 from megatron.dpp.transport.pipeline import EDGE_LOGGER
+from megatron.dpp.variability import Emulation
 
 edge_log = logging.getLogger(EDGE_LOGGER)
 
@@ -27,7 +29,8 @@ edge_log = logging.getLogger(EDGE_LOGGER)
 class P2PLinks:
     """The emulated links between this rank and its two pipeline neighbours, for the whole
     run (`close()` at its end). `pods[r]` is global rank r's pod; `ring`: the pipeline's
-    last stage feeds its first (virtual chunks)."""
+    last stage feeds its first (virtual chunks). Each message's delay is drawn by the
+    iteration (`set_iteration`) and its key, the task it feeds (planned_p2p.py)."""
 
     def __init__(self, emulation: Emulation, pp_group, pods: list[str], device: torch.device,
                  ring: bool, timeout: float = 60.0):
@@ -36,37 +39,47 @@ class P2PLinks:
         self.gpu = device.type == "cuda"
         self.timeout = timeout
         neighbours = _neighbours(pp_group, ring)
+        stage_of = {rank: stage for stage, rank in
+                    enumerate(dist.get_process_group_ranks(pp_group))}
         sleeper = CudaSleep() if self.gpu else None
         # one link a neighbour: its messages keep the order the schedule sent them in, which
         # is the order the neighbour posts its receives in
         self._links: dict[int, DelayedDelivery | CudaLink] = {}
+        self._delays: dict[int, EdgeDelays] = {}
         for peer in neighbours:
             # on CPU the sender delays, on a GPU the receiver: the edge into this rank
             src, dst = (peer, self.rank) if self.gpu else (self.rank, peer)
             if emulation.link_between(pods[src], pods[dst]) is not None:
-                delays = emulation.edge_delays(src, dst, -1)
-                self._links[peer] = (CudaLink(delays, sleeper, device) if self.gpu
-                                     else DelayedDelivery(f"{src}->{dst}", delays))
+                self._delays[peer] = EdgeDelays(emulation, stage_of[src], stage_of[dst])
+                self._links[peer] = (CudaLink(sleeper, device) if self.gpu
+                                     else DelayedDelivery(f"{src}->{dst}"))
         log_edges(pp_group, pods, ring, set(self._links))
+
+    def set_iteration(self, iteration: int) -> None:
+        """The training iteration the next messages belong to."""
+        for delays in self._delays.values():
+            delays.iteration = iteration
 
     def delays_sends_to(self, peer: int) -> bool:
         return not self.gpu and peer in self._links
 
-    def send(self, tensor: torch.Tensor, peer: int, group) -> None:
-        """Post `tensor` to `peer` on `group` once its delay has passed; returns at once.
-        The schedule frees its output's storage after sending: the detached tensor keeps
-        its own reference."""
+    def send(self, tensor: torch.Tensor, peer: int, group, key: MessageKey) -> None:
+        """Post `tensor` (the message `key`) to `peer` on `group` once its delay has
+        passed; returns at once. The schedule frees its output's storage after sending: the
+        detached tensor keeps its own reference."""
         tensor = tensor.detach()
-        self._links[peer].post(lambda: dist.send(tensor, peer, group=group),
-                               tensor.numel() * tensor.element_size())
+        delay_s = self._delays[peer].of(key, tensor.numel() * tensor.element_size())
+        self._links[peer].post(lambda: dist.send(tensor, peer, group=group), delay_s)
 
-    def delay_received(self, tensor: torch.Tensor | None, peer: int) -> None:
-        """GPU: the current stream uses `tensor` (received from `peer`) only after the
-        link's delay."""
+    def delay_received(self, tensor: torch.Tensor | None, peer: int,
+                       key: MessageKey | None) -> None:
+        """GPU: the current stream uses `tensor` (the message `key`, received from `peer`)
+        only after the link's delay."""
         link = self._links.get(peer) if self.gpu else None
         if tensor is None or link is None:
             return
-        _, delivered = link.delayed_stream(tensor.numel() * tensor.element_size())
+        delay_s = self._delays[peer].of(key, tensor.numel() * tensor.element_size())
+        _, delivered = link.delayed_stream(delay_s)
         torch.cuda.current_stream().wait_event(delivered)
 
     def close(self, abort: bool = False) -> None:

@@ -21,6 +21,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import get_schedule_table
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from megatron.dpp.transport.channel import MessageKey, MessageKind
 from megatron.trainer.core_compat.emulated_p2p import P2PLinks
 
 # what megatron-core's schedules build for themselves when given no communicator (those of
@@ -38,16 +39,20 @@ class PlannedShapesP2P(P2PCommunicator):
     `messages` gives, for each direction (activations sent and received, gradients sent and
     received), the [s, b, h] of every message it passes on this stage, in order (None: the
     shapes are uniform, megatron-core's own). `links`: the emulated links its messages
-    take (emulated_p2p.py)."""
+    take (emulated_p2p.py), `link_keys` the key of each message by direction (the task it
+    feeds at its receiver), which its delay is drawn by."""
 
     def __init__(self, pp_group, config, messages: dict[str, Sequence[Sequence[int]]] | None,
-                 links: P2PLinks | None = None):
+                 links: P2PLinks | None = None,
+                 link_keys: dict[str, list[MessageKey]] | None = None):
         super().__init__(pp_group=pp_group, config=config)
         self.messages = None if messages is None else {
             direction: [tuple(int(d) for d in shape) for shape in messages[direction]]
             for direction in _DIRECTIONS}
         self._done = dict.fromkeys(_DIRECTIONS, 0)
         self.links = links
+        self.link_keys = link_keys
+        self._linked = dict.fromkeys(_DIRECTIONS, 0)
 
     def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next,
                      tensor_shape, wait_on_reqs=True):
@@ -56,6 +61,10 @@ class PlannedShapesP2P(P2PCommunicator):
                 tensor_send_next=tensor_send_next, tensor_send_prev=tensor_send_prev,
                 recv_prev=recv_prev, recv_next=recv_next, tensor_shape=tensor_shape,
                 wait_on_reqs=wait_on_reqs)
+        keys = {direction: self._link_key(direction) for direction, present in (
+            ("send_next", tensor_send_next is not None),
+            ("send_prev", tensor_send_prev is not None),
+            ("recv_prev", recv_prev), ("recv_next", recv_next)) if present}
         # sends on an emulated edge leave through the link's delivery thread, unwaited; the
         # activation first, as the neighbour posts its receive from its previous stage first
         delayed_next = delayed_prev = None
@@ -66,9 +75,10 @@ class PlannedShapesP2P(P2PCommunicator):
         if self.messages is not None and (delayed_next is not None or delayed_prev is not None):
             self._communicate_shapes(delayed_next, delayed_prev, False, False)  # the plan's
         group = self._send_group()
-        for tensor, peer in ((delayed_next, self.next_rank), (delayed_prev, self.prev_rank)):
+        for tensor, peer, direction in ((delayed_next, self.next_rank, "send_next"),
+                                        (delayed_prev, self.prev_rank, "send_prev")):
             if tensor is not None:
-                self.links.send(tensor, peer, group)
+                self.links.send(tensor, peer, group, keys[direction])
         received_prev, received_next, reqs = super()._communicate(
             tensor_send_next=tensor_send_next, tensor_send_prev=tensor_send_prev,
             recv_prev=recv_prev, recv_next=recv_next, tensor_shape=tensor_shape,
@@ -79,9 +89,17 @@ class PlannedShapesP2P(P2PCommunicator):
                                         "after megatron-core waited for them; "
                                         "--overlap-p2p-communication-warmup-flush returns "
                                         "them unwaited")
-            self.links.delay_received(received_prev, self.prev_rank)
-            self.links.delay_received(received_next, self.next_rank)
+            self.links.delay_received(received_prev, self.prev_rank, keys.get("recv_prev"))
+            self.links.delay_received(received_next, self.next_rank, keys.get("recv_next"))
         return received_prev, received_next, reqs
+
+    def _link_key(self, direction: str) -> MessageKey:
+        index, keys = self._linked[direction], self.link_keys[direction]
+        if index == len(keys):
+            raise PlannedShapeError(f"pipeline p2p ({direction}): a message beyond the "
+                                    f"{len(keys)} of this step's schedule")
+        self._linked[direction] = index + 1
+        return keys[index]
 
     def _send_group(self):
         """The group megatron-core's receiver posts this rank's messages on: its own
@@ -118,26 +136,51 @@ class PlannedShapesP2P(P2PCommunicator):
                 [*self._next("recv_next")[1]] if recv_next else [0, 0, 0])
 
 
-def boundary_messages(shapes: Sequence[Sequence[int]], stage: int, pp_size: int,
-                      num_chunks: int, group_size: int) -> dict[str, list]:
-    """The shapes of the messages each direction passes on `stage` in one step, given each
-    microbatch's shape in the order the schedule reads them. 1F1B passes the microbatches in
-    that order in every direction. The interleaved schedule runs megatron-core's table of
-    (microbatch, chunk) forward and, chunk by chunk in the same order, backward with the
-    chunks reversed; the first stage's first chunk receives no activation and sends no
-    gradient, the last stage's last chunk sends no activation and receives no gradient."""
-    if num_chunks == 1:
-        return dict.fromkeys(_DIRECTIONS, list(shapes))
-    table = get_schedule_table(len(shapes), num_chunks, group_size)
+def boundary_tasks(num_microbatches: int, stage: int, pp_size: int, num_chunks: int,
+                   group_size: int) -> dict[str, list[tuple[int, int]]]:
+    """The (microbatch, model chunk of `stage`) of the messages each direction passes on
+    `stage` in one step, in order; microbatch i is the i-th the schedule reads. 1F1B passes
+    the microbatches in order in every direction. The interleaved schedule runs
+    megatron-core's table of (microbatch, chunk) forward and, chunk by chunk in the same
+    order, backward with the chunks reversed; the first stage's first chunk receives no
+    activation and sends no gradient, the last stage's last chunk sends no activation and
+    receives no gradient."""
+    table = ([(mb, 0) for mb in range(num_microbatches)] if num_chunks == 1
+             else get_schedule_table(num_microbatches, num_chunks, group_size))
     first, last = stage == 0, stage == pp_size - 1
     backward = [(microbatch, num_chunks - 1 - chunk) for microbatch, chunk in table]
     return {
-        "recv_prev": [shapes[mb] for mb, chunk in table if not (first and chunk == 0)],
-        "send_next": [shapes[mb] for mb, chunk in table
+        "recv_prev": [(mb, chunk) for mb, chunk in table if not (first and chunk == 0)],
+        "send_next": [(mb, chunk) for mb, chunk in table
                       if not (last and chunk == num_chunks - 1)],
-        "recv_next": [shapes[mb] for mb, chunk in backward
+        "recv_next": [(mb, chunk) for mb, chunk in backward
                       if not (last and chunk == num_chunks - 1)],
-        "send_prev": [shapes[mb] for mb, chunk in backward if not (first and chunk == 0)],
+        "send_prev": [(mb, chunk) for mb, chunk in backward if not (first and chunk == 0)],
+    }
+
+
+def boundary_messages(shapes: Sequence[Sequence[int]], stage: int, pp_size: int,
+                      num_chunks: int, group_size: int) -> dict[str, list]:
+    """The shapes of the messages each direction passes on `stage` in one step, given each
+    microbatch's shape in the order the schedule reads them (boundary_tasks)."""
+    tasks = boundary_tasks(len(shapes), stage, pp_size, num_chunks, group_size)
+    return {direction: [shapes[mb] for mb, _ in tasks[direction]] for direction in tasks}
+
+
+def boundary_link_keys(num_microbatches: int, stage: int, pp_size: int, num_chunks: int,
+                       group_size: int) -> dict[str, list[MessageKey]]:
+    """The key of each message boundary_tasks lists: the task it feeds at its receiver (an
+    activation the next stage's forward, a gradient the previous stage's backward; the
+    ring from the last stage to the first feeds the next chunk, and back the one before),
+    as DPP's messages are keyed, so an emulated link draws the same delay for both."""
+    tasks = boundary_tasks(num_microbatches, stage, pp_size, num_chunks, group_size)
+    to_first, to_last = int(stage == pp_size - 1), int(stage == 0)
+    activation, gradient = MessageKind.ACTIVATION, MessageKind.GRADIENT
+    return {
+        "send_next": [MessageKey(activation, c + to_first, mb) for mb, c in tasks["send_next"]],
+        "send_prev": [MessageKey(gradient, c - to_last, mb) for mb, c in tasks["send_prev"]],
+        "recv_prev": [MessageKey(activation, c, mb) for mb, c in tasks["recv_prev"]],
+        "recv_next": [MessageKey(gradient, c, mb) for mb, c in tasks["recv_next"]],
     }
 
 
@@ -159,15 +202,20 @@ class PlannedShapes:
         self.groups = ProcessGroupCollection.use_mpu_process_groups(
             required_pgs=[name for name in _DEFAULT_GROUPS if name in declared])
 
-    def arguments(self, microbatches: Sequence[tuple[int, int]]) -> dict:
-        """The schedule's `p2p_communicator` and `pg_collection` for one step whose
-        microbatches are (padded length, rows), in the order the schedule reads them."""
-        messages = None
+    def arguments(self, microbatches: Sequence[tuple[int, int]], iteration: int) -> dict:
+        """The schedule's `p2p_communicator` and `pg_collection` for one step of training
+        iteration `iteration` whose microbatches are (padded length, rows), in the order the
+        schedule reads them."""
+        messages = link_keys = None
         if self.planned:
             shapes = [(length // self.sequence_split, rows, self.config.hidden_size)
                       for length, rows in microbatches]
             messages = boundary_messages(shapes, self.stage, self.pp_size, self.num_chunks,
                                          self.group_size)
+        if self.links is not None:
+            self.links.set_iteration(iteration)
+            link_keys = boundary_link_keys(len(microbatches), self.stage, self.pp_size,
+                                           self.num_chunks, self.group_size)
         return {"p2p_communicator": PlannedShapesP2P(self.pp_group, self.config, messages,
-                                                     self.links),
+                                                     self.links, link_keys),
                 "pg_collection": self.groups}

@@ -483,7 +483,9 @@ def train_step(trainer: Trainer, iterator,
         p2p = {}
         if trainer.planned_shapes is not None:
             p2p = trainer.planned_shapes.arguments(
-                microbatches if order is None else [microbatches[i] for i in order])
+                microbatches if order is None else [microbatches[i] for i in order], iteration)
+        if schedule.use_dpp:
+            trainer.schedule.set_iteration(iteration)
         losses = _run_schedule(
             trainer, trainer.reruns.checked(trainer.forward_step_func(iteration)),
             schedule_iterator, num_microbatches, forward_only=False, **p2p)
@@ -603,7 +605,10 @@ def evaluate(trainer: Trainer, dataset, consumed: int) -> dict[str, float]:
                 if trainer.configs.data.microbatch_tokens is not None:  # the budget's cut
                     num_microbatches = len(costs)
                 if trainer.planned_shapes is not None:
-                    p2p = trainer.planned_shapes.arguments(microbatches)
+                    p2p = trainer.planned_shapes.arguments(microbatches,
+                                                           trainer.state.iteration)
+            if schedule.use_dpp:
+                trainer.schedule.set_iteration(trainer.state.iteration)
             gathered += _run_schedule(
                 trainer, trainer.forward_step_func(trainer.state.iteration), iterator,
                 num_microbatches, forward_only=True, **p2p)
