@@ -37,6 +37,21 @@ def test_a_calm_link_gets_slack_0_and_latency_more():
     assert static.simulated_ms[2] > slow.simulated_ms[2]
 
 
+def test_straggling_tasks_measured_buy_slack_on_a_calm_link():
+    """One task in ten three times its median (--emulate-straggler all:0.1:3 as the first
+    iterations measure it): on a calm link the spread alone makes slack pay; every task at
+    its median leaves slack 0."""
+    spread = (1.0,) * 90 + (3.0,) * 10
+    straggling = Measured((10.0,) * 4, (20.0,) * 4, (0.2,) * 4, cost_spread=spread)
+    choice = choose_slack(straggling, 4, 16)
+    assert choice.slack > 0
+    assert choice.simulated_ms[0] / choice.simulated_ms[choice.slack] > 1.03
+    assert "task costs up to 3.00x their median (p95)" in choice.line()
+    assert choose_slack(straggling, 4, 16) == choice  # seeded: the same decision again
+    uniform = Measured((10.0,) * 4, (20.0,) * 4, (0.2,) * 4, cost_spread=(1.0,) * 100)
+    assert choose_slack(uniform, 4, 16).slack == 0
+
+
 def test_forced_maximum_and_split_backward():
     assert sorted(choose_slack(measured(4, 30.0), 4, 16, max_slack=1).simulated_ms) == [0, 1]
     split = Measured((10.0,) * 4, (13.0,) * 4, (30.0,) * 4, weight_ms=(7.0,) * 4)
@@ -97,7 +112,7 @@ def test_the_trainers_flags_choose_or_force_the_slack():
 def _summary(stage: int, sent: dict, seen: dict, saved: float | None = None) -> dict:
     return {"ranks": (10, 11), "stage": stage, "chunks": 1,
             "task_ms": {("F", 0): 10.0 + stage, ("B", 0): 20.0 + stage},
-            "saved_bytes": saved, "sent": [sent], "seen": [seen]}
+            "saved_bytes": saved, "spread": [], "sent": [sent], "seen": [seen]}
 
 
 def test_message_times_across_hosts_cancel_the_clock_offset():

@@ -6,13 +6,15 @@ activations a microbatch leaves on each rank, and one rank calls `choose_slack`.
 the simulator's engine on those numbers with the policy the runtime runs (dynamic or
 `static`) at each slack from 0 to `max_slack` and takes the smallest slack whose simulated
 iteration is within `tolerance` of the fastest: extra slack costs activation memory, so it
-is taken only where it buys time (a hop of a few forwards; a calm link gets 0). A
+is taken only where it buys time (a hop of a few forwards, task costs that stray from their
+medians: stragglers, a noisy machine; a calm pipeline gets 0). A
 `MemoryBudget` caps the slack first: at slack s a rank holds its static plan's count of
 microbatches plus s (`GreedyPolicy.cap`), and every rank must stay within the budget.
 """
 
 from __future__ import annotations
 
+import random
 import statistics
 from dataclasses import dataclass
 
@@ -23,6 +25,9 @@ from megatron.dpp.sim.simulator import Durations, simulate
 
 # simulated iteration within this share of the fastest candidate's: the smallest slack wins
 SLACK_TOLERANCE = 0.01
+# with a measured cost spread, each slack's time is the mean over this many simulated
+# iterations whose task times are drawn from it (seeded: every decision is reproducible)
+SPREAD_TRIALS = 8
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,9 @@ class Measured:
     hop_ms: tuple[float, ...]
     weight_ms: tuple[float, ...] | None = None
     activation_bytes: tuple[float, ...] | None = None
+    # each measured F / B over its kind's median (None: every task at its median); a
+    # straggling stage or a noisy machine shows here, and slack pays only under such spread
+    cost_spread: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,7 @@ class SlackChoice:
     budget: MemoryBudget | None
     max_slack: int
     static: bool
+    spread_p95: float | None = None  # the 95th percentile of the measured cost spread
 
     def line(self) -> str:
         """One log line: the choice and why."""
@@ -63,6 +72,8 @@ class SlackChoice:
                     else "?")
         text = (f"DPP slack {self.slack}: measured hop {self.hop_ms:.1f} ms = "
                 f"{forwards} forwards ({self.forward_ms:.1f} ms); "
+                + (f"task costs up to {self.spread_p95:.2f}x their median (p95); "
+                   if self.spread_p95 is not None else "") +
                 f"simulated speedup {speedups} at slack "
                 f"{'/'.join(map(str, slacks))} ({rule}; the smallest within "
                 f"{100 * SLACK_TOLERANCE:g} % of the fastest)")
@@ -127,18 +138,16 @@ def choose_slack(measured: Measured, pp_size: int, num_microbatches: int, *,
         if budget is not None and max(held) > budget.limit(busiest) * (1 + 1e-9):
             break
         allowed.append(slack)
-    durations = Durations([[t] * m for t in measured.forward_ms],
-                          [[t] * m for t in measured.backward_ms], [1.0] * m,
-                          None if measured.weight_ms is None
-                          else [[t] * m for t in measured.weight_ms])
+    trials = [_durations(measured, m, random.Random(seed) if measured.cost_spread else None)
+              for seed in range(SPREAD_TRIALS if measured.cost_spread else 1)]
     latency = _edge_latency(measured.hop_ms, p)
     simulated = {}
     for slack in allowed:
-        simulated[slack] = simulate(
+        simulated[slack] = statistics.fmean(simulate(
             "dpp-static" if static else "dpp", p, m, durations, num_chunks=chunks,
             slack=slack, latency=latency, split_backward=split_backward,
             weight_slices=weight_slices if split_backward else 1,
-            defer_weights=defer_weights).makespan
+            defer_weights=defer_weights).makespan for durations in trials)
     fastest = min(simulated.values())
     slack = min(s for s, t in simulated.items() if t <= fastest * (1 + SLACK_TOLERANCE))
     measured_bytes = measured.activation_bytes is not None
@@ -146,7 +155,28 @@ def choose_slack(measured: Measured, pp_size: int, num_microbatches: int, *,
         slack, simulated, max(measured.hop_ms), statistics.median(measured.forward_ms),
         tuple(held_bytes(measured, p, m, slack, chunks, split_backward, defer_weights))
         if measured_bytes else None,
-        busiest if measured_bytes else None, budget, max_slack, static)
+        busiest if measured_bytes else None, budget, max_slack, static,
+        _percentile(measured.cost_spread, 0.95) if measured.cost_spread else None)
+
+
+def _percentile(values: tuple[float, ...], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+
+
+def _durations(measured: Measured, m: int, rng: random.Random | None) -> Durations:
+    """Every task at its stage's median, each F and B scaled by a draw from the measured
+    spread where `rng` is given."""
+
+    def row(median: float) -> list[float]:
+        if rng is None:
+            return [median] * m
+        return [median * rng.choice(measured.cost_spread) for _ in range(m)]
+
+    return Durations([row(t) for t in measured.forward_ms],
+                     [row(t) for t in measured.backward_ms], [1.0] * m,
+                     None if measured.weight_ms is None
+                     else [[t] * m for t in measured.weight_ms])
 
 
 def _edge_latency(hop_ms: tuple[float, ...], pp_size: int):

@@ -225,12 +225,18 @@ def _summary(records: list[IterationRecord], shape: PipelineShape) -> dict:
     # a W runs in parts, each timed alone; the decision simulates whole W tasks
     parts = {kind: shape.weight_slices if kind == WEIGHT else 1 for kind, _ in task_ms}
     saved = [b for record in records for b in record.saved_bytes if b > 0]
+    # each F and B of the last measured call against its kind's median: how far a task
+    # strays from the cost the decision assumes (the first call pays one-time costs)
+    medians = {key: statistics.median(values) for key, values in task_ms.items()}
+    spread = [value / medians[key] for key, values in records[-1].task_ms.items()
+              if key[0] in (FORWARD, BACKWARD) and medians[key] > 0 for value in values]
     return {
         "ranks": shape.ranks, "stage": shape.stage, "chunks": shape.num_chunks,
         "task_ms": {key: parts[key[0]] * statistics.median(values)
                     for key, values in task_ms.items()},
         # per forward of a chunk; a microbatch saves this once per chunk
         "saved_bytes": shape.num_chunks * statistics.median(saved) if saved else None,
+        "spread": spread,
         "sent": [{(dst, tuple(task)): t for (dst, task), t in r.sent.items()} for r in records],
         "seen": [{(src, tuple(task)): v for (src, task), v in r.seen.items()} for r in records],
     }
@@ -264,9 +270,10 @@ def measured_from(summaries: list[dict]) -> Measured:
     activation = None
     if len(saved) == p:
         activation = tuple(max(saved[r]) for r in range(p))
+    spread = tuple(sorted(ratio for summary in summaries for ratio in summary["spread"]))
     return Measured(per_stage(FORWARD), per_stage(BACKWARD),
                     tuple(statistics.median(hops[e]) if hops[e] else 0.0 for e in range(p)),
-                    weight, activation)
+                    weight, activation, spread or None)
 
 
 def _edge_hops(stages: list[dict], p: int) -> dict[int, float]:
