@@ -1,7 +1,7 @@
 """Activation memory each pipeline schedule holds on a variable-length batch: per rank, the
 peak bytes of the tensors autograd keeps for backward (megatron/trainer/run/activation_memory.py)
 in one training step of the first global batch of --variable-seq-lengths GPT on CPU
-processes, the test's model and batch (tests/test_variable_lengths.py).
+processes, the test's model and batch (tests/trainer/data/test_variable_lengths.py).
 
     python profiling/held_memory.py --data-path /tmp/gpt_text_document --pp 4
 
@@ -20,7 +20,7 @@ if __package__ in (None, ""):  # run as a script: import the repository's packag
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.distributed import run_ranks  # noqa: E402
-from tests.test_variable_lengths import base_flags, held_activation_bytes  # noqa: E402
+from tests.trainer.data.test_variable_lengths import base_flags, held_activation_bytes  # noqa: E402
 from tests.trainer_runs import with_flags  # noqa: E402
 
 

@@ -6,7 +6,7 @@ row per flag with its type or choices, default and help. Only the part between t
     python tools/flag_reference.py            # rewrite docs/flags.md
     python tools/flag_reference.py --check    # exit 1 when docs/flags.md is out of date
 
-tests/test_flag_reference.py checks the file against the parser, so a new flag without a
+tests/design/test_flag_reference.py checks the file against the parser, so a new flag without a
 row fails there.
 """
 

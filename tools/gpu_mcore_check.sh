@@ -75,9 +75,9 @@ cat "$OUT/table.txt" >> "$SUMMARY" 2>/dev/null
 PARALLEL=()
 "$PY" -c "import xdist" 2>/dev/null && PARALLEL=(-n 8)
 CUDA_VISIBLE_DEVICES="" step tests "$OUT/tests.log" timeout 240 "$PY" -m pytest -q \
-  "${PARALLEL[@]}" tests/test_core_overrides.py tests/test_batch_schedule.py \
-  tests/test_no_apex.py tests/test_fusions.py tests/test_models.py tests/test_arguments.py \
-  tests/test_imports.py tests/test_training.py tests/test_checkpointing.py \
-  tests/test_weight_grad.py tests/test_dpp_equivalence.py tests/test_tokenizer.py
+  "${PARALLEL[@]}" tests/trainer/core_compat/test_core_overrides.py tests/trainer/data/test_batch_schedule.py \
+  tests/trainer/core_compat/test_no_apex.py tests/trainer/kernels/test_fusions.py tests/trainer/model/test_models.py tests/trainer/config/test_arguments.py \
+  tests/design/test_imports.py tests/trainer/run/test_training.py tests/trainer/checkpoint/test_checkpointing.py \
+  tests/dpp/test_weight_grad.py tests/dpp/test_dpp_equivalence.py tests/trainer/data/test_tokenizer.py
 tail -n 1 "$OUT/tests.log" >> "$SUMMARY"
 cat "$SUMMARY"

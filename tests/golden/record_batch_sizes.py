@@ -1,5 +1,5 @@
 """Record the global batch sizes megatron-core's own calculators give, as goldens for
-tests/test_batch_schedule.py (which also compares with the live calculator where the
+tests/trainer/data/test_batch_schedule.py (which also compares with the live calculator where the
 installed megatron-core has it):
 
     python tests/golden/record_batch_sizes.py                 # megatron-core 0.16.1: ramp-up

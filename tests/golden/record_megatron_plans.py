@@ -1,5 +1,5 @@
 """Record what megatron-core's own pipeline schedules execute, per rank and in order, as
-golden action lists (megatron/dpp/actions.py's CSV) for tests/test_plan.py.
+golden action lists (megatron/dpp/actions.py's CSV) for tests/dpp/test_plan.py.
 
     OMP_NUM_THREADS=1 python tests/golden/record_megatron_plans.py        # a few minutes
 

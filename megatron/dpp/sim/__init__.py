@@ -4,4 +4,4 @@ comparison grid (simulate_grid.py), DPP against static schedules fed the same or
 (baselines.py) and lower bounds on any schedule's makespan (bounds.py).
 
 Imports megatron.dpp's algorithm (actions, config, engine, plan, policy, topology); the
-runtime never imports this package (tests/test_design_layers.py checks it)."""
+runtime never imports this package (tests/design/test_design_layers.py checks it)."""

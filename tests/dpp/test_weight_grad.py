@@ -329,7 +329,7 @@ def _sequence_parallel_blocks(rank, w_order):
     """Two blocks of megatron-core's column- and row-parallel linears with sequence
     parallelism on two tensor-parallel ranks: (main_grad, bias gradient) per parameter and
     the input gradients, plain then deferred. (The project's GPT under --sequence-parallel
-    with the split: tests/test_dpp_equivalence.py, case tp2_pp2_sp.)"""
+    with the split: tests/dpp/test_dpp_equivalence.py, case tp2_pp2_sp.)"""
     import functools
 
     from megatron.core import parallel_state

@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from megatron.trainer import launch
-from tests.test_launch import REPO, RUN_TIMEOUT, logged_losses, run_script, script_env
+from tests.integration.test_launch import REPO, RUN_TIMEOUT, logged_losses, run_script, script_env
 
 ITERS = 3
 PODS = "127.0.0.1 127.0.0.2"

@@ -19,7 +19,7 @@ import pytest
 from megatron.trainer.checkpoint import checkpointing
 from megatron.trainer.config.arguments import ArgumentError, parse_args
 from tests.distributed import run_ranks
-from tests.test_checkpointing import BASE, SAVE_AT, _check_resumed
+from tests.trainer.checkpoint.test_checkpointing import BASE, SAVE_AT, _check_resumed
 from tests.trainer_runs import TINY, train_runs, with_flags
 
 POINTER = checkpointing.POINTER

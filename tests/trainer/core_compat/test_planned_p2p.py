@@ -11,7 +11,7 @@ import pytest
 
 from megatron.trainer.core_compat.planned_p2p import boundary_messages
 from tests.distributed import run_ranks
-from tests.test_microbatch_tokens import DRAWN, SYNTHETIC
+from tests.trainer.data.test_microbatch_tokens import DRAWN, SYNTHETIC
 from tests.trainer_runs import train_runs, with_flags
 
 PLANNED_LINE = "each microbatch's shape comes from the plan"

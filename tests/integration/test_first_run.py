@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from megatron.trainer import launch
-from tests.test_failures_data import GOOD, make_dataset
-from tests.test_launch import REPO, RUN_TIMEOUT, logged_losses, script_env
+from tests.failures.test_failures_data import GOOD, make_dataset
+from tests.integration.test_launch import REPO, RUN_TIMEOUT, logged_losses, script_env
 from tools.preprocess_data import main as preprocess_main
 
 SAMPLE_VOCAB, SAMPLE_MERGES = REPO / "datasets_gpt/vocab.json", REPO / "datasets_gpt/merges.txt"

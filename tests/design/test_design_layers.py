@@ -1,6 +1,6 @@
 """docs/design.md's picture of the layers matches the tree: it names every module of
 megatron/trainer and megatron/dpp, names no module that is gone, and gives each trainer
-subpackage the imports tests/test_imports.py allows it. The research tools of
+subpackage the imports tests/design/test_imports.py allows it. The research tools of
 megatron/dpp/sim/ stay out of the runtime: nothing else under megatron/ imports them, but
 the slack choice, which runs the simulator on what the first iterations measured."""
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 from tests import REPO as ROOT
-from tests.test_imports import TRAINER_LAYERS, _within, imports_of, module_names, offending_imports
+from tests.design.test_imports import TRAINER_LAYERS, _within, imports_of, module_names, offending_imports
 
 SUBPACKAGE = re.compile(r"^    (\w+)/\s+-> (.+)$")
 MODULE = re.compile(r"(?<![\w*])(\w+\.py)\b")

@@ -11,7 +11,7 @@ import pytest
 
 from megatron.trainer.data.microbatches import BatchLayout, padded_length, plan_global_batch
 from tests.distributed import run_ranks
-from tests.test_variable_lengths import (  # noqa: F401 (sample_prefix: a fixture)
+from tests.trainer.data.test_variable_lengths import (  # noqa: F401 (sample_prefix: a fixture)
     GLOBAL,
     SEQ,
     base_flags,

@@ -93,7 +93,7 @@ def saved(tmp_path_factory):
 def test_each_damaged_or_foreign_checkpoint_is_one_line_naming_its_file(saved, tmp_path):
     roots = {}
     # megatron.core >= 0.19 keeps the common state in the shard files: no common.pt to damage
-    # (tests/test_checkpoint_embedded_common.py covers that layout)
+    # (tests/trainer/checkpoint/test_checkpoint_embedded_common.py covers that layout)
     writes_common_pt = (saved["model"] / ITERATION / "common.pt").exists()
     for case, (damage, name, _) in DAMAGED.items():
         if name == "common.pt" and not writes_common_pt:

@@ -1,0 +1,1 @@
+"""Tests of the repository's rules: import layers, docs/design.md, flag reference, wording."""

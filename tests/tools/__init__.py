@@ -1,0 +1,1 @@
+"""Tests of tools/ and profiling/ scripts."""

@@ -1,0 +1,1 @@
+"""Tests of megatron/trainer, by its subpackages."""

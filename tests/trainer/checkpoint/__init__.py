@@ -1,0 +1,1 @@
+"""Tests of megatron/trainer/checkpoint: save, load, checkpoint arguments."""

@@ -1,0 +1,1 @@
+"""Tests of megatron/trainer/config: flags, validation, typed configurations."""

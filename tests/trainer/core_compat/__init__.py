@@ -1,0 +1,1 @@
+"""Tests of megatron/trainer/core_compat: megatron-core adaptation."""

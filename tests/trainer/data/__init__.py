@@ -1,0 +1,1 @@
+"""Tests of megatron/trainer/data: datasets, tokenizers, microbatches, variable lengths."""

@@ -1,0 +1,1 @@
+"""Tests of megatron/trainer/kernels: Triton and GEMM kernels, fused layers."""

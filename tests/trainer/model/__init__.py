@@ -1,0 +1,1 @@
+"""Tests of megatron/trainer/model: the layer spec, MLA, CUDA graphs."""

@@ -1,0 +1,1 @@
+"""Tests of megatron/trainer/run: the training loop, logs, profiler."""
