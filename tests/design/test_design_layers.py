@@ -9,7 +9,13 @@ from __future__ import annotations
 import re
 
 from tests import REPO as ROOT
-from tests.design.test_imports import TRAINER_LAYERS, _within, imports_of, module_names, offending_imports
+from tests.design.test_imports import (
+    TRAINER_LAYERS,
+    _within,
+    imports_of,
+    module_names,
+    offending_imports,
+)
 
 SUBPACKAGE = re.compile(r"^    (\w+)/\s+-> (.+)$")
 MODULE = re.compile(r"(?<![\w*])(\w+\.py)\b")

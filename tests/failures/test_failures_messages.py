@@ -14,9 +14,9 @@ import pytest
 
 from megatron.trainer.config.arguments import ArgumentError, parse_args
 from megatron.trainer.data.index_cache import IndexCacheError, check_cache
+from tests.failures.test_failures_data import make_dataset
 from tests.job import TINY_GPT, Job, mounted
 from tests.node_runs import REPO, Node, two_node_settings
-from tests.failures.test_failures_data import make_dataset
 
 RUN_S = 180
 SHAPE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",

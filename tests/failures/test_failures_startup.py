@@ -10,8 +10,8 @@ import torch
 
 from megatron.trainer.run.training import pretrain
 from megatron.trainer.tasks.gpt import GPT_TASK
-from tests.job import TINY_GPT
 from tests.failures.test_failures_data import make_dataset
+from tests.job import TINY_GPT
 from tests.trainer_runs import with_flags
 
 PROGRAM = "pretrain_gpt.py"

@@ -15,8 +15,8 @@ from megatron.trainer.config.arguments import parse_args
 from megatron.trainer.data.data import DataError
 from megatron.trainer.data.data_splits import check_splits
 from megatron.trainer.run.stalls import StallWatch
-from tests.job import TINY_GPT, Job
 from tests.failures.test_failures_data import make_dataset
+from tests.job import TINY_GPT, Job
 from tests.trainer_runs import with_flags
 
 DOCUMENTS = 200
