@@ -38,6 +38,10 @@ def two_node_settings(**settings) -> dict[str, str]:
             **{k: str(v) for k, v in settings.items()}}
 
 
+def _interruptible() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Node:
     """One launch script (or any command) started by setsid; its output goes to `out` in
     the run directory."""
@@ -47,8 +51,11 @@ class Node:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.out_path = self.run_dir / "out"
         with open(self.out_path, "w") as out:
+            # a suite started in the background (`cmd &`) passes an ignored SIGINT on: the
+            # node must take Ctrl-C as a terminal's user would send it
             self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=out,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
+                                            stderr=subprocess.STDOUT, start_new_session=True,
+                                            preexec_fn=_interruptible)
         self.known: set[int] = {self.process.pid}
 
     @classmethod

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from megatron.dpp.actions import BACKWARD, FORWARD, WEIGHT, Task
 from megatron.dpp.slack_choice import Measured, MemoryBudget, SlackChoice, choose_slack
+from megatron.dpp.topology import PipelineTopology
 
 log = logging.getLogger(__name__)
 
@@ -247,6 +248,7 @@ def measured_from(summaries: list[dict]) -> Measured:
     ranks that hold it (data and tensor parallel replicas), per edge the message time."""
     first = summaries[0]
     p, chunks = len(first["ranks"]), first["chunks"]
+    topology = PipelineTopology(p, chunks)
     times: dict[tuple[str, int], list[float]] = defaultdict(list)
     saved: dict[int, list[float]] = defaultdict(list)
     hops: dict[int, list[float]] = defaultdict(list)
@@ -254,13 +256,13 @@ def measured_from(summaries: list[dict]) -> Measured:
     for summary in summaries:
         stage = summary["stage"]
         for (kind, chunk), value in summary["task_ms"].items():
-            times[kind, chunk * p + stage].append(value)
+            times[kind, topology.virtual_stage(stage, chunk)].append(value)
         if summary["saved_bytes"]:
             saved[stage].append(summary["saved_bytes"])
     for pipeline in {tuple(s["ranks"]) for s in summaries}:
         for edge, hop in _edge_hops([by_rank[rank] for rank in pipeline], p).items():
             hops[edge].append(hop)
-    virtual = p * chunks
+    virtual = topology.num_virtual_stages
 
     def per_stage(kind: str) -> tuple[float, ...]:
         return tuple(statistics.median(times[kind, v]) if times[kind, v] else 0.0

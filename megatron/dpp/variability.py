@@ -20,6 +20,7 @@ so it does not depend on which rank asks first or how many draws came before.
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 from dataclasses import dataclass
 
@@ -36,7 +37,7 @@ def unit_draw(*key) -> float:
 def pod_of(stage: int, pp_size: int, pods: int) -> int:
     """The pod of a pipeline stage when `pods` equal groups of consecutive stages share a
     node (pod 0 holds the first stages)."""
-    return stage * pods // pp_size
+    return math.floor(stage * pods / pp_size)
 
 
 @dataclass(frozen=True)
