@@ -109,24 +109,11 @@ class Job:
 
     def wait_until_gone(self, timeout: float) -> list[int]:
         """Waits until no process of the job is alive; returns those alive at the end."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for rank in self.ranks:
-                rank.poll()  # reap the ranks that ended
-            alive = self.processes()
-            if not alive or time.monotonic() > deadline:
-                return alive
-            time.sleep(POLL_S)
+        return wait_until_gone(self.processes, self.ranks, timeout)
 
     def kill(self) -> None:
         """SIGKILL every process of the job (stopped ones too)."""
-        for pid in self.processes():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for rank in self.ranks:
-            rank.wait()
+        kill_all(self.processes(), self.ranks)
 
     def __enter__(self) -> Job:
         return self
@@ -141,6 +128,30 @@ TINY_GPT = [
     "--global-batch-size", "8", "--lr", "1e-3", "--mock-data", "--tokenizer-type",
     "NullTokenizer", "--vocab-size", "128", "--eval-iters", "0", "--log-interval", "1",
 ]
+
+
+def wait_until_gone(processes, started: list[subprocess.Popen], timeout: float) -> list[int]:
+    """Waits until `processes()` (the pids of what `started` began) is empty, reaping the
+    started ones that end; returns those alive at the end."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for process in started:
+            process.poll()
+        alive = processes()
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(POLL_S)
+
+
+def kill_all(pids: list[int], started: list[subprocess.Popen]) -> None:
+    """SIGKILL each of `pids`, then reap the processes in `started`."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for process in started:
+        process.wait()
 
 
 @contextlib.contextmanager

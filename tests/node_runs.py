@@ -14,6 +14,7 @@ from pathlib import Path
 
 from megatron.trainer import launch
 from tests.distributed import free_port
+from tests.job import kill_all, wait_until_gone
 
 REPO = Path(__file__).resolve().parent.parent
 POLL_S = 0.2
@@ -101,22 +102,11 @@ class Node:
 
     def wait_until_gone(self, timeout: float) -> list[int]:
         """Waits until no process of the node is alive; returns those alive at the end."""
-        deadline = time.monotonic() + timeout
-        while True:
-            self.process.poll()
-            alive = self.processes()
-            if not alive or time.monotonic() > deadline:
-                return alive
-            time.sleep(POLL_S)
+        return wait_until_gone(self.processes, [self.process], timeout)
 
     def kill(self) -> None:
         """SIGKILL every process of the node (a machine that dies)."""
-        for pid in self.processes():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.process.wait()
+        kill_all(self.processes(), [self.process])
 
     def losses(self) -> list[float]:
         return [row["lm loss"] for row in launch.read_iterations(self.log().splitlines())]

@@ -114,3 +114,20 @@ class DppOptions:
 
 
 DEFAULTS = DppOptions()
+
+
+def slack_flag_problems(slack: int | None, budget: str | None) -> list[str]:
+    """What is wrong with --dpp-max-inflight and --dpp-memory-budget together, one line per
+    problem (the trainer's validation and the Megatron-LM plugin's both ask)."""
+    problems = []
+    if slack is not None and slack < 0:
+        problems.append(f"--dpp-max-inflight {slack} must be >= 0")
+    if budget is not None:
+        if slack is not None:
+            problems.append(f"--dpp-memory-budget {budget} caps the slack DPP chooses; "
+                            f"--dpp-max-inflight {slack} forces one: give one of them")
+        try:
+            MemoryBudget.parse(budget)
+        except ValueError as error:
+            problems.append(f"--dpp-memory-budget: {error}")
+    return problems

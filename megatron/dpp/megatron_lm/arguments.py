@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron.dpp.config import DEFAULTS, TRANSPORTS, MemoryBudget
+from megatron.dpp.config import DEFAULTS, TRANSPORTS, slack_flag_problems
 
 
 def add_dpp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -63,16 +63,8 @@ def problems(args) -> list[str]:
         if not ok:
             found.append(why)
 
-    inflight = _get(args, "dpp_max_inflight")
-    need(inflight is None or inflight >= 0, f"--dpp-max-inflight {inflight} must be >= 0")
-    budget = _get(args, "dpp_memory_budget")
-    if budget is not None:
-        need(inflight is None, f"--dpp-memory-budget {budget} caps the slack DPP chooses; "
-             f"--dpp-max-inflight {inflight} forces one: give one of them")
-        try:
-            MemoryBudget.parse(budget)
-        except ValueError as error:
-            need(False, f"--dpp-memory-budget: {error}")
+    found += slack_flag_problems(_get(args, "dpp_max_inflight"),
+                                 _get(args, "dpp_memory_budget"))
     timeout = _get(args, "dpp_timeout", DEFAULTS.timeout)
     need(timeout > 0, f"--dpp-timeout {timeout} must be > 0 seconds")
     if not _get(args, "use_dpp", False):

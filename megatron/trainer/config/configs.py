@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron.dpp.config import MemoryBudget
+from megatron.dpp.config import slack_flag_problems
 from megatron.dpp.variability import Emulation, LinkProfile, StragglerProfile
 from megatron.trainer.checkpoint.checkpoint_config import CheckpointConfig
 from megatron.trainer.config.args_common import ArgumentError, one_line
@@ -213,17 +213,10 @@ class ScheduleConfig(FlagConfig):
 
     @staticmethod
     def rules(values, need: Need) -> None:
-        slack = values.dpp_max_inflight
-        need(slack is None or slack >= 0, f"--dpp-max-inflight {slack} must be >= 0")
-        budget = values.dpp_memory_budget
-        if budget is not None:
-            need(values.use_dpp, "--dpp-memory-budget needs --use-dpp")
-            need(slack is None, f"--dpp-memory-budget {budget} caps the slack DPP chooses; "
-                 f"--dpp-max-inflight {slack} forces one: give one of them")
-            try:
-                MemoryBudget.parse(budget)
-            except ValueError as error:
-                need(False, f"--dpp-memory-budget: {error}")
+        for problem in slack_flag_problems(values.dpp_max_inflight, values.dpp_memory_budget):
+            need(False, problem)
+        need(values.dpp_memory_budget is None or values.use_dpp,
+             "--dpp-memory-budget needs --use-dpp")
         need(not values.dpp_static or values.use_dpp, "--dpp-static needs --use-dpp")
         need(not values.dpp_defer_weights or (values.use_dpp and values.dpp_split_backward),
              "--dpp-defer-weights places the W tasks of DPP's split backward: it needs "
