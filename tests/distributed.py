@@ -18,31 +18,13 @@ import contextlib
 import io
 import multiprocessing as mp
 import os
-import random
-import socket
 import traceback
 import warnings
 
+from megatron.trainer import launch
+
 DEFAULT_TIMEOUT = 240
 PRELOADED = ["torch", "megatron.core", "megatron.trainer.run.training", "tests.forkserver_preload"]
-
-
-# Below Linux's ephemeral range (32768-60999): a port the kernel hands out is also what the
-# outgoing connections of tests running beside this one get, between our check and the
-# ranks' listen (EADDRINUSE under parallel test files)
-RENDEZVOUS_PORTS = range(20000, 32768)
-
-
-def free_port() -> int:
-    """A port outside the ephemeral range that nothing listens on now."""
-    for port in random.SystemRandom().sample(RENDEZVOUS_PORTS, 64):  # unseeded by tests
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {RENDEZVOUS_PORTS}")
 
 
 def _entry(rank, world_size, port, fn, args, results, env):
@@ -88,7 +70,7 @@ def run_ranks(world_size: int, fn, *args, timeout: float = DEFAULT_TIMEOUT, env=
               reporting=None, gpu: bool = False):
     """`reporting`: the ranks whose results to wait for (default all; a test that kills a
     rank on purpose waits only for the survivors). `gpu`: let the ranks see the GPUs.
-    A rendezvous port taken by another process between `free_port` and the ranks' listen
+    A rendezvous port taken by another process between `launch.free_port` and the ranks' listen
     (other jobs on the machine) starts the ranks again once, on a new port."""
     try:
         return _run_ranks_once(world_size, fn, args, timeout, env, reporting, gpu)
@@ -107,7 +89,7 @@ def _run_ranks_once(world_size, fn, args, timeout, env, reporting, gpu):
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOADED)  # read when the server starts (first call)
     results = ctx.Queue()
-    port = free_port()
+    port = launch.free_port()
     environment = {**os.environ, **visible, **(env or {})}
     procs = [
         ctx.Process(target=_entry, args=(r, world_size, port, fn, args, results, environment))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import free_port
+from megatron.trainer.launch import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 POLL_S = 0.1

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from megatron.trainer import launch
-from tests.distributed import free_port
+from megatron.trainer.launch import free_port
 from tests.job import kill_all, wait_until_gone
 
 REPO = Path(__file__).resolve().parent.parent

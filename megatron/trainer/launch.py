@@ -26,6 +26,7 @@ import fcntl
 import ipaddress
 import logging
 import os
+import random
 import re
 import shlex
 import signal
@@ -104,10 +105,18 @@ def port_in_use(port: int) -> bool:
     return False
 
 
+# Below Linux's default ephemeral range (32768-60999): a port the kernel hands out is also
+# what outgoing connections of other programs get between our check and torchrun's listen
+RENDEZVOUS_PORTS = range(20000, 32768)
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]
+    """A port below the ephemeral range that nothing listens on now."""
+    for port in random.SystemRandom().sample(RENDEZVOUS_PORTS, 64):
+        if not port_in_use(port):
+            return port
+    raise LaunchError(f"no free TCP port in {RENDEZVOUS_PORTS.start}-{RENDEZVOUS_PORTS.stop - 1}"
+                      ": set MASTER_PORT")
 
 
 def wait_for_master(addr: str, port: int, timeout_s: float, attempt_s: float = 2.0) -> None:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron.dpp.transport import native
-from tests.distributed import free_port
+from megatron.trainer.launch import free_port
 
 pytestmark = pytest.mark.skipif(
     not native.available(), reason="native transport extension megatron.dpp._native not built")

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.distributed import free_port
+from megatron.trainer.launch import free_port
 from tests.node_runs import REPO, Node, two_node_settings
 
 START_S = 240  # start-up to the first iterations, on a loaded 2-core machine

@@ -10,9 +10,9 @@ import os
 
 import pytest
 
+from megatron.trainer.launch import free_port
 from megatron.trainer.run import metrics
 from profiling import megatron_lm_checkpoint_check as check
-from tests.distributed import free_port
 
 # a line of Megatron-LM 0.19's training_log (megatron/training/training.py), as it prints it
 MEGATRON_LM_LINE = (
