@@ -108,6 +108,24 @@ def test_cli_json_and_trace(tmp_path, capsys):
         assert ran == [tuple(task) for task in expected["dpp"].orders[rank]]
 
 
+def test_cli_iterations_report_the_mean_of_each_iterations_draws(capsys):
+    """--iterations N: each schedule's makespan is the mean over iterations i..i+N-1 of
+    the straggler draws, each iteration's what --iteration alone gives."""
+    flags = ["--pp", "4", "--microbatches", "8", "--slack", "2", "--forward-ms", "8",
+             "--emulate-straggler", "all:0.3:3", "--schedules", "1f1b", "dpp", "--json"]
+    single = []
+    for iteration in (1, 2, 3):
+        main([*flags, "--iteration", str(iteration)])
+        single.append(json.loads(capsys.readouterr().out)["schedules"])
+    main([*flags, "--iteration", "1", "--iterations", "3"])
+    report = json.loads(capsys.readouterr().out)["schedules"]
+    mean = {name: sum(run[name]["makespan"] for run in single) / 3 for name in ("1f1b", "dpp")}
+    assert len({run["1f1b"]["makespan"] for run in single}) > 1  # the draws differ
+    for name in ("1f1b", "dpp"):
+        assert report[name]["makespan"] == pytest.approx(mean[name])
+    assert report["dpp"]["speedup_vs_1f1b"] == pytest.approx(mean["1f1b"] / mean["dpp"])
+
+
 def test_cli_grid_small(capsys):
     main(["--grid", "--grid-pp", "2", "--seeds", "2", "--jobs", "1"])
     out = capsys.readouterr().out

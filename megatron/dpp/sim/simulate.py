@@ -7,7 +7,8 @@ replays; megatron/dpp/sim/simulate_grid.py: the comparison grid).
     python -m megatron.dpp.sim.simulate --grid --split-backward
     python -m megatron.dpp.sim.simulate --forward-ms 10 --emulate-link-ms 30 \
         --emulate-link-edges all --schedules 1f1b dpp dpp-static
-    python -m megatron.dpp.sim.simulate --forward-ms 10 --emulate-straggler all:0.1:3
+    python -m megatron.dpp.sim.simulate --forward-ms 10 --emulate-straggler all:0.1:3 \
+        --iterations 20 --schedules 1f1b dpp-static dpp
 
 The --emulate-* flags are the trainer's: the same link and straggler draws for the same
 --seed (megatron/dpp/variability.py); with them every time is in milliseconds.
@@ -36,25 +37,32 @@ from megatron.dpp.variability import LinkProfile, StragglerProfile
 
 
 def _single_report(args, cost: CostModel) -> dict:
-    results = compare(
-        args.pp,
-        args.microbatches,
-        cost,
-        num_chunks=args.chunks,
-        slack=args.slack,
-        seed=args.seed,
-        schedules=tuple(args.schedules),
-        record=bool(args.trace),
-        known_costs=not args.costs_unknown,
-        split_backward=args.split_backward,
-        weight_slices=args.weight_slices,
-        defer_weights=args.defer_weights,
-        iteration=args.iteration,
-    )
+    """Each schedule's result; over several --iterations the mean makespan (the speedups
+    divide means) and the last iteration's other figures."""
+    makespans: dict[str, list[float]] = {}
+    for iteration in range(args.iteration, args.iteration + args.iterations):
+        results = compare(
+            args.pp,
+            args.microbatches,
+            cost,
+            num_chunks=args.chunks,
+            slack=args.slack,
+            seed=args.seed,
+            schedules=tuple(args.schedules),
+            record=bool(args.trace),
+            known_costs=not args.costs_unknown,
+            split_backward=args.split_backward,
+            weight_slices=args.weight_slices,
+            defer_weights=args.defer_weights,
+            iteration=iteration,
+        )
+        for name, result in results.items():
+            makespans.setdefault(name, []).append(result.makespan)
+    mean = {name: sum(values) / len(values) for name, values in makespans.items()}
     report = {"config": {**vars(args), "cost": _plain(asdict(cost))}, "schedules": {}}
     for name, result in results.items():
         entry = {
-            "makespan": result.makespan,
+            "makespan": mean[name],
             "bubble_per_stage": result.bubble,
             "mean_bubble": result.mean_bubble,
             "peak_in_flight_per_stage": result.peak_in_flight,
@@ -62,7 +70,7 @@ def _single_report(args, cost: CostModel) -> dict:
         }
         for base in ("1f1b", "interleaved", "zb-h1", "dpp-static"):
             if base in results and base != name:
-                entry[f"speedup_vs_{base}"] = results[base].makespan / result.makespan
+                entry[f"speedup_vs_{base}"] = mean[base] / mean[name]
         report["schedules"][name] = entry
     if args.trace:
         name = args.trace_schedule if args.trace_schedule in results else "dpp"
@@ -142,6 +150,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--iteration", type=int, default=0,
                         help="the training iteration whose link and straggler draws to use (the "
                              "trainer counts its iterations from 1)")
+    parser.add_argument("--iterations", type=int, default=1,
+                        help="simulate this many iterations from --iteration on (each with its "
+                             "own draws) and report the mean makespan of each schedule")
     parser.add_argument("--backward-ratio", type=float, default=2.0)
     parser.add_argument("--split-backward", action="store_true",
                         help="B and W tasks: DPP places W, zb-h1 runs, the static schedules "
@@ -178,7 +189,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check_args(parser, args):
-    positive = ("pp", "microbatches", "chunks", "seeds", "jobs", "weight_slices")
+    positive = ("pp", "microbatches", "chunks", "seeds", "jobs", "weight_slices", "iterations")
     for name in positive:
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
