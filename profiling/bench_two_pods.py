@@ -6,10 +6,14 @@ straggler emulation of a two-pod pipeline, for one.
     python profiling/bench_two_pods.py --out runs/link \\
         --extra "--emulate-link-ms 30 --emulate-link-edges all" --simulate
     python profiling/bench_two_pods.py --out runs/straggler --extra "--emulate-straggler all:0.1:3"
+    python profiling/bench_two_pods.py --out runs/straggler-split --repeat 3 \
+        --extra "--emulate-straggler all:0.1:3" --dpp-extra=--dpp-split-backward
 
 Each run is profiling/bench_gpt.py's (`run`: torchrun, the log, the median iteration time
-after the warm-up; here iterations 3-10). The table gives each schedule's median, its
-speedup over 1F1B and DPP's over the static plan at the same slack, every rank's peak
+after the warm-up; here iterations 3-10; with --repeat each schedule runs that many times,
+in turn with the others, and its row gives the median of the runs). The table gives each
+schedule's median, its speedup over 1F1B and DPP's over the static plan at the same
+slack (`--dpp-extra`: flags of both DPP runs, such as the split backward), every rank's peak
 memory (the trainer's memory line: max RSS on CPU), the slack, and whether the losses
 equal 1F1B's. With --simulate every run traces its measured iterations (each schedule pays
 the same small tracing cost), and the simulator is fed, per traced iteration of the 1F1B
@@ -56,13 +60,25 @@ MESSAGE_BYTES = 128 * 2 * 128 * 4
 TRAINER_SEED = 1234  # the trainer's --seed default
 
 
-def config_flags(name: str, slack: int | None, extra: list[str]) -> list[str]:
-    """A schedule's flags: the static plan gets the slack the dynamic run chose."""
+def config_flags(name: str, slack: int | None, extra: list[str],
+                 dpp_extra: tuple[str, ...] = ()) -> list[str]:
+    """A schedule's flags: the static plan gets the slack the dynamic run chose;
+    `dpp_extra` goes to both DPP runs only."""
     if name == "1f1b":
         return extra
     if name == "dpp":
-        return ["--use-dpp", *extra]
-    return ["--use-dpp", "--dpp-static", "--dpp-max-inflight", str(slack), *extra]
+        return ["--use-dpp", *dpp_extra, *extra]
+    return ["--use-dpp", "--dpp-static", "--dpp-max-inflight", str(slack), *dpp_extra, *extra]
+
+
+def median_of_runs(runs: list[dict]) -> dict:
+    """One schedule's repeated runs as one result: the first run's, with the median of the
+    runs' iteration times and each run's; a failed run fails the schedule."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return failed[0]
+    times = [r["ms_per_iter"] for r in runs]
+    return {**runs[0], "ms_per_iter": statistics.median(times), "runs_ms": times}
 
 
 def trace_flags(name: str, out: Path, first: int, last: int) -> list[str]:
@@ -156,6 +172,8 @@ def table(results: dict[str, dict], slack: int | None, reason: str,
         if predicted:
             guess = predicted[name]["iteration_ms"]
             row += f" {guess:13.1f} {100 * (guess / r['ms_per_iter'] - 1):+6.1f}%"
+        if len(r.get("runs_ms", ())) > 1:
+            row += "  runs: " + " ".join(f"{t:.1f}" for t in r["runs_ms"])
         lines.append(row)
     dynamic, static = results.get("dpp"), results.get("dpp-static")
     if dynamic and static and "error" not in dynamic and "error" not in static:
@@ -180,14 +198,20 @@ def main(argv=None) -> int:
                         help="flags added to every run (write --extra='--flag value')")
     parser.add_argument("--simulate", action="store_true",
                         help="trace the last iteration and predict each schedule's time")
+    parser.add_argument("--dpp-extra", default="",
+                        help="flags added to the two DPP runs only (e.g. "
+                             "--dpp-extra=--dpp-split-backward)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the schedules this many times in turn; each row gives the "
+                             "median of its runs' medians and every run's")
     parser.add_argument("--microbatches", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=2, help="iterations left out")
     parser.add_argument("--iters", type=int, default=8, help="iterations measured")
     parser.add_argument("--port", type=int, default=29541)
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
     args = parser.parse_args(argv)
-    if args.microbatches < 1 or args.warmup < 0 or args.iters < 1:
-        parser.error("--microbatches and --iters must be >= 1, --warmup >= 0")
+    if args.microbatches < 1 or args.warmup < 0 or args.iters < 1 or args.repeat < 1:
+        parser.error("--microbatches, --iters and --repeat must be >= 1, --warmup >= 0")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     # what bench_gpt.run reads of its arguments: four CPU processes, one stage each
@@ -195,23 +219,29 @@ def main(argv=None) -> int:
         gpus=4, pp=4, microbatches=args.microbatches, warmup=args.warmup, iters=args.iters,
         port=args.port, timeout=args.timeout, trace=False, profile=False,
         memory_snapshots=False, find_syncs=False, installed=False)
-    extra = args.extra.split()
-    results, slack, reason = {}, None, ""
-    for name in SCHEDULES:
-        if name == "dpp-static" and slack is None:
-            results[name] = {"name": name, "error": "the dynamic run logged no slack"}
-            continue
-        flags = config_flags(name, slack, extra)
-        if args.simulate:
-            flags += trace_flags(name, out, args.warmup + 1, args.warmup + args.iters)
-        result = bench_gpt.run(name, flags, settings, out, model=TINY_GPT)
-        text = (out / f"{name}.log").read_text()
-        result["losses"] = losses(text)
-        if name == "dpp" and "error" not in result:
-            found = chosen_slack(text)
-            if found is not None:
-                slack, reason = found
-        results[name] = result
+    extra, dpp_extra = args.extra.split(), tuple(args.dpp_extra.split())
+    runs: dict[str, list[dict]] = {name: [] for name in SCHEDULES}
+    slack, reason = None, ""
+    for repeat in range(args.repeat):
+        for name in SCHEDULES:
+            if name == "dpp-static" and slack is None:
+                runs[name].append({"name": name, "error": "the dynamic run logged no slack"})
+                continue
+            flags = config_flags(name, slack, extra, dpp_extra)
+            if args.simulate and repeat == 0:
+                flags += trace_flags(name, out, args.warmup + 1, args.warmup + args.iters)
+            label = name if repeat == 0 else f"{name}-{repeat + 1}"
+            result = bench_gpt.run(label, flags, settings, out, model=TINY_GPT)
+            text = (out / f"{label}.log").read_text()
+            result["losses"] = losses(text)
+            if name == "dpp" and "error" not in result:
+                found = chosen_slack(text)
+                if found is not None and slack is None:
+                    slack, reason = found
+                elif found is not None and found[0] != slack:
+                    reason += f"; run {repeat + 1} chose slack {found[0]}"
+            runs[name].append(result)
+    results = {name: median_of_runs(values) for name, values in runs.items()}
     predicted = None
     if args.simulate and slack is not None and "error" not in results["1f1b"]:
         predicted = predict(trace_dir(out, "1f1b"), slack, results["1f1b"]["ms_per_iter"],

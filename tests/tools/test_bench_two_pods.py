@@ -24,6 +24,26 @@ def test_the_static_plan_runs_at_the_dynamic_runs_slack():
         "--use-dpp", "--dpp-static", "--dpp-max-inflight", "2", *extra]
 
 
+def test_dpp_flags_go_to_both_dpp_runs_only():
+    extra, split = ["--emulate-straggler", "all:0.1:3"], ("--dpp-split-backward",)
+    assert bench_two_pods.config_flags("1f1b", None, extra, split) == extra
+    assert bench_two_pods.config_flags("dpp", None, extra, split) == [
+        "--use-dpp", "--dpp-split-backward", *extra]
+    assert bench_two_pods.config_flags("dpp-static", 1, extra, split) == [
+        "--use-dpp", "--dpp-static", "--dpp-max-inflight", "1", "--dpp-split-backward", *extra]
+
+
+def test_repeated_runs_give_their_median_and_a_failure_fails_the_row():
+    runs = [{"name": "dpp", "ms_per_iter": t, "losses": {1: 6.9}} for t in (500.0, 420.0, 610.0)]
+    merged = bench_two_pods.median_of_runs(runs)
+    assert merged["ms_per_iter"] == 500.0 and merged["runs_ms"] == [500.0, 420.0, 610.0]
+    failed = {"name": "dpp", "error": "exit 1"}
+    assert bench_two_pods.median_of_runs([runs[0], failed]) == failed
+    lines = bench_two_pods.table({"1f1b": {**merged, "name": "1f1b", "peak_mb_per_rank": []}},
+                                 None, "", None)
+    assert lines[1].endswith("runs: 500.0 420.0 610.0")
+
+
 def test_the_slack_and_losses_are_read_from_the_log():
     slack, reason = bench_two_pods.chosen_slack(LOG)
     assert slack == 2 and reason.startswith("DPP slack 2: measured hop 31.2 ms")
