@@ -44,6 +44,7 @@ from megatron.dpp.slack_measurement import IterationRecord, PipelineShape, Slack
 from megatron.dpp.topology import PipelineTopology
 from megatron.dpp.tracing import NullTracer
 from megatron.dpp.transport.channel import MessageKey, MessageKind
+from megatron.dpp.transport.emulation import StragglingTasks
 from megatron.dpp.transport.pipeline import PipelineTransport
 from megatron.dpp.variability import Emulation
 from megatron.dpp.weight_grad import WeightGradStore
@@ -95,6 +96,7 @@ class DppSchedule:
         self.pod = pod  # this rank's pod (transport/pipeline.py); None: its host
         self.emulation = emulation
         self._transport: PipelineTransport | None = None
+        self._stragglers: StragglingTasks | None = None  # W tasks under --emulate-straggler
         self._coordinator: _TaskCoordinator | None = None
         self._gpu_queue: GpuQueue | None = None
         self.tracer = NullTracer()  # the trainer installs a Tracer under --trace
@@ -145,6 +147,9 @@ class DppSchedule:
             pod=self.pod, emulation=self.emulation,
         )
         self._coordinator = _TaskCoordinator()
+        if self.emulation is not None and self.emulation.straggler is not None:
+            self._stragglers = StragglingTasks(
+                self.emulation, parallel_state.get_pipeline_model_parallel_rank(), device)
         simulated_ms = float(os.environ.get(SIMULATED_TASK_ENV, "0"))
         if device.type == "cuda":
             self._gpu_queue = GpuQueue(cuda_marker, self._transport.inbox.notify)
@@ -181,6 +186,8 @@ class DppSchedule:
         device = next(model[0].parameters()).device
         self._open(device, len(model))
         self._transport.set_iteration(self._iteration)
+        if self._stragglers is not None:
+            self._stragglers.iteration = self._iteration
         self._transport.barrier()
         costs, self._microbatch_costs = self._microbatch_costs, None
         if costs is not None and len(costs) != num_microbatches:
@@ -212,6 +219,7 @@ class _Iteration:
         self.coordinator = schedule._coordinator
         # the tasks queued on this stage's GPU (None: no device to pace, decide at once)
         self.gpu_queue = schedule._gpu_queue
+        self.stragglers = schedule._stragglers
         self.tracer = schedule.tracer
         self.pipeline = schedule._pipeline
         self.pp_size = len(self.pipeline)
@@ -462,8 +470,13 @@ class _Iteration:
         """W: the weight-gradient GEMMs the B of this chunk and microbatch deferred, one of
         the policy's `weight_slices` parts of them; True when that was the last part."""
         span = self.tracer.start("weight", task.microbatch, task.chunk)
-        complete = self.weight_grads.run((task.chunk, task.microbatch),
-                                         self.stage.weight_slices)
+
+        def run() -> bool:
+            return self.weight_grads.run((task.chunk, task.microbatch), self.stage.weight_slices)
+
+        stragglers = self.stragglers
+        complete = (run() if stragglers is None
+                    else stragglers.run(WEIGHT, task.chunk, task.microbatch, run))
         self.tracer.stop(span)
         return complete
 

@@ -292,3 +292,26 @@ def test_a_straggling_task_takes_factor_times_as_long():
             assert forward_s >= factor * task_s * 0.95 and backward_s >= factor * task_s * 0.95
         else:
             assert forward_s < factor * task_s * 0.95 and backward_s < factor * task_s * 0.95
+
+
+def test_a_straggling_weight_task_takes_factor_times_as_long():
+    """DPP runs its W parts itself: each straggles by the W draw of its microbatch, chunk
+    and stage in that iteration (on CPU by sleeping), and its result is the task's."""
+    from megatron.dpp.actions import WEIGHT
+    from megatron.dpp.transport.emulation import StragglingTasks
+
+    factor = 3.0
+    emulation = Emulation(seed=2, straggler=StragglerProfile(None, 0.5, factor))
+    stragglers = StragglingTasks(emulation, stage=1, device=torch.device("cpu"))
+    stragglers.iteration = 4
+    draws = {m: emulation.straggle_factor(4, m, 1, 0, WEIGHT) for m in range(12)}
+    assert set(draws.values()) == {1.0, factor}  # some W straggle, some do not
+    for microbatch, drawn in draws.items():
+        started = time.monotonic()
+        result = stragglers.run(WEIGHT, 0, microbatch, lambda: time.sleep(TASK_S / 4) or "done")
+        took = time.monotonic() - started
+        assert result == "done"
+        if drawn > 1:
+            assert took >= factor * TASK_S / 4 * 0.95, (microbatch, took)
+        else:
+            assert took < factor * TASK_S / 4 * 0.95, (microbatch, took)

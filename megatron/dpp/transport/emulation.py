@@ -22,6 +22,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -30,6 +31,7 @@ from megatron.dpp.transport.channel import MessageKey, MessageKind
 from megatron.dpp.variability import Emulation
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class EdgeDelays:
@@ -135,6 +137,27 @@ class StretchedTask:
         end = torch.cuda.Event(enable_timing=True)
         end.record()
         sleeper.spin(sleeper.measured(kind, self._start, end) * (factor - 1))
+
+
+class StragglingTasks:
+    """Runs the tasks a schedule runs itself (DPP's W parts) stretched by their straggle
+    factor, as the trainer's hook stretches forward and backward tasks: a W straggles as the
+    backward it was split from would. `iteration` is set before each schedule call."""
+
+    def __init__(self, emulation: Emulation, stage: int, device: torch.device):
+        self.emulation, self.stage, self.device = emulation, stage, device
+        self.sleeper = CudaSleep() if device.type == "cuda" else None
+        self.iteration = 0
+
+    def run(self, kind: str, chunk: int, microbatch: int, task: Callable[[], T]) -> T:
+        factor = self.emulation.straggle_factor(self.iteration, microbatch, self.stage, chunk,
+                                                kind)
+        if factor <= 1:
+            return task()
+        stretched = StretchedTask(self.device)
+        result = task()
+        stretched.finish(factor, self.sleeper, kind)
+        return result
 
 
 class CudaSleep:
