@@ -252,23 +252,26 @@ dpp_worker_command() {
 # torchrun (the command after $1, the log) in the background, so that a SIGTERM of this
 # script (docker stop, Kubernetes) reaches it at once: bash runs a trap only after the
 # foreground command ends. torchrun passes the signal on to the ranks, which end at a step
-# boundary under --exit-signal-handler; Ctrl-C is passed on too (a background command
-# ignores it until torchrun sets its handlers). The terminal gets the ranks' output
-# without torchrun's traceback (the log keeps it); tee and the filter ignore Ctrl-C so that
-# the log keeps the ranks' last lines. Returns torchrun's status; DPP_STOP_SIGNAL names a
-# signal received.
+# boundary under --exit-signal-handler; Ctrl-C is passed on too (dpp_interrupt). The
+# terminal gets the ranks' output without torchrun's traceback (the log keeps it); tee and
+# the filter ignore Ctrl-C so that the log keeps the ranks' last lines. Returns torchrun's
+# status; DPP_STOP_SIGNAL names a signal received.
 dpp_run_torchrun() {
     local logfile=$1 output trainer status
     shift
     DPP_STOP_SIGNAL=
-    exec {output}> >(tee -i "$logfile" | PYTHONPATH="$DPP_REPO${PYTHONPATH:+:$PYTHONPATH}" \
-        "$PYTHON" -m megatron.trainer.launch console)
+    # the filter ignores Ctrl-C from its start: Python would end with a traceback of the
+    # imports it was in
+    exec {output}> >(trap '' INT; tee -i "$logfile" |
+        PYTHONPATH="$DPP_REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m megatron.trainer.launch console)
     local filter=$!
+    # a background command starts with Ctrl-C ignored: torchrun takes it only once it has
+    # set its handlers, just before it starts the ranks (dpp_interrupt)
     "$@" >&"$output" 2>&1 &
     trainer=$!
     exec {output}>&-
     trap 'DPP_STOP_SIGNAL=TERM; kill -TERM "$trainer" 2>/dev/null' TERM
-    trap 'DPP_STOP_SIGNAL=INT; kill -INT "$trainer" 2>/dev/null' INT
+    trap 'dpp_interrupt "$trainer"' INT
     while true; do
         status=0
         wait "$trainer" || status=$?
@@ -278,6 +281,19 @@ dpp_run_torchrun() {
     trap - TERM INT
     wait "$filter" 2>/dev/null || true
     return "$status"
+}
+
+# Ctrl-C: SIGINT to a torchrun that runs its ranks; one that has not started them yet
+# ignores SIGINT, and SIGTERM ends it at once (no rank to stop, nothing to save)
+dpp_interrupt() {
+    DPP_STOP_SIGNAL=INT
+    local children
+    children=$(cat /proc/"$1"/task/*/children 2>/dev/null || ps -o pid= --ppid "$1" 2>/dev/null)
+    if [[ -n ${children// /} ]]; then
+        kill -INT "$1" 2>/dev/null
+    else
+        kill -TERM "$1" 2>/dev/null
+    fi
 }
 
 dpp_launch() {

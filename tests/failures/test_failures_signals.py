@@ -122,6 +122,37 @@ def test_ctrl_c_while_the_ranks_start_ends_at_once_without_a_traceback(tmp_path)
     assert "[run_single_gpt.sh] stopped by SIGINT (exit 130)" in out
 
 
+def _torchrun_started(node: Node) -> bool:
+    for pid in node.processes():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                if b"torchrun" in cmdline.read():
+                    return True
+        except OSError:  # ended meanwhile
+            continue
+    return False
+
+
+def test_ctrl_c_while_torchrun_starts_is_not_lost(tmp_path):
+    """A Ctrl-C while torchrun still imports torch (it ignores SIGINT then, as a script's
+    background command) ends the job at once: no rank starts training."""
+    node = Node.script("run_single_gpt.sh", tmp_path, TRAIN_ITERS=ITERS)
+    try:
+        while not _torchrun_started(node):
+            assert node.process.poll() is None, node.output()[-3000:]
+            time.sleep(0.02)
+        os.killpg(node.process.pid, signal.SIGINT)
+        status = node.wait(15)
+        left = node.wait_until_gone(10)
+    finally:
+        node.kill()
+    out = node.output()
+    assert status == 130 and left == [], out[-3000:]
+    assert " iteration " not in node.log(), out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert "[run_single_gpt.sh] stopped by SIGINT (exit 130)" in out
+
+
 def test_sigterm_to_one_rank_stops_every_rank_after_the_same_iteration(tmp_path):
     """scancel or a node's own shutdown may reach some ranks only: they agree at each
     step boundary, so the others stop after the same iteration and the save is whole."""
