@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import dataclasses
 import json
 import os
 import pstats
@@ -33,10 +34,11 @@ if __package__ in (None, ""):  # run as a script: the repository root holds `meg
 
 from megatron.dpp.weight_grad_accumulation import weight_grad_accumulation_fusion  # noqa: E402
 from megatron.trainer.config.arguments import parse_args  # noqa: E402
+from megatron.trainer.config.configs import TrainerConfigs  # noqa: E402
 from megatron.trainer.model.models import (  # noqa: E402
     build_gpt_stage,
     build_model_chunks,
-    transformer_config_from_args,
+    transformer_config,
 )
 from megatron.trainer.run.initialize import initialize_distributed  # noqa: E402
 from megatron.trainer.run.optimizer import wrap_model_chunks  # noqa: E402
@@ -49,10 +51,12 @@ SLEEP_CYCLES = 2_000_000_000  # ~1 s on an H200: longer than any host enqueue me
 
 def measure(layers: int, extra: list[str], repeats: int, host_profile: Path | None = None) -> dict:
     args = parse_args([*GPT_FLAGS, "--num-layers", str(layers), *extra], world_size=1)
-    args.padded_vocab_size = args.vocab_size
-    config = transformer_config_from_args(args)
-    chunks = build_model_chunks(args, config, build_gpt_stage)
-    (model,) = wrap_model_chunks(chunks, args, config, torch.device("cuda"))
+    configs = TrainerConfigs.from_args(args)
+    configs = dataclasses.replace(configs, model=dataclasses.replace(
+        configs.model, padded_vocab_size=args.vocab_size))
+    config = transformer_config(configs)
+    chunks = build_model_chunks(configs, config, build_gpt_stage)
+    (model,) = wrap_model_chunks(chunks, configs, config, torch.device("cuda"))
     shape = (args.micro_batch_size, args.seq_length)
     tokens = torch.randint(0, args.vocab_size, shape, device="cuda")
     positions = torch.arange(args.seq_length, device="cuda").expand(shape)
@@ -114,7 +118,7 @@ def main() -> None:
         os.environ.setdefault(name, value)
     with contextlib.ExitStack() as stack:
         setup = parse_args([*GPT_FLAGS, "--num-layers", "2"], world_size=1)
-        initialize_distributed(setup, stack)
+        initialize_distributed(TrainerConfigs.from_args(setup), stack)
         stack.enter_context(weight_grad_accumulation_fusion())
         low = measure(options.layers[0], options.extra.split(), options.repeats)
         high = measure(options.layers[1], options.extra.split(), options.repeats,

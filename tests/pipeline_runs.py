@@ -110,13 +110,17 @@ def compare_schedules(rank, flags, world_size, task_name="gpt"):
             stack.callback(dpp.close)
             if args.seq_length_cv > 0:
                 # as the trainer does: DPP orders the microbatches by their token counts
-                dpp.set_microbatch_costs(microbatch_lengths(args, 0, args.global_batch_size))
+                dpp.set_microbatch_costs(microbatch_lengths(
+                    0, args.global_batch_size, args.micro_batch_size * args.data_parallel_size,
+                    args.seq_length, args.seq_length_cv, args.seed))
             result["dpp"] = one_step(trainer, dpp, m)
             result["dpp_eval"] = one_step(trainer, dpp, m, forward_only=True)[0]
             if args.dpp_split_backward:
                 dpp.weight_grads = store = RecordingWeightGradStore()
                 if args.seq_length_cv > 0:
-                    dpp.set_microbatch_costs(microbatch_lengths(args, 0, args.global_batch_size))
+                    dpp.set_microbatch_costs(microbatch_lengths(
+                        0, args.global_batch_size, args.micro_batch_size * args.data_parallel_size,
+                        args.seq_length, args.seq_length_cv, args.seed))
                 result["dpp_split"] = one_step(trainer, dpp, m)
                 result["split_calls"], result["split_pending"] = store.calls, store.pending()
         return result

@@ -20,6 +20,16 @@ TINY = [
 ]
 
 
+def exact_vocab_configs(args):
+    """The run's typed configurations with the model's vocabulary exactly --vocab-size, as
+    the tests that build a model without a tokenizer want (setup pads the tokenizer's)."""
+    from megatron.trainer.config.configs import TrainerConfigs
+
+    configs = TrainerConfigs.from_args(args)
+    return dataclasses.replace(configs, model=dataclasses.replace(
+        configs.model, padded_vocab_size=args.vocab_size))
+
+
 def with_flags(base: list[str], **overrides) -> list[str]:
     """`base` with each `--flag [values]` replaced or appended: `train_iters=4` gives
     `--train-iters 4`, a list gives several values, `True` a bare switch, `None` removes it."""

@@ -423,32 +423,33 @@ def _graphs_deferred_vs_eager(rank, backward_order, w_order):
     from megatron.trainer.model.models import (
         build_gpt_stage,
         build_model_chunks,
-        transformer_config_from_args,
+        transformer_config,
     )
     from megatron.trainer.run.initialize import initialize_distributed
     from megatron.trainer.run.optimizer import wrap_model_chunks
+    from tests.trainer_runs import exact_vocab_configs
 
     flags = [*with_flags(TINY_GPT, num_layers=2, hidden_size=64, seq_length=32,
                          max_position_embeddings=32, bf16=True, dpp_split_backward=True),
              "--distributed-backend", "nccl"]
     results = {}
     with contextlib.ExitStack() as stack:
-        device = initialize_distributed(parse_args(flags, world_size=1), stack)
+        device = initialize_distributed(exact_vocab_configs(parse_args(flags, world_size=1)),
+                                        stack)
         stack.enter_context(weight_grad_accumulation_fusion())
         generator = torch.Generator().manual_seed(3)
         batches = [torch.randint(0, 128, (2, 32), generator=generator).to(device)
                    for _ in backward_order]
         positions = torch.arange(32, device=device).expand(2, 32)
         for mode in GPU_MODES:
-            args = parse_args(flags, world_size=1)
-            args.padded_vocab_size = args.vocab_size
-            config = transformer_config_from_args(args)
-            (model,) = wrap_model_chunks(build_model_chunks(args, config, build_gpt_stage),
-                                         args, config, device)
+            configs = exact_vocab_configs(parse_args(flags, world_size=1))
+            config = transformer_config(configs)
+            (model,) = wrap_model_chunks(build_model_chunks(configs, config, build_gpt_stage),
+                                         configs, config, device)
             store = None if mode == "eager" else WeightGradStore()
             deferring = "deferred" in mode
             parts = 2 if mode.endswith("2 parts") else 1
-            installed = (install_block_graphs([model], args, device, store, parts)
+            installed = (install_block_graphs([model], configs, device, store, parts)
                          if mode.startswith("graphs") else [])
             fc1 = model.module.module.decoder.layers[0].mlp.linear_fc1.weight
             steps = []

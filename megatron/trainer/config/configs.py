@@ -8,22 +8,29 @@ each by its name. Each topic states its own rules (`rules`): validation (argumen
 them on the Namespace with every other check, so that one message names all problems, and
 a configuration built any other way is checked by the same rules.
 
-The topics: model, parallelism, data, schedule (batches, iterations, DPP), precision, the
-fast path, logging, emulation (emulated links and stragglers); the checkpoint's is megatron/trainer/checkpoint/checkpoint_config.py.
+The topics: model, layers, parallelism, pipeline stages, data, schedule (batches,
+iterations, DPP), precision, the fast path, logging, emulation (emulated links and
+stragglers), the process and its profiling; the optimizer's is optimizer_config.py, the
+checkpoint's megatron/trainer/checkpoint/checkpoint_config.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import ClassVar
 
-from megatron.dpp.config import slack_flag_problems
+from megatron.dpp.config import DppOptions, slack_flag_problems
 from megatron.dpp.variability import Emulation, LinkProfile, StragglerProfile
 from megatron.trainer.checkpoint.checkpoint_config import CheckpointConfig
 from megatron.trainer.config.args_common import ArgumentError, one_line
+from megatron.trainer.config.optimizer_config import OptimizerConfig
+from megatron.trainer.core_compat.reruns import RerunConfig
 from megatron.trainer.data.microbatches import lengths_per_sample
 
 log = logging.getLogger(__name__)
@@ -33,6 +40,9 @@ Need = Callable[[bool, str], None]  # need(ok, message): records the message unl
 
 class FlagConfig:
     """The base of the topics' frozen dataclasses (see the module's docstring)."""
+
+    # fields that are no flag: derived when the configuration is built, not read from args
+    DERIVED: ClassVar[tuple[str, ...]] = ()
 
     @staticmethod
     def rules(values, need: Need) -> None:
@@ -49,9 +59,11 @@ class FlagConfig:
     def flag_values(cls, args) -> dict:
         """Each field's value in `args`; lists become tuples (the configuration is frozen)."""
         values = {}
-        for field in dataclasses.fields(cls):
-            value = getattr(args, field.name)
-            values[field.name] = tuple(value) if isinstance(value, list) else value
+        for flag in dataclasses.fields(cls):
+            if flag.name in cls.DERIVED:
+                continue
+            value = getattr(args, flag.name)
+            values[flag.name] = tuple(value) if isinstance(value, list) else value
         return values
 
     @classmethod
@@ -89,6 +101,19 @@ class ModelConfig(FlagConfig):
     make_vocab_size_divisible_by: int
     multi_latent_attention: bool
     transformer_impl: str
+    # the tokenizer's vocabulary padded to a multiple of --make-vocab-size-divisible-by x TP
+    # (None: no tokenizer given to from_args)
+    padded_vocab_size: int | None = None
+
+    DERIVED: ClassVar[tuple[str, ...]] = ("padded_vocab_size",)
+
+    @classmethod
+    def from_args(cls, args, vocab_size: int | None = None) -> ModelConfig:
+        values = cls.flag_values(args)
+        if vocab_size is not None:
+            multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+            values["padded_vocab_size"] = int(math.ceil(vocab_size / multiple) * multiple)
+        return cls(**values)
 
     @staticmethod
     def rules(values, need: Need) -> None:
@@ -103,6 +128,42 @@ class ModelConfig(FlagConfig):
              "--rotary-interleaved needs --position-embedding-type rope")
         need(not (values.squared_relu and values.swiglu), "--squared-relu and --swiglu are "
              "mutually exclusive (two MLP activations)")
+
+
+@dataclass(frozen=True)
+class LayerConfig(FlagConfig):
+    """How the layers are built beyond the model's shape: megatron-core's TransformerConfig
+    switches, the attention kernel, recomputation, multi-latent attention's head sizes and
+    BERT's heads."""
+
+    apply_residual_connection_post_layernorm: bool
+    attention_softmax_in_fp32: bool
+    apply_query_key_layer_scaling: bool
+    qk_layernorm: bool
+    apply_layernorm_1p: bool
+    test_mode: bool
+    deterministic_mode: bool
+    calculate_per_token_loss: bool
+    no_bias_gelu_fusion: bool
+    no_bias_dropout_fusion: bool
+    no_masked_softmax_fusion: bool
+    no_rope_fusion: bool
+    use_flash_attn: bool
+    attention_backend: str
+    recompute_granularity: str | None
+    recompute_method: str | None
+    recompute_num_layers: int | None
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_head_dim: int
+    qk_pos_emb_head_dim: int
+    v_head_dim: int
+    rope_type: str | None
+    rotary_scaling_factor: float | None
+    mscale: float | None
+    mscale_all_dim: float | None
+    num_tokentypes: int
+    bert_no_binary_head: bool
 
 
 @dataclass(frozen=True)
@@ -146,6 +207,23 @@ class ParallelConfig(FlagConfig):
 
 
 @dataclass(frozen=True)
+class PipelineConfig(FlagConfig):
+    """How megatron-core's schedules split the layers over the stages and exchange between
+    them, and which weight gradients wait for the pipeline's flush."""
+
+    account_for_embedding_in_pipeline_split: bool
+    account_for_loss_in_pipeline_split: bool
+    decoder_first_pipeline_num_layers: int | None
+    decoder_last_pipeline_num_layers: int | None
+    no_batch_p2p_comm: bool
+    batch_p2p_sync: bool
+    overlap_p2p_communication_warmup_flush: bool
+    microbatch_group_size_per_virtual_pipeline_stage: int | None
+    defer_embedding_wgrad_compute: bool
+    wgrad_deferral_limit: int | None
+
+
+@dataclass(frozen=True)
 class DataConfig(FlagConfig):
     """Where the samples come from and how their lengths are made."""
 
@@ -163,6 +241,14 @@ class DataConfig(FlagConfig):
     reset_position_ids: bool
     reset_attention_mask: bool
     eod_mask_loss: bool
+    # --data-path's (prefixes, weights); None with --mock-data
+    data_blend: tuple | None = None
+
+    DERIVED: ClassVar[tuple[str, ...]] = ("data_blend",)
+
+    @classmethod
+    def from_args(cls, args) -> DataConfig:
+        return cls(**cls.flag_values(args), data_blend=getattr(args, "data_blend", None))
 
     @property
     def lengths_per_sample(self) -> bool:
@@ -256,6 +342,8 @@ class FastPathConfig(FlagConfig):
     triton_fusions: bool | None
     gelu_gemm_epilogue: bool | None
     megatron_optimizer_fallbacks: bool
+    # the defaults this machine or model turned off, one line each, logged once at start
+    fast_path_fallbacks: tuple[str, ...] = ()
 
     @staticmethod
     def rules(values, need: Need) -> None:
@@ -324,6 +412,44 @@ class LoggingConfig(FlagConfig):
         else:
             need(bool(values.wandb_exp_name), f"--wandb-project {values.wandb_project} needs "
                  "--wandb-exp-name NAME")
+
+
+@dataclass(frozen=True)
+class ProcessConfig(FlagConfig):
+    """This process's place in the job (device, rank order, pod) and what it does between
+    steps: replica checks, manual garbage collection, stopping on a signal."""
+
+    local_rank: int | None  # None: torchrun's LOCAL_RANK
+    use_tp_pp_dp_mapping: bool
+    multi_node: bool
+    node_ips: tuple[str, ...] | None
+    seed: int
+    exit_signal_handler: bool
+    check_weight_hash_across_dp_replicas_interval: int | None
+    manual_gc: bool
+    manual_gc_interval: int
+    manual_gc_eval: bool
+
+    @property
+    def rank_order(self) -> str:
+        """megatron-core's rank order, innermost first. --use-tp-pp-dp-mapping: pipeline
+        neighbours on adjacent ranks, data-parallel replicas strided (the default puts the
+        pipeline outermost)."""
+        return "tp-cp-ep-pp-dp" if self.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp"
+
+
+@dataclass(frozen=True)
+class ProfilingConfig(FlagConfig):
+    """--profile's window and ranks, and --record-memory-history's snapshots."""
+
+    profile: bool
+    profile_step_start: int
+    profile_step_end: int
+    profile_ranks: tuple[int, ...]
+    profile_dir: str | None
+    use_pytorch_profiler: bool
+    record_memory_history: bool
+    memory_snapshot_path: str
 
 
 @dataclass(frozen=True)
@@ -400,22 +526,45 @@ class EmulationConfig(FlagConfig):
 @dataclass(frozen=True)
 class TrainerConfigs:
     """Every topic's configuration of one run, built once from the validated flags (after
-    the fast path has settled for the model)."""
+    the fast path has settled for the model, and the tokenizer has said its vocabulary)."""
 
     model: ModelConfig
+    layers: LayerConfig
     parallel: ParallelConfig
+    pipeline: PipelineConfig
     data: DataConfig
     schedule: ScheduleConfig
     precision: PrecisionConfig
     fast_path: FastPathConfig
+    optimizer: OptimizerConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
     emulation: EmulationConfig
+    process: ProcessConfig
+    profiling: ProfilingConfig
+    reruns: RerunConfig
+    dpp: DppOptions  # DPP's schedule options (used with --use-dpp)
+    # every flag by name, non-plain values as text: W&B's run configuration and the
+    # settings the ranks compare at start
+    flags: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}),
+                                        compare=False, hash=False, repr=False)
 
     @classmethod
-    def from_args(cls, args) -> TrainerConfigs:
-        return cls(ModelConfig.from_args(args), ParallelConfig.from_args(args),
+    def from_args(cls, args, vocab_size: int | None = None,
+                  model_fallbacks: tuple[str, ...] = ()) -> TrainerConfigs:
+        """`vocab_size`: the tokenizer's (the model's is padded from it); `model_fallbacks`:
+        the fast path's lines for the model (fast_path.resolve_for_model)."""
+        fast_path = FastPathConfig.from_args(args)
+        fast_path = dataclasses.replace(fast_path, fast_path_fallbacks=(
+            *fast_path.fast_path_fallbacks, *model_fallbacks))
+        plain = (bool, int, float, str, type(None))
+        flags = MappingProxyType({name: value if isinstance(value, plain) else str(value)
+                                  for name, value in vars(args).items()})
+        return cls(ModelConfig.from_args(args, vocab_size), LayerConfig.from_args(args),
+                   ParallelConfig.from_args(args), PipelineConfig.from_args(args),
                    DataConfig.from_args(args), ScheduleConfig.from_args(args),
-                   PrecisionConfig.from_args(args), FastPathConfig.from_args(args),
+                   PrecisionConfig.from_args(args), fast_path, OptimizerConfig.from_args(args),
                    CheckpointConfig.from_args(args), LoggingConfig.from_args(args),
-                   EmulationConfig.from_args(args))
+                   EmulationConfig.from_args(args), ProcessConfig.from_args(args),
+                   ProfilingConfig.from_args(args), RerunConfig.from_args(args),
+                   DppOptions.from_args(args), flags)

@@ -387,14 +387,15 @@ class DrawnLengthSamples(torch.utils.data.Dataset):
                 for key in ("tokens", "labels", "loss_mask")}
 
 
-def microbatch_lengths(args, consumed_samples: int, global_batch: int) -> list[int]:
-    """Real (drawn) sequence length of each global micro-batch of the batch starting at
-    `consumed_samples` (all equal to --seq-length unless --seq-length-cv is set); the
-    micro-batch is padded to padded_length(length, --pad-to-multiple, --seq-length)."""
-    stride = args.micro_batch_size * args.data_parallel_size
+def microbatch_lengths(consumed_samples: int, global_batch: int, rows: int, seq_length: int,
+                       seq_length_cv: float, seed: int) -> list[int]:
+    """Real (drawn) sequence length of each global micro-batch (`rows` samples: micro-batch
+    size x data-parallel size) of the batch starting at `consumed_samples` (all equal to
+    --seq-length unless --seq-length-cv is set); the micro-batch is padded to
+    padded_length(length, --pad-to-multiple, --seq-length)."""
     return [
-        variable_length(args.seq_length, args.seq_length_cv, args.seed, consumed_samples + k)
-        for k in range(0, global_batch, stride)
+        variable_length(seq_length, seq_length_cv, seed, consumed_samples + k)
+        for k in range(0, global_batch, rows)
     ]
 
 

@@ -348,7 +348,7 @@ def _capture(graph: torch.cuda.CUDAGraph, pool):
         graph.capture_end()
 
 
-def install_block_graphs(model_chunks, args, device: torch.device,
+def install_block_graphs(model_chunks, configs, device: torch.device,
                          weight_grads: WeightGradStore | None = None,
                          weight_parts: int = 1) -> list[BlockGraphs]:
     """Give every chunk's transformer block slot-recorded CUDA graphs (B and W apart when
@@ -358,11 +358,13 @@ def install_block_graphs(model_chunks, args, device: torch.device,
     if device.type != "cuda":
         raise CudaGraphError("--cuda-graph-impl block needs a CUDA device; this run is on "
                              f"{device.type}")
-    shape = (args.seq_length, args.micro_batch_size, args.hidden_size)
-    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-    lengths_vary = args.variable_seq_lengths or args.seq_length_cv > 0
-    warm_shapes = bucket_shapes(args) if lengths_vary else ()
-    limit = args.cuda_graph_memory_limit
+    model, precision, data = configs.model, configs.precision, configs.data
+    shape = (model.seq_length, configs.schedule.micro_batch_size, model.hidden_size)
+    dtype = (torch.bfloat16 if precision.bf16 else torch.float16 if precision.fp16
+             else torch.float32)
+    lengths_vary = data.variable_seq_lengths or data.seq_length_cv > 0
+    warm_shapes = bucket_shapes(configs) if lengths_vary else ()
+    limit = configs.fast_path.cuda_graph_memory_limit
     budget = GraphMemoryBudget(None if limit is None else int(limit * (1 << 30)))
     installed = []
     for chunk in model_chunks:
@@ -375,16 +377,17 @@ def install_block_graphs(model_chunks, args, device: torch.device,
     return installed
 
 
-def bucket_shapes(args) -> tuple[tuple[int, ...], ...]:
+def bucket_shapes(configs) -> tuple[tuple[int, ...], ...]:
     """The block input shapes [s, b, h] a run of variable lengths can meet, when they are
     known in advance (microbatches.shapes_by_length: every multiple of --pad-to-multiple up
     to --seq-length, at --micro-batch-size rows or at every row count a token budget
     allows); sequence parallelism splits s. Empty where they are more than MAX_WARM_SHAPES."""
+    model, schedule, parallel = configs.model, configs.schedule, configs.parallel
     rows_by_length = shapes_by_length(
-        args.seq_length, args.pad_to_multiple or 1, args.micro_batch_size,
-        args.microbatch_tokens, args.global_batch_size // args.data_parallel_size)
+        model.seq_length, configs.data.pad_to_multiple or 1, schedule.micro_batch_size,
+        configs.data.microbatch_tokens, schedule.global_batch_size // parallel.data_parallel_size)
     if rows_by_length is None:
         return ()
-    split = args.tensor_model_parallel_size if args.sequence_parallel else 1
-    return tuple((length // split, rows, args.hidden_size)
+    split = parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1
+    return tuple((length // split, rows, model.hidden_size)
                  for length, all_rows in rows_by_length.items() for rows in all_rows)

@@ -15,17 +15,18 @@ import torch.distributed as dist
 from megatron.dpp.actions import BACKWARD, FORWARD
 from megatron.dpp.transport.emulation import CudaSleep, StretchedTask
 from megatron.dpp.variability import Emulation
+from megatron.trainer.config.configs import ProcessConfig
 from megatron.trainer.run.rng import ForwardRng
 
 
-def pod_of(args) -> str | None:
+def pod_of(process: ProcessConfig) -> str | None:
     """This rank's pod: its node's address under --multi-node --node-ips (the node is
     torchrun's GROUP_RANK), else None (its host name decides)."""
-    if not (args.multi_node and args.node_ips):
+    if not (process.multi_node and process.node_ips):
         return None
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     node = int(os.environ.get("GROUP_RANK", dist.get_rank() // max(local, 1)))
-    return args.node_ips[node]
+    return process.node_ips[node]
 
 
 def gather_pods(pod: str | None) -> list[str]:

@@ -51,13 +51,14 @@ def setup_logging(rank: int, world_size: int) -> None:
                 lambda record, start=start: not record.getMessage().startswith(start))
 
 
-def initialize_distributed(args, stack: contextlib.ExitStack) -> torch.device:
+def initialize_distributed(configs, stack: contextlib.ExitStack) -> torch.device:
     """Join the job (torchrun's env:// rendezvous), create megatron.core's groups and
     return this rank's device. CPU runs enter `CpuCompat` on `stack`."""
-    use_gpu = args.distributed_backend == "nccl"
+    parallel, process = configs.parallel, configs.process
+    use_gpu = parallel.distributed_backend == "nccl"
     if use_gpu and not torch.cuda.is_available():
         raise ArgumentError("--distributed-backend nccl needs a GPU; use gloo on CPU")
-    local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", process.local_rank or 0))
     if use_gpu:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -65,44 +66,36 @@ def initialize_distributed(args, stack: contextlib.ExitStack) -> torch.device:
         device = torch.device("cpu")
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         stack.enter_context(CpuCompat())
-    stack.enter_context(deterministic_mode(args.deterministic_mode))
+    stack.enter_context(deterministic_mode(configs.layers.deterministic_mode))
     if not dist.is_initialized():
         # no device_id: bound to a device, torch creates every group's NCCL communicator at
         # once, and megatron-core's groups then held 7.8 GB of an H100 in a one-GPU job
         # (1.0 GB for two groups created at their first collective, torch's default). The
         # device is the one set above either way
         dist.init_process_group(
-            backend=args.distributed_backend,
-            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
+            backend=parallel.distributed_backend,
+            timeout=datetime.timedelta(minutes=parallel.distributed_timeout_minutes),
         )
-    args.rank = dist.get_rank()
-    if dist.get_world_size() != args.world_size:
+    if dist.get_world_size() != parallel.world_size:
         raise RuntimeError(
-            f"world size changed between argument parsing ({args.world_size}) and "
+            f"world size changed between argument parsing ({parallel.world_size}) and "
             f"rendezvous ({dist.get_world_size()})"
         )
     stack.push(_shutdown)
     # before megatron-core's groups: their sizes come from the settings compared here
-    check_settings_agree(args)
+    check_settings_agree(configs)
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-        distributed_timeout_minutes=int(max(1, args.distributed_timeout_minutes)),
-        order=rank_order(args),
-        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
-        create_gloo_process_groups=not args.disable_gloo_process_groups,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        distributed_timeout_minutes=int(max(1, parallel.distributed_timeout_minutes)),
+        order=process.rank_order,
+        num_distributed_optimizer_instances=parallel.num_distributed_optimizer_instances,
+        create_gloo_process_groups=not configs.optimizer.disable_gloo_process_groups,
     )
-    set_seeds(args.seed, use_gpu)
+    set_seeds(process.seed, use_gpu)
     return device
-
-
-def rank_order(args) -> str:
-    """megatron-core's rank order, innermost first. --use-tp-pp-dp-mapping: pipeline
-    neighbours on adjacent ranks, data-parallel replicas strided (the default puts the
-    pipeline outermost)."""
-    return "tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp"
 
 
 def set_seeds(seed: int, use_gpu: bool) -> None:

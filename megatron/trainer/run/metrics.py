@@ -23,20 +23,21 @@ log = logging.getLogger("megatron.trainer")
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
 
-def flops_per_token(args, seq_length: int | None = None) -> float:
+def flops_per_token(configs, seq_length: int | None = None) -> float:
     """Model FLOPs of one training token: forward + backward = 3 forwards (4 with full
     recomputation). Megatron's dense-GPT count, generalised to GQA and SwiGLU; with h hidden,
     L layers, s sequence, V vocabulary, F ffn width, k = kv channels x query groups:
       forward = L * (2h(h + 2k) + 2h^2 + 2hF * (3 if swiglu else 2) + 4sh) + 2hV,
     which for F = 4h, k = h gives Megatron's 72*L*h^2*(1 + s/6h + V/12hL) per token."""
-    h, layers, vocab = args.hidden_size, args.num_layers, args.padded_vocab_size
-    s = seq_length or args.seq_length
-    kv = args.kv_channels * args.num_query_groups
-    ffn_matrices = 3 if args.swiglu else 2
-    per_layer = 2 * h * (h + 2 * kv) + 2 * h * h + 2 * h * args.ffn_hidden_size * ffn_matrices
+    model = configs.model
+    h, layers, vocab = model.hidden_size, model.num_layers, model.padded_vocab_size
+    s = seq_length or model.seq_length
+    kv = model.kv_channels * model.num_query_groups
+    ffn_matrices = 3 if model.swiglu else 2
+    per_layer = 2 * h * (h + 2 * kv) + 2 * h * h + 2 * h * model.ffn_hidden_size * ffn_matrices
     per_layer += 4 * s * h
     forward = layers * per_layer + 2 * h * vocab
-    passes = 4 if args.recompute_granularity == "full" else 3
+    passes = 4 if configs.layers.recompute_granularity == "full" else 3
     return float(passes * forward)
 
 

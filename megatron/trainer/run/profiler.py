@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from megatron.trainer.config.configs import ProfilingConfig
+
 log = logging.getLogger(__name__)
 
 # first match wins: attention kernels also carry "sm90"-style names, so they come first
@@ -66,13 +68,13 @@ def breakdown(kernel_times_us: dict[str, float], iterations: int, wall_ms: float
 class StepProfiler:
     """Starts and stops the profiler around the configured iterations on this rank."""
 
-    def __init__(self, args, rank: int):
-        self.start_step = args.profile_step_start
-        self.end_step = args.profile_step_end
-        self.enabled = args.profile and rank in args.profile_ranks
-        self.pytorch = args.use_pytorch_profiler
+    def __init__(self, config: ProfilingConfig, rank: int, tensorboard_dir: str | None = None):
+        self.start_step = config.profile_step_start
+        self.end_step = config.profile_step_end
+        self.enabled = config.profile and rank in config.profile_ranks
+        self.pytorch = config.use_pytorch_profiler
         self.rank = rank
-        self.directory = Path(args.profile_dir or args.tensorboard_dir or "profile")
+        self.directory = Path(config.profile_dir or tensorboard_dir or "profile")
         self._profile = None
         self._window_start = None
 

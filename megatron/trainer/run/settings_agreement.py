@@ -20,21 +20,17 @@ import os
 
 import torch.distributed as dist
 
-from megatron.trainer.config.configs import (
-    DataConfig,
-    ModelConfig,
-    ParallelConfig,
-    PrecisionConfig,
-    ScheduleConfig,
-)
+from megatron.trainer.config.configs import TrainerConfigs
 
-TOPICS = (ModelConfig, ParallelConfig, ScheduleConfig, PrecisionConfig, DataConfig)
+# the compared topics of TrainerConfigs
+TOPICS = ("model", "parallel", "schedule", "precision", "data")
 
 # a node's own: its paths and waiting times
-NODE_LOCAL = {"data_path", "data_cache_path", "num_workers", "distributed_timeout_minutes",
-              "dpp_timeout", "distributed_backend"}
+NODE_LOCAL = {"data_path", "data_blend", "data_cache_path", "num_workers",
+              "distributed_timeout_minutes", "dpp_timeout", "distributed_backend"}
 # derived from compared flags (named through them), or compared under another name
-DERIVED = {"model", "world_size", "data_parallel_size", "num_microbatches", "params_dtype"}
+DERIVED = {"model", "world_size", "data_parallel_size", "num_microbatches", "params_dtype",
+           "padded_vocab_size"}
 
 FURTHER = (
     "seed", "optimizer", "lr", "min_lr", "lr_decay_style", "lr_decay_iters", "lr_decay_samples",
@@ -51,17 +47,20 @@ class SettingsMismatch(Exception):
     """Ranks of one job were given different settings; the message names each."""
 
 
-def settings_of(args) -> dict[str, str]:
+def settings_of(configs: TrainerConfigs) -> dict[str, str]:
     """Flag -> value (as text) of the settings that must agree, for this rank."""
-    names = [field.name for topic in TOPICS for field in dataclasses.fields(topic)
-             if field.name not in NODE_LOCAL | DERIVED]
-    names += [name for name in FURTHER if hasattr(args, name)]
-    settings = {"the entry point": f"pretrain_{args.model}.py"}
-    settings.update({_flag(name): _text(getattr(args, name)) for name in dict.fromkeys(names)})
-    settings["--save"] = "given" if args.save else "not given"
-    settings["--load"] = "given" if args.load else "not given"
-    if args.data_path:
-        settings["--data-path"] = " ".join(_data_entry(entry) for entry in args.data_path)
+    values = {field.name: getattr(topic, field.name)
+              for topic in (getattr(configs, name) for name in TOPICS)
+              for field in dataclasses.fields(topic) if field.name not in NODE_LOCAL | DERIVED}
+    values.update({name: configs.flags[name] for name in FURTHER
+                   if name in configs.flags and name not in values})
+    settings = {"the entry point": f"pretrain_{configs.model.model}.py"}
+    settings.update({_flag(name): _text(value) for name, value in values.items()})
+    checkpoint, data_path = configs.checkpoint, configs.data.data_path
+    settings["--save"] = "given" if checkpoint.save else "not given"
+    settings["--load"] = "given" if checkpoint.load else "not given"
+    if data_path:
+        settings["--data-path"] = " ".join(_data_entry(entry) for entry in data_path)
     return settings
 
 
@@ -123,10 +122,10 @@ def _join(places: list[str]) -> str:
     return ", ".join(dict.fromkeys(places))
 
 
-def check_settings_agree(args) -> None:
+def check_settings_agree(configs: TrainerConfigs) -> None:
     """On every rank, collectively, right after the ranks joined: raises SettingsMismatch
     (the same line on every rank) unless every rank has the same settings."""
-    mine = (node_of(dist.get_rank()), settings_of(args))
+    mine = (node_of(dist.get_rank()), settings_of(configs))
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     message = mismatch_message(gathered)

@@ -11,7 +11,7 @@ from megatron.core.utils import get_attr_wrapped_model
 
 from megatron.trainer.data.data import batch_to_device, build_bert_datasets
 from megatron.trainer.model.models import build_bert_stage
-from megatron.trainer.run.training import ModelTask
+from megatron.trainer.run.trainer import ModelTask
 
 
 def bert_loss(loss_mask, sentence_order, output):

@@ -10,7 +10,7 @@ from megatron.core.utils import get_attr_wrapped_model
 
 from megatron.trainer.data.data import batch_to_device, build_gpt_datasets
 from megatron.trainer.model.models import build_gpt_stage
-from megatron.trainer.run.training import ModelTask
+from megatron.trainer.run.trainer import ModelTask
 
 
 def gpt_loss(loss_mask: torch.Tensor, output: torch.Tensor):

@@ -361,12 +361,13 @@ def test_uneven_pipeline_split_accepted(case):
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from megatron.trainer.model.models import transformer_config_from_args
+    from megatron.trainer.config.configs import TrainerConfigs
+    from megatron.trainer.model.models import transformer_config
 
     overrides, world, vpp = UNEVEN_ACCEPTED[case]
     args = parse_args(with_flags(BASE, **overrides), world_size=world)
     assert args.virtual_pipeline_model_parallel_size == vpp
-    config = transformer_config_from_args(args)
+    config = transformer_config(TrainerConfigs.from_args(args))
     assert config.num_layers_in_first_pipeline_stage == args.decoder_first_pipeline_num_layers
     assert config.num_layers_in_last_pipeline_stage == args.decoder_last_pipeline_num_layers
     assert config.account_for_embedding_in_pipeline_split == \

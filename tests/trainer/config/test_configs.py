@@ -16,17 +16,23 @@ from megatron.trainer.config.arguments import ArgumentError, parse_args
 from megatron.trainer.config.configs import (
     DataConfig,
     FastPathConfig,
+    LayerConfig,
     LoggingConfig,
     ModelConfig,
     ParallelConfig,
+    PipelineConfig,
     PrecisionConfig,
+    ProcessConfig,
+    ProfilingConfig,
     ScheduleConfig,
     TrainerConfigs,
 )
+from megatron.trainer.config.optimizer_config import OptimizerConfig
 from tests import REPO
 
-TOPICS = (ModelConfig, ParallelConfig, DataConfig, ScheduleConfig, PrecisionConfig,
-          FastPathConfig, LoggingConfig)
+TOPICS = (ModelConfig, LayerConfig, ParallelConfig, PipelineConfig, DataConfig, ScheduleConfig,
+          PrecisionConfig, FastPathConfig, OptimizerConfig, LoggingConfig, ProcessConfig,
+          ProfilingConfig)
 
 # what validation needs; every other flag at its default
 DEFAULT = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -68,6 +74,8 @@ def test_each_topic_holds_the_flags_values_under_their_names(args):
         config = next(c for c in vars(configs).values() if isinstance(c, topic))
         assert config == topic.from_args(args)
         for field in dataclasses.fields(config):
+            if field.name in getattr(topic, "DERIVED", ()):
+                continue  # no flag: derived when the configuration is built (below)
             value = getattr(args, field.name)
             expected = tuple(value) if isinstance(value, list) else value
             if topic is LoggingConfig and field.name == "wandb_save_dir":
@@ -107,9 +115,22 @@ def test_the_default_flags_read_as_megatron_lm_defaults():
 def test_configs_are_frozen(args):
     configs = TrainerConfigs.from_args(args)
     for config in (configs, *vars(configs).values()):
+        if not dataclasses.is_dataclass(config):
+            continue  # the flags' mapping, read-only (below)
         name = dataclasses.fields(config)[0].name
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(config, name, None)
+    with pytest.raises(TypeError):
+        configs.flags["seed"] = 0
+
+
+def test_the_model_vocabulary_is_the_tokenizers_padded_once(args):
+    """--make-vocab-size-divisible-by (128) x TP: the tokenizer's vocabulary rounded up."""
+    tp = args.tensor_model_parallel_size
+    configs = TrainerConfigs.from_args(args, vocab_size=50257)
+    assert configs.model.padded_vocab_size == -(-50257 // (128 * tp)) * 128 * tp
+    assert TrainerConfigs.from_args(args).model.padded_vocab_size is None
+    assert not hasattr(args, "padded_vocab_size")  # the Namespace stays as parsed
 
 
 BAD = {
@@ -129,7 +150,7 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize("topic", TOPICS, ids=lambda topic: topic.__name__)
+@pytest.mark.parametrize("topic", list(BAD), ids=lambda topic: topic.__name__)
 def test_a_bad_combination_is_refused_naming_the_flags(topic, tmp_path):
     config = topic.from_args(parse_args(_gpt(tmp_path), world_size=8))
     changes, fragments = BAD[topic]

@@ -258,12 +258,13 @@ def test_microbatch_groups_reorder_the_interleaved_schedule_with_the_same_losses
 
 def test_warmup_flush_overlap_reaches_the_interleaved_schedule():
     from megatron.trainer.config.arguments import parse_args
-    from megatron.trainer.model.models import transformer_config_from_args
+    from megatron.trainer.config.configs import TrainerConfigs
+    from megatron.trainer.model.models import transformer_config
 
     flags = with_flags(DP2, pipeline_model_parallel_size=4, num_layers=8,
                        num_layers_per_virtual_pipeline_stage=1) + [
         "--overlap-p2p-communication-warmup-flush"]
-    config = transformer_config_from_args(parse_args(flags, world_size=4))
+    config = transformer_config(TrainerConfigs.from_args(parse_args(flags, world_size=4)))
     # megatron-core accepts the warm-up/flush overlap only on overlapped, unbatched p2p
     assert (config.overlap_p2p_comm_warmup_flush, config.overlap_p2p_comm,
             config.batch_p2p_comm) == (True, True, False)

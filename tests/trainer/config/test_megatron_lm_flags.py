@@ -175,12 +175,12 @@ def test_tp_pp_dp_mapping_puts_pipeline_neighbours_on_adjacent_ranks():
     from megatron.core.parallel_state import RankGenerator
 
     from megatron.trainer.config.arguments import parse_args
-    from megatron.trainer.run.initialize import rank_order
+    from megatron.trainer.config.configs import TrainerConfigs
 
     def groups(extra):
-        args = parse_args(PP2 + extra, world_size=4)
-        ranks = RankGenerator(tp=1, ep=1, dp=args.data_parallel_size, pp=2, cp=1,
-                              order=rank_order(args))
+        configs = TrainerConfigs.from_args(parse_args(PP2 + extra, world_size=4))
+        ranks = RankGenerator(tp=1, ep=1, dp=configs.parallel.data_parallel_size, pp=2, cp=1,
+                              order=configs.process.rank_order)
         return ranks.get_ranks("pp"), ranks.get_ranks("dp")
 
     assert groups([]) == ([[0, 2], [1, 3]], [[0, 1], [2, 3]])
@@ -280,7 +280,7 @@ def test_deterministic_mode_refuses_what_would_vary(monkeypatch):
 def test_wandb_needs_its_package_at_start_up_and_gets_the_scalars(monkeypatch, tmp_path):
     from megatron.trainer.config.arguments import ArgumentError, parse_args
     from megatron.trainer.config.configs import LoggingConfig
-    from megatron.trainer.run import training
+    from megatron.trainer.run import trainer_setup, training
     from megatron.trainer.run.metrics import ScalarLog
     from megatron.trainer.tasks.gpt import GPT_TASK
 
@@ -289,7 +289,7 @@ def test_wandb_needs_its_package_at_start_up_and_gets_the_scalars(monkeypatch, t
                        wandb_save_dir=str(tmp_path / "w"))
     args = parse_args(flags, world_size=1)  # validation does not depend on installed packages
     built = []
-    monkeypatch.setattr(training, "initialize_distributed", lambda *a: built.append(a))
+    monkeypatch.setattr(trainer_setup, "initialize_distributed", lambda *a: built.append(a))
     with pytest.raises(ArgumentError, match=r"--wandb-project p: the wandb package is not "
                        r"importable here \(pip install wandb\)"):
         training.setup(GPT_TASK, args, contextlib.ExitStack())

@@ -15,6 +15,7 @@ from megatron.dpp.weight_grad_accumulation import (
     WeightGradAccumulation,
     weight_grad_accumulation_fusion,
 )
+from megatron.trainer.config.configs import TrainerConfigs
 from megatron.trainer.core_compat import core_overrides, no_apex
 from megatron.trainer.core_compat.core_overrides import INTERNALS, verify
 from megatron.trainer.run.training import setup
@@ -228,8 +229,8 @@ def test_transformer_engine_gpt_spec_is_asked_for_with_arguments_it_takes(monkey
     real = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec
     monkeypatch.setattr(gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec",
                         mock.create_autospec(real, return_value=spec))
-    monkeypatch.setattr(models, "use_transformer_engine", lambda args: True)
-    assert models.gpt_layer_spec(tiny_args) is spec
+    monkeypatch.setattr(models, "use_transformer_engine", lambda configs: True)
+    assert models.gpt_layer_spec(TrainerConfigs.from_args(tiny_args)) is spec
 
 
 def _substitutions_in_a_built_model(rank, save_dir):
@@ -293,7 +294,7 @@ def _substitutions_in_a_built_model(rank, save_dir):
                     is models.LanguageModelLoss.compute_language_model_loss,
                     "batch schedule": isinstance(trainer.batch_calculator, BatchSizeSchedule),
                 })
-                live["sequence-parallel norms"] = _sequence_parallel_norms_tagged(trainer.args)
+                live["sequence-parallel norms"] = _sequence_parallel_norms_tagged(trainer.configs)
                 training.train(trainer)  # one step, then a save
                 live["results in process"] = type(filesystem_async._results_queue) is queue.Queue
             else:
@@ -315,22 +316,23 @@ def _substitutions_in_a_built_model(rank, save_dir):
     return live, restored
 
 
-def _sequence_parallel_norms_tagged(args) -> bool:
+def _sequence_parallel_norms_tagged(configs) -> bool:
     """A GPT stage built under --sequence-parallel has torch norms whose parameters carry the
     tag megatron-core sums sequence-parallel gradients by. Built, not run: at TP=1 the config
     refuses sequence parallelism, so it is switched on after validation."""
-    import copy
+    import dataclasses
 
     from megatron.trainer.model import models
 
-    config = models.transformer_config_from_args(args)
-    args = copy.copy(args)
-    args.sequence_parallel = config.sequence_parallel = True
-    stage = models.build_gpt_stage(args, config, pre_process=True, post_process=True)
+    config = models.transformer_config(configs)
+    configs = dataclasses.replace(configs, parallel=dataclasses.replace(
+        configs.parallel, sequence_parallel=True))
+    config.sequence_parallel = True
+    stage = models.build_gpt_stage(configs, config, pre_process=True, post_process=True)
     norms = [m for name, m in stage.named_modules()
              if name.rpartition(".")[2] in ("input_layernorm", "pre_mlp_layernorm",
                                             "final_layernorm")]
-    return len(norms) == 2 * args.num_layers + 1 and all(
+    return len(norms) == 2 * configs.model.num_layers + 1 and all(
         type(norm) is torch.nn.LayerNorm and norm.weight.sequence_parallel for norm in norms)
 
 

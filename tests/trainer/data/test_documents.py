@@ -358,17 +358,18 @@ def _padded_and_alone(rank, directory):
     """A GPT (the project's builder, fp32, no dropout) on one padded microbatch of three
     documents and on each document alone, unpadded: token losses and main_grads."""
     import contextlib
-    import copy
+    import dataclasses
 
     from megatron.trainer.config.arguments import parse_args
     from megatron.trainer.model.models import (
         build_gpt_stage,
         build_model_chunks,
-        transformer_config_from_args,
+        transformer_config,
     )
     from megatron.trainer.run.initialize import initialize_distributed
     from megatron.trainer.run.optimizer import wrap_model_chunks
     from megatron.trainer.tasks.gpt import gpt_loss
+    from tests.trainer_runs import exact_vocab_configs
 
     rng = np.random.default_rng(3)
     builder = IndexedDatasetBuilder(f"{directory}/gpt.bin", dtype=np.int32)
@@ -387,15 +388,14 @@ def _padded_and_alone(rank, directory):
              "--distributed-backend", "gloo"]
     results = {}
     with contextlib.ExitStack() as stack:
-        base = parse_args(flags, world_size=1)
-        base.padded_vocab_size = base.vocab_size
+        base = exact_vocab_configs(parse_args(flags, world_size=1))
         device = initialize_distributed(base, stack)
         for positions in ("learned_absolute", "rope"):
-            args = copy.copy(base)
-            args.position_embedding_type = positions
-            config = transformer_config_from_args(args)
-            (model,) = wrap_model_chunks(build_model_chunks(args, config, build_gpt_stage),
-                                         args, config, device)
+            configs = dataclasses.replace(base, model=dataclasses.replace(
+                base.model, position_embedding_type=positions))
+            config = transformer_config(configs)
+            (model,) = wrap_model_chunks(build_model_chunks(configs, config, build_gpt_stage),
+                                         configs, config, device)
             output = model(batch["tokens"], batch["position_ids"], None,
                            labels=batch["labels"])
             loss, tokens, _ = gpt_loss(batch["loss_mask"], output)

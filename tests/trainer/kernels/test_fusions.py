@@ -92,10 +92,11 @@ def _main_grads(rank, fused: bool, extra_flags=()):
     from megatron.trainer.model.models import (
         build_gpt_stage,
         build_model_chunks,
-        transformer_config_from_args,
+        transformer_config,
     )
     from megatron.trainer.run.initialize import initialize_distributed
     from megatron.trainer.run.optimizer import wrap_model_chunks
+    from tests.trainer_runs import exact_vocab_configs
 
     flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
              "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size",
@@ -104,15 +105,14 @@ def _main_grads(rank, fused: bool, extra_flags=()):
              "--hidden-dropout", "0", "--attention-dropout", "0", "--distributed-backend",
              "nccl" if torch.cuda.is_available() else "gloo", *extra_flags]
     with contextlib.ExitStack() as stack:
-        args = parse_args(flags, world_size=1)
-        args.padded_vocab_size = args.vocab_size
-        device = initialize_distributed(args, stack)
-        config = transformer_config_from_args(args)
+        configs = exact_vocab_configs(parse_args(flags, world_size=1))
+        device = initialize_distributed(configs, stack)
+        config = transformer_config(configs)
         config.gradient_accumulation_fusion = fused
         if fused:
             stack.enter_context(weight_grad_accumulation_fusion())
-        (model,) = wrap_model_chunks(build_model_chunks(args, config, build_gpt_stage),
-                                     args, config, device)
+        (model,) = wrap_model_chunks(build_model_chunks(configs, config, build_gpt_stage),
+                                     configs, config, device)
         tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(5))
         tokens, positions = tokens.to(device), torch.arange(16, device=device).expand(2, 16)
         losses = []

@@ -5,14 +5,17 @@ microbatches' backwards run in."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 
 import pytest
 import torch
 
 from megatron.trainer.config.arguments import ArgumentError, parse_args
+from megatron.trainer.config.configs import TrainerConfigs
 from megatron.trainer.model.cuda_graphs import CudaGraphError, install_block_graphs
 from tests.distributed import run_ranks
+from tests.trainer_runs import exact_vocab_configs
 
 TINY_GPT = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -47,7 +50,7 @@ def test_machine_without_gpu_is_refused():
 def test_cpu_device_is_refused_with_the_device_named():
     args = parse_args(TINY_GPT, world_size=1)
     with pytest.raises(CudaGraphError, match="needs a CUDA device; this run is on cpu"):
-        install_block_graphs([], args, torch.device("cpu"))
+        install_block_graphs([], TrainerConfigs.from_args(args), torch.device("cpu"))
 
 
 def _eager_vs_graphs(rank, dtype_flags, order):
@@ -55,7 +58,7 @@ def _eager_vs_graphs(rank, dtype_flags, order):
     from megatron.trainer.model.models import (
         build_gpt_stage,
         build_model_chunks,
-        transformer_config_from_args,
+        transformer_config,
     )
     from megatron.trainer.run.initialize import initialize_distributed
     from megatron.trainer.run.optimizer import wrap_model_chunks
@@ -63,7 +66,8 @@ def _eager_vs_graphs(rank, dtype_flags, order):
     flags = [*TINY_GPT, *dtype_flags, "--distributed-backend", "nccl"]
     results = {}
     with contextlib.ExitStack() as stack:
-        device = initialize_distributed(parse_args(flags, world_size=1), stack)
+        device = initialize_distributed(TrainerConfigs.from_args(parse_args(flags, world_size=1)),
+                                        stack)
         stack.enter_context(weight_grad_accumulation_fusion())
         generator = torch.Generator().manual_seed(3)
         batches = [torch.randint(0, 128, (2, 32), generator=generator).to(device)
@@ -71,11 +75,11 @@ def _eager_vs_graphs(rank, dtype_flags, order):
         positions = torch.arange(32, device=device).expand(2, 32)
         for graphs in (False, True):
             args = parse_args(flags, world_size=1)
-            args.padded_vocab_size = args.vocab_size
-            config = transformer_config_from_args(args)
-            (model,) = wrap_model_chunks(build_model_chunks(args, config, build_gpt_stage),
-                                         args, config, device)
-            installed = install_block_graphs([model], args, device) if graphs else []
+            configs = exact_vocab_configs(args)
+            config = transformer_config(configs)
+            (model,) = wrap_model_chunks(build_model_chunks(configs, config, build_gpt_stage),
+                                         configs, config, device)
+            installed = install_block_graphs([model], configs, device) if graphs else []
             steps = []
             for _ in range(2):  # the second step replays the slots with updated weights
                 losses = [model(tokens, positions, None, labels=tokens).float().mean()
@@ -120,7 +124,7 @@ def _eager_vs_bucket_graphs(rank, lengths, limits):
     from megatron.trainer.model.models import (
         build_gpt_stage,
         build_model_chunks,
-        transformer_config_from_args,
+        transformer_config,
     )
     from megatron.trainer.run.initialize import initialize_distributed
     from megatron.trainer.run.optimizer import wrap_model_chunks
@@ -129,7 +133,8 @@ def _eager_vs_bucket_graphs(rank, lengths, limits):
              "--pad-to-multiple", "8", "--cuda-graph-impl", "block"]
     results = {}
     with contextlib.ExitStack() as stack:
-        device = initialize_distributed(parse_args(flags, world_size=1), stack)
+        device = initialize_distributed(TrainerConfigs.from_args(parse_args(flags, world_size=1)),
+                                        stack)
         stack.enter_context(weight_grad_accumulation_fusion())
         generator = torch.Generator().manual_seed(3)
         batches = [torch.randint(0, 128, (2, n), generator=generator).to(device)
@@ -137,11 +142,11 @@ def _eager_vs_bucket_graphs(rank, lengths, limits):
         for limit in (None, *limits):
             extra = [] if limit in (None, "eager") else ["--cuda-graph-memory-limit", str(limit)]
             args = parse_args([*flags, *extra], world_size=1)
-            args.padded_vocab_size = args.vocab_size
-            config = transformer_config_from_args(args)
-            (model,) = wrap_model_chunks(build_model_chunks(args, config, build_gpt_stage),
-                                         args, config, device)
-            installed = install_block_graphs([model], args, device) if limit != "eager" else []
+            configs = exact_vocab_configs(args)
+            config = transformer_config(configs)
+            (model,) = wrap_model_chunks(build_model_chunks(configs, config, build_gpt_stage),
+                                         configs, config, device)
+            installed = install_block_graphs([model], configs, device) if limit != "eager" else []
             steps = []
             for _ in range(2):
                 losses = [model(t, torch.arange(t.shape[1], device=device).expand(2, -1), None,
@@ -195,7 +200,7 @@ def _graphs_with_dropout(rank, runs):
     from megatron.trainer.model.models import (
         build_gpt_stage,
         build_model_chunks,
-        transformer_config_from_args,
+        transformer_config,
     )
     from megatron.trainer.run.initialize import initialize_distributed
     from megatron.trainer.run.optimizer import wrap_model_chunks
@@ -205,7 +210,8 @@ def _graphs_with_dropout(rank, runs):
              "--distributed-backend", "nccl"]
     results = []
     with contextlib.ExitStack() as stack:
-        device = initialize_distributed(parse_args(flags, world_size=1), stack)
+        device = initialize_distributed(TrainerConfigs.from_args(parse_args(flags, world_size=1)),
+                                        stack)
         stack.enter_context(weight_grad_accumulation_fusion())
         generator = torch.Generator().manual_seed(3)
         batches = [torch.randint(0, 128, (2, 32), generator=generator).to(device)
@@ -213,13 +219,13 @@ def _graphs_with_dropout(rank, runs):
         positions = torch.arange(32, device=device).expand(2, 32)
         for graphs, order, key_offset in runs:
             args = parse_args(flags, world_size=1)
-            args.padded_vocab_size = args.vocab_size
+            configs = exact_vocab_configs(args)
             rng = ForwardRng(args.seed, device)
-            config = transformer_config_from_args(args)
-            (model,) = wrap_model_chunks(build_model_chunks(args, config, build_gpt_stage),
-                                         args, config, device)
+            config = transformer_config(configs)
+            (model,) = wrap_model_chunks(build_model_chunks(configs, config, build_gpt_stage),
+                                         configs, config, device)
             if graphs:
-                install_block_graphs([model], args, device)
+                install_block_graphs([model], configs, device)
             steps = []
             for step in (1, 2):
                 losses = {}
@@ -287,21 +293,28 @@ def test_bucket_shapes_are_the_padded_lengths_known_in_advance():
     from megatron.trainer.data.microbatches import MAX_WARM_SHAPES
     from megatron.trainer.model.cuda_graphs import bucket_shapes
 
-    args = parse_args([*TINY_GPT, "--seq-length-cv", "0.5", "--pad-to-multiple", "8"],
-                      world_size=1)
-    assert bucket_shapes(args) == tuple((n, 2, 64) for n in (8, 16, 24, 32))
-    args.seq_length = 30  # the last bucket is the sequence's length, not the next multiple
-    assert bucket_shapes(args) == tuple((n, 2, 64) for n in (8, 16, 24, 30))
-    args.seq_length = 8 * (MAX_WARM_SHAPES + 1)  # more lengths: each on first use
-    assert bucket_shapes(args) == ()
+    configs = TrainerConfigs.from_args(
+        parse_args([*TINY_GPT, "--seq-length-cv", "0.5", "--pad-to-multiple", "8"],
+                   world_size=1))
+
+    def shapes(seq_length=32, microbatch_tokens=None, global_batch_size=2):
+        return bucket_shapes(dataclasses.replace(
+            configs, model=dataclasses.replace(configs.model, seq_length=seq_length,
+                                               max_position_embeddings=max(seq_length, 32)),
+            data=dataclasses.replace(configs.data, microbatch_tokens=microbatch_tokens),
+            schedule=dataclasses.replace(configs.schedule,
+                                         global_batch_size=global_batch_size)))
+
+    assert shapes() == tuple((n, 2, 64) for n in (8, 16, 24, 32))
+    # the last bucket is the sequence's length, not the next multiple
+    assert shapes(seq_length=30) == tuple((n, 2, 64) for n in (8, 16, 24, 30))
+    assert shapes(seq_length=8 * (MAX_WARM_SHAPES + 1)) == ()  # more lengths: each on first use
     # 64 tokens: 8 rows of 8 (capped at the 6 samples of a global batch), 4 of 16, 2 of 24
     # and of 32
-    args.seq_length, args.microbatch_tokens, args.global_batch_size = 32, 64, 6
-    assert bucket_shapes(args) == (
+    assert shapes(microbatch_tokens=64, global_batch_size=6) == (
         *((8, rows, 64) for rows in range(1, 7)), *((16, rows, 64) for rows in range(1, 5)),
         (24, 1, 64), (24, 2, 64), (32, 1, 64), (32, 2, 64))
-    args.microbatch_tokens, args.global_batch_size = 32 * 40, 1000  # 333 shapes
-    assert bucket_shapes(args) == ()
+    assert shapes(microbatch_tokens=32 * 40, global_batch_size=1000) == ()  # 333 shapes
 
 
 class _SlowRecorder:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from megatron.trainer.config.arguments import ArgumentError, parse_args
+from megatron.trainer.config.configs import ProfilingConfig
 from megatron.trainer.run.profiler import StepProfiler, breakdown, category_of
 from tests.pipeline_runs import TINY_GPT
 
@@ -41,12 +41,10 @@ def test_breakdown_per_iteration():
     assert list(summary["categories"]) == ["matmul", "communication", "elementwise / fused"]
 
 
-def _args(tmp_path, **overrides):
-    values = dict(profile=True, use_pytorch_profiler=True, profile_step_start=2,
-                  profile_step_end=4, profile_ranks=[0], profile_dir=str(tmp_path),
-                  tensorboard_dir=None)
-    values.update(overrides)
-    return SimpleNamespace(**values)
+def _config(tmp_path) -> ProfilingConfig:
+    return ProfilingConfig(profile=True, use_pytorch_profiler=True, profile_step_start=2,
+                           profile_step_end=4, profile_ranks=(0,), profile_dir=str(tmp_path),
+                           record_memory_history=False, memory_snapshot_path="snapshot.pickle")
 
 
 def test_window_writes_files_on_listed_ranks_only(tmp_path):
@@ -54,7 +52,7 @@ def test_window_writes_files_on_listed_ranks_only(tmp_path):
     gpu = torch.cuda.is_available()
     weights = torch.randn(64, 64, device="cuda" if gpu else "cpu")
     for rank in (0, 1):
-        profiler = StepProfiler(_args(tmp_path), rank)
+        profiler = StepProfiler(_config(tmp_path), rank)
         for iteration in range(1, 6):
             profiler.step_begin(iteration)
             (weights @ weights).sum()
