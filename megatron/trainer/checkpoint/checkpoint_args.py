@@ -24,6 +24,7 @@ import os
 
 from megatron.trainer.checkpoint import torch_checkpoint
 from megatron.trainer.checkpoint.checkpoint_config import CheckpointConfig
+from megatron.trainer.checkpoint.checkpoint_load import checkpoint_format, load_root
 from megatron.trainer.checkpoint.checkpoint_publish import (
     CheckpointError,
     checkpoint_dir,
@@ -34,7 +35,6 @@ from megatron.trainer.checkpoint.checkpoint_trust import (
     load_common_state,
     untrusted_problem,
 )
-from megatron.trainer.checkpoint.checkpointing import checkpoint_format, load_root
 
 log = logging.getLogger(__name__)
 

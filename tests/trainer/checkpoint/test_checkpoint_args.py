@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from megatron.trainer.checkpoint import checkpointing
+from megatron.trainer.checkpoint import checkpoint_load, checkpointing
 from megatron.trainer.checkpoint.checkpoint_config import CheckpointConfig
 from megatron.trainer.config.arguments import ArgumentError, parse_args
 from tests.distributed import run_ranks
@@ -158,13 +158,13 @@ def test_checkpoint_format_is_detected_only_where_megatron_lm_detects_it(saved_r
     torch_dist = f"{root}/parts/iter_{SAVE_AT:07d}"
     torch_format = f"{root}/torch_format/iter_{SAVE_AT:07d}"
     assert sorted(os.listdir(torch_format)) == ["mp_rank_00_000", "mp_rank_00_001"]
-    assert checkpointing.checkpoint_format(torch_format, CheckpointConfig()) == "torch"
-    assert checkpointing.checkpoint_format(
+    assert checkpoint_load.checkpoint_format(torch_format, CheckpointConfig()) == "torch"
+    assert checkpoint_load.checkpoint_format(
         torch_dist, CheckpointConfig(format="torch", auto_detect_format=True)) == "torch_dist"
     with pytest.raises(checkpointing.CheckpointError,
                        match=f"{torch_dist} is a torch_dist checkpoint but --ckpt-format torch "
                              "reads only torch-format ones: give --auto-detect-ckpt-format"):
-        checkpointing.checkpoint_format(torch_dist, CheckpointConfig(format="torch"))
+        checkpoint_load.checkpoint_format(torch_dist, CheckpointConfig(format="torch"))
 
 
 @pytest.mark.slow

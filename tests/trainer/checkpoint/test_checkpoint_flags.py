@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from megatron.trainer.checkpoint import checkpointing
+from megatron.trainer.checkpoint import checkpoint_state, checkpointing
 from megatron.trainer.config.arguments import ArgumentError, parse_args
 from tests.distributed import run_ranks
 from tests.trainer.checkpoint.test_checkpointing import BASE, SAVE_AT, _check_resumed
@@ -166,7 +166,7 @@ def _single_rank_flags(rank, root, world_size):
                      non_persistent_save_interval=1, non_persistent_ckpt_type="global"))
 
     # the checkpoint that the loads below read holds one tensor the model lacks
-    sharded_state = checkpointing._sharded_state
+    sharded_state = checkpoint_state.sharded_state
 
     def with_extra_key(model, optimizer, scheduler, state, metadata, loading, **options):
         sharded = sharded_state(model, optimizer, scheduler, state, metadata, loading, **options)
@@ -174,9 +174,9 @@ def _single_rank_flags(rank, root, world_size):
         return sharded
 
     saved = f"{root}/strict"
-    checkpointing._sharded_state = with_extra_key
+    checkpoint_state.sharded_state = with_extra_key
     train(with_flags(flags, train_iters=2, save=saved))
-    checkpointing._sharded_state = sharded_state
+    checkpoint_state.sharded_state = sharded_state
 
     def load(extra_flags, asked_for=None, checkpoint=saved):
         args = parse_args(with_flags(flags, train_iters=2, load=checkpoint) + extra_flags,
@@ -187,7 +187,7 @@ def _single_rank_flags(rank, root, world_size):
                                         **options)
                 sharded["probe"] = ShardedTensor.from_rank_offsets(asked_for, torch.zeros(3))
                 return sharded
-            checkpointing._sharded_state = asking
+            checkpoint_state.sharded_state = asking
         try:
             with contextlib.ExitStack() as stack:
                 trainer = training.setup(task, args, stack)
@@ -197,7 +197,7 @@ def _single_rank_flags(rank, root, world_size):
         except checkpointing.CheckpointError as error:
             return str(error)
         finally:
-            checkpointing._sharded_state = sharded_state
+            checkpoint_state.sharded_state = sharded_state
 
     seen["default"] = load([])
     seen["raise_all"] = load(["--dist-ckpt-strictness", "raise_all"])

@@ -27,7 +27,13 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.trainer.checkpoint import checkpoint_trust, checkpointing, megatron_lm_format
+from megatron.trainer.checkpoint import (
+    checkpoint_load,
+    checkpoint_state,
+    checkpoint_trust,
+    checkpointing,
+    megatron_lm_format,
+)
 from megatron.trainer.checkpoint.checkpoint_publish import POINTER, CheckpointError
 from tests import trainer_runs
 from tests.distributed import run_ranks
@@ -128,15 +134,15 @@ def _save_as_before(trainer, root: str) -> None:
     from megatron.trainer.checkpoint.checkpoint_config import CheckpointConfig
 
     config = CheckpointConfig.from_args(trainer.args)
-    metadata = checkpointing._optimizer_metadata(config)
+    metadata = checkpoint_state.optimizer_metadata(config)
     chunks = unwrap_model(trainer.model)
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     saved = {key: chunk.sharded_state_dict() for key, chunk in zip(keys, chunks, strict=True)}
     saved["optimizer"] = trainer.optimizer.sharded_state_dict(dict(saved), metadata=metadata)
     saved["opt_param_scheduler"] = trainer.scheduler.state_dict()
-    rng = {**checkpointing._rng_state(), "random": BEFORE_RANDOM}
+    rng = {**checkpoint_state.rng_state(), "random": BEFORE_RANDOM}
     saved["rng_state"] = ShardedObject(
-        "rng_state", rng, checkpointing._rng_layout(),
+        "rng_state", rng, checkpoint_state.rng_layout(),
         (parallel_state.get_pipeline_model_parallel_rank(),
          parallel_state.get_tensor_model_parallel_rank(),
          parallel_state.get_data_parallel_rank(with_context_parallel=True)), replica_id=0)
@@ -201,14 +207,14 @@ def _interchange(rank, flags, world_size, ours: str, theirs: str, before: str):
         _save_as_before(trainer, before)
         read_back = _load_as_megatron_lm(trainer, checkpointing.checkpoint_dir(ours, SAVE_AT))
     restored = []
-    original = checkpointing._restore_rng
-    checkpointing._restore_rng = lambda state: (restored.append(state["random"]),
+    original = checkpoint_load._restore_rng
+    checkpoint_load._restore_rng = lambda state: (restored.append(state["random"]),
                                                 original(state))
     try:
         runs = trainer_runs.train_runs(rank, [flags, with_flags(flags, load=theirs),
                                               with_flags(flags, load=before)], world_size)
     finally:
-        checkpointing._restore_rng = original
+        checkpoint_load._restore_rng = original
     return {"runs": runs, "read_back": read_back, "restored_random": restored}
 
 
@@ -285,7 +291,7 @@ def test_unexpected_class_in_args_is_refused_by_name(tmp_path):
     with pytest.raises(checkpoint_trust.CommonStateRefused, match=name):
         checkpoint_trust.load_common_state(path)
     with pytest.raises(CheckpointError, match=f"loading {path}: .*holds {name}"):
-        checkpointing._read_common_state(path)
+        checkpoint_load._read_common_state(path)
     from megatron.trainer.config.arguments import parse_args
 
     with pytest.raises(CheckpointError, match=f"--use-checkpoint-args: .*holds {name}"):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from megatron.trainer.checkpoint import checkpointing
+from megatron.trainer.checkpoint import checkpoint_load, checkpoint_state, checkpointing
 from megatron.trainer.checkpoint.checkpoint_config import CheckpointConfig
 from tests.distributed import run_ranks
 from tests.trainer_runs import TINY, train_runs, with_flags
@@ -97,7 +97,7 @@ def test_resume_distributed_optimizer_dp2(tmp_path):
 
 def test_load_empty_directory_starts_fresh(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="megatron.trainer.checkpoint.checkpointing"):
-        state = checkpointing.load_checkpoint(str(tmp_path), None, None, None, None)
+        state = checkpoint_load.load_checkpoint(str(tmp_path), None, None, None, None)
     assert state == checkpointing.TrainingState()
     assert f"no checkpoint under {tmp_path}" in caplog.text
 
@@ -105,7 +105,7 @@ def test_load_empty_directory_starts_fresh(tmp_path, caplog):
 def test_pointer_to_missing_iteration_names_the_path(tmp_path):
     (tmp_path / checkpointing.POINTER).write_text("7\n")
     with pytest.raises(checkpointing.CheckpointError) as caught:
-        checkpointing.load_checkpoint(str(tmp_path), None, None, None, None)
+        checkpoint_load.load_checkpoint(str(tmp_path), None, None, None, None)
     assert str(tmp_path / "iter_0000007") in str(caught.value)
     assert "names iteration 7" in str(caught.value)
 
@@ -121,7 +121,7 @@ def test_unreadable_pointer_names_the_file(tmp_path):
 def test_checkpoint_dir_layout():
     config = CheckpointConfig(distributed_optimizer=True)
     assert checkpointing.checkpoint_dir("/ckpt", 12) == "/ckpt/iter_0000012"
-    assert checkpointing._optimizer_metadata(config) == {
+    assert checkpoint_state.optimizer_metadata(config) == {
         "distrib_optim_sharding_type": "dp_reshardable"}
 
 
