@@ -16,6 +16,7 @@ checkpoint's megatron/trainer/checkpoint/checkpoint_config.py.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import math
@@ -29,6 +30,7 @@ from megatron.dpp.config import DppOptions, slack_flag_problems
 from megatron.dpp.variability import Emulation, LinkProfile, StragglerProfile
 from megatron.trainer.checkpoint.checkpoint_config import CheckpointConfig
 from megatron.trainer.config.args_common import ArgumentError, one_line
+from megatron.trainer.config.fast_path import ModelFastPath
 from megatron.trainer.config.optimizer_config import OptimizerConfig
 from megatron.trainer.core_compat.reruns import RerunConfig
 from megatron.trainer.data.microbatches import lengths_per_sample
@@ -344,6 +346,7 @@ class FastPathConfig(FlagConfig):
     megatron_optimizer_fallbacks: bool
     # the defaults this machine or model turned off, one line each, logged once at start
     fast_path_fallbacks: tuple[str, ...] = ()
+    cuda_graphs_by_default: bool = False  # --cuda-graph-impl auto (not given) became block
 
     @staticmethod
     def rules(values, need: Need) -> None:
@@ -551,12 +554,16 @@ class TrainerConfigs:
 
     @classmethod
     def from_args(cls, args, vocab_size: int | None = None,
-                  model_fallbacks: tuple[str, ...] = ()) -> TrainerConfigs:
-        """`vocab_size`: the tokenizer's (the model's is padded from it); `model_fallbacks`:
-        the fast path's lines for the model (fast_path.resolve_for_model)."""
+                  for_model: ModelFastPath | None = None) -> TrainerConfigs:
+        """`vocab_size`: the tokenizer's (the model's is padded from it); `for_model`: what
+        the model family changes on the fast path (fast_path.resolve_for_model), applied to
+        a copy of the flags: the parsed Namespace stays as it is."""
+        if for_model is not None and for_model.settings:
+            args = argparse.Namespace(**{**vars(args), **for_model.settings})
         fast_path = FastPathConfig.from_args(args)
-        fast_path = dataclasses.replace(fast_path, fast_path_fallbacks=(
-            *fast_path.fast_path_fallbacks, *model_fallbacks))
+        if for_model is not None:
+            fast_path = dataclasses.replace(fast_path, fast_path_fallbacks=(
+                *fast_path.fast_path_fallbacks, *for_model.fallbacks))
         plain = (bool, int, float, str, type(None))
         flags = MappingProxyType({name: value if isinstance(value, plain) else str(value)
                                   for name, value in vars(args).items()})

@@ -201,19 +201,27 @@ def _split_conflicts(args, machine: Machine) -> list[str]:
     return [reason for bad, reason in checks if bad]
 
 
-def resolve_for_model(args, masked_attention: bool) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class ModelFastPath:
+    """What the model family changes on the settled fast path: flag values that replace the
+    parsed ones in its configurations, and the lines saying why."""
+
+    settings: dict = dataclasses.field(default_factory=dict)
+    fallbacks: tuple[str, ...] = ()
+
+
+def resolve_for_model(args, masked_attention: bool) -> ModelFastPath:
     """The model's part: a model whose blocks take an attention mask (BERT's padding mask)
     would never replay the graphs, which record unmasked blocks only."""
     if not masked_attention or args.cuda_graph_impl != "block":
-        return []
+        return ModelFastPath()
     if not args.cuda_graphs_by_default:
         raise GraphsRefused("--cuda-graph-impl block does not support a model whose blocks "
                             "take an attention mask (BERT's padding mask): use "
                             "--cuda-graph-impl none")
-    args.cuda_graph_impl = "none"
-    return [_line(CUDA_GRAPHS, ["the model's blocks take an attention mask (BERT's padding "
-                                "mask); the graphs record unmasked blocks only"],
-                  "--cuda-graph-impl none")]
+    return ModelFastPath({"cuda_graph_impl": "none"}, (
+        _line(CUDA_GRAPHS, ["the model's blocks take an attention mask (BERT's padding mask); "
+                            "the graphs record unmasked blocks only"], "--cuda-graph-impl none"),))
 
 
 _FALLBACK = re.compile(r"^(?P<feature>.+?) off: (?P<reasons>.+) \((?P<switch>--\S+(?: \S+)?) "

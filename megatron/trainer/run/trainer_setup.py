@@ -62,13 +62,13 @@ def settle_configs(task: ModelTask, args) -> tuple[TrainerConfigs, object]:
     check_data_paths(args)  # before the job starts: every rank reads its own files
     check_splits(args, by_document=task.splits_by_document)
     try:
-        model_fallbacks = fast_path.resolve_for_model(args, task.masked_attention)
+        for_model = fast_path.resolve_for_model(args, task.masked_attention)
     except fast_path.GraphsRefused as refusal:
         raise ArgumentError(str(refusal)) from None
     # before the job starts too: a missing or wrong tokenizer file is one line per rank
     tokenizer = TokenizerConfig.from_args(args).build()
     # the flags are settled from here on
-    configs = TrainerConfigs.from_args(args, tokenizer.vocab_size, tuple(model_fallbacks))
+    configs = TrainerConfigs.from_args(args, tokenizer.vocab_size, for_model)
     data = configs.data
     if data.data_path and not data.mock_data:
         index_cache.check_cache(data.data_cache_path, data.data_blend[0])

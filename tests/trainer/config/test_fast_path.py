@@ -16,6 +16,7 @@ import torch
 
 from megatron.trainer.config import fast_path
 from megatron.trainer.config.arguments import ArgumentError, parse_args
+from megatron.trainer.config.configs import TrainerConfigs
 from tests.distributed import run_ranks
 from tests.trainer_runs import TINY, train_runs, with_flags
 
@@ -185,6 +186,21 @@ def test_explicit_choices_are_validated_not_defaulted():
     with pytest.raises(fast_path.GraphsRefused,
                        match="--cuda-graph-impl block does not support a model"):
         fast_path.resolve_for_model(explicit, True)
+
+
+def test_a_masked_model_turns_the_default_graphs_off_in_its_configuration_only():
+    """BERT's padding mask: the graphs the machine's defaults chose are off in the run's
+    configurations (with their line and the saved flags' value), the Namespace as parsed."""
+    args = _resolved(FLAGS)
+    assert args.cuda_graph_impl == "block" and args.cuda_graphs_by_default
+    for_model = fast_path.resolve_for_model(args, masked_attention=True)
+    configs = TrainerConfigs.from_args(args, for_model=for_model)
+    assert configs.fast_path.cuda_graph_impl == "none"
+    assert configs.fast_path.fast_path_fallbacks[-1].startswith(fast_path.CUDA_GRAPHS + " off: ")
+    assert configs.checkpoint.run_args["cuda_graph_impl"] == "none"
+    assert args.cuda_graph_impl == "block"
+    unmasked = fast_path.resolve_for_model(args, masked_attention=False)
+    assert TrainerConfigs.from_args(args, for_model=unmasked).fast_path.cuda_graph_impl == "block"
 
 
 def _runs_on_machines(rank, runs, world_size, task):
