@@ -34,7 +34,7 @@ EXPERT_PARALLEL_RNG = Internal(
 # the callbacks the trainer and DPP set on megatron-core's config
 SCHEDULE_HOOKS = Internal(
     "megatron.core.model_parallel_config:ModelParallelConfig", "assigned",
-    "trainer/run/training.py _install_schedule_hooks, start_tracing",
+    "trainer/run/trainer_setup.py _install_schedule_hooks, trainer/run/training.py start_tracing",
     fields=("no_sync_func", "grad_sync_func", "finalize_model_grads_func", "grad_scale_func",
             "timers"))
 # no_apex.foreach_multi_tensor_ops: megatron-core's fallbacks swapped while training

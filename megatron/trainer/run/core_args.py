@@ -1,22 +1,16 @@
-"""The argparse Namespace below setup: the only places where the run hands on or writes the
-parsed flags rather than reading its typed configurations (config/configs.py).
+"""The argparse Namespace below setup: the only places where the run hands the parsed flags
+on rather than reading its typed configurations (config/configs.py); nothing below setup
+reads or writes the Namespace itself.
 
 The Namespace is needed here because the code on the other side is written against it, by
 Megatron-LM's conventions: a model family's forward step and datasets are built from `args`
-(pretrain_gpt.py's providers), megatron.dpp's tracer reads --trace and DPP's flags from it,
-and Megatron-LM code expects `args.rank` to hold the process's global rank once the job has
-started.
+(pretrain_gpt.py's forward_step and train_valid_test_datasets providers), and megatron.dpp's
+tracer reads --trace and DPP's flags from it, as under Megatron-LM's own trainer.
 """
 
 from __future__ import annotations
 
 from megatron.dpp import tracing
-
-
-def record_rank(args, rank: int) -> None:
-    """Megatron-LM's initialisation sets `args.rank`; code written against its Namespace
-    reads it there."""
-    args.rank = rank
 
 
 def make_forward_step(task, args, device):

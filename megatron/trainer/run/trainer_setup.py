@@ -87,7 +87,6 @@ def setup(task: ModelTask, args, stack: contextlib.ExitStack) -> Trainer:
                     f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
                     " (a rank that has not started or has failed?)"):
         device = initialize_distributed(configs, stack)
-    core_args.record_rank(args, dist.get_rank())
     setup_logging(dist.get_rank(), dist.get_world_size())
     checkpoint = configs.checkpoint
     if checkpoint.save:  # checked and locked before anything is built

@@ -65,6 +65,9 @@ def pretrain(task: ModelTask, argv=None, extra_args_provider=None) -> checkpoint
 
 
 def train(trainer: Trainer) -> None:
+    """Iterations until --train-iters (or --exit-interval): a step, its counts, then what
+    is due after it (the log line, evaluation, the replica check, a checkpoint, a stop on a
+    signal); a last save at the end."""
     state, configs = trainer.state, trainer.configs
     schedule = configs.schedule
     train_set, valid_set, _ = trainer.datasets
@@ -85,15 +88,7 @@ def train(trainer: Trainer) -> None:
         profiler.step_begin(state.iteration + 1)
         result = train_step(trainer, iterator, readers)
         profiler.step_end(state.iteration + 1)
-        for length, rows, real in result["sequences"]:
-            flops = length * rows * metrics.flops_per_token(configs, length)
-            interval.add_microbatch(length * rows, real, flops)
-            state.floating_point_operations += flops
-        state.iteration += 1
-        trainer.collector.after_step(state.iteration)
-        trainer.memory_history.after_step(state.iteration)
-        state.consumed_samples += result["batch"]
-        interval.iterations += 1
+        _count_step(trainer, interval, result)
         if any(not math.isfinite(v) for v in result["losses"].values()):
             nan_iterations += 1
         if (state.iteration % configs.logging.log_interval == 0
@@ -103,11 +98,7 @@ def train(trainer: Trainer) -> None:
         if schedule.eval_interval and schedule.eval_iters and valid_set is not None and (
             state.iteration % schedule.eval_interval == 0
         ):
-            consumed = (state.iteration // schedule.eval_interval - 1) * schedule.eval_iters * (
-                schedule.eval_global_batch_size or schedule.global_batch_size)
-            with trainer.collector.evaluation():
-                results = evaluate(trainer, valid_set, consumed)
-            report_validation(trainer, results, board)
+            _validate(trainer, valid_set, board)
         replica_interval = configs.process.check_weight_hash_across_dp_replicas_interval
         if replica_interval and state.iteration % replica_interval == 0:
             parallel = configs.parallel
@@ -119,7 +110,39 @@ def train(trainer: Trainer) -> None:
             _stop_on_signal(trainer, trainer.exit_signals.agreed())
         if schedule.exit_interval and state.iteration % schedule.exit_interval == 0:
             break
-    checkpoint = configs.checkpoint
+    _finish(trainer, board)
+
+
+def _count_step(trainer: Trainer, interval: IntervalCounters, result: dict) -> None:
+    """The step's tokens and FLOPs into the interval's counters and the run's total, and
+    the loop's position past the step."""
+    state = trainer.state
+    for length, rows, real in result["sequences"]:
+        flops = length * rows * metrics.flops_per_token(trainer.configs, length)
+        interval.add_microbatch(length * rows, real, flops)
+        state.floating_point_operations += flops
+    state.iteration += 1
+    trainer.collector.after_step(state.iteration)
+    trainer.memory_history.after_step(state.iteration)
+    state.consumed_samples += result["batch"]
+    interval.iterations += 1
+
+
+def _validate(trainer: Trainer, valid_set, board: metrics.ScalarLog) -> None:
+    """--eval-interval: --eval-iters batches of the validation set, each evaluation reading
+    on from where the previous one stopped."""
+    schedule, iteration = trainer.configs.schedule, trainer.state.iteration
+    consumed = (iteration // schedule.eval_interval - 1) * schedule.eval_iters * (
+        schedule.eval_global_batch_size or schedule.global_batch_size)
+    with trainer.collector.evaluation():
+        results = evaluate(trainer, valid_set, consumed)
+    report_validation(trainer, results, board)
+
+
+def _finish(trainer: Trainer, board: metrics.ScalarLog) -> None:
+    """After the last iteration: save it unless just saved, publish every save, close the
+    trace and the scalar writers, and meet the other ranks."""
+    checkpoint, state = trainer.configs.checkpoint, trainer.state
     if checkpoint.save and (not checkpoint.save_interval
                             or state.iteration % checkpoint.save_interval != 0):
         trainer.checkpointer.save(trainer.model, trainer.optimizer, trainer.scheduler, state)
