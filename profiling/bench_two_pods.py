@@ -65,7 +65,7 @@ def config_flags(name: str, slack: int | None, extra: list[str],
     """A schedule's flags: the static plan gets the slack the dynamic run chose;
     `dpp_extra` goes to both DPP runs only."""
     if name == "1f1b":
-        return extra
+        return list(extra)
     if name == "dpp":
         return ["--use-dpp", *dpp_extra, *extra]
     return ["--use-dpp", "--dpp-static", "--dpp-max-inflight", str(slack), *dpp_extra, *extra]
@@ -228,8 +228,8 @@ def main(argv=None) -> int:
                 runs[name].append({"name": name, "error": "the dynamic run logged no slack"})
                 continue
             flags = config_flags(name, slack, extra, dpp_extra)
-            if args.simulate and repeat == 0:
-                flags += trace_flags(name, out, args.warmup + 1, args.warmup + args.iters)
+            if args.simulate and repeat == 0:  # one traced run a schedule
+                flags = flags + trace_flags(name, out, args.warmup + 1, args.warmup + args.iters)
             label = name if repeat == 0 else f"{name}-{repeat + 1}"
             result = bench_gpt.run(label, flags, settings, out, model=TINY_GPT)
             text = (out / f"{label}.log").read_text()

@@ -19,6 +19,9 @@ LOG = """\
 def test_the_static_plan_runs_at_the_dynamic_runs_slack():
     extra = ["--emulate-link-ms", "30"]
     assert bench_two_pods.config_flags("1f1b", None, extra) == extra
+    # a schedule's flags are its own: adding to them (a traced run) leaves the others'
+    bench_two_pods.config_flags("1f1b", None, extra).append("--trace")
+    assert extra == ["--emulate-link-ms", "30"]
     assert bench_two_pods.config_flags("dpp", None, extra) == ["--use-dpp", *extra]
     assert bench_two_pods.config_flags("dpp-static", 2, extra) == [
         "--use-dpp", "--dpp-static", "--dpp-max-inflight", "2", *extra]
