@@ -25,12 +25,12 @@ import os
 import resource
 import socket
 import time
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron.dpp.actions import FORWARD, write_actions
-from megatron.dpp.config import DppOptions
 from megatron.dpp.plan import StageConfig, static_order
 
 FORMAT = "megatron-dpp-trace"
@@ -356,10 +356,12 @@ def _clock_offset_ns(device: torch.device) -> tuple[int, int]:
     return best[1], best[0]
 
 
-def open_tracer(args, device: torch.device, num_chunks: int) -> Tracer | NullTracer:
-    """Every rank calls this (the clock sync is collective); a NullTracer without --trace."""
-    if not getattr(args, "trace", False):
-        return NullTracer()
+def open_tracer(device: torch.device, num_chunks: int, schedule: str, slack: int | None,
+                directory: str | None = None,
+                iterations: Sequence[int] | None = None) -> Tracer:
+    """A Tracer for this rank, writing under `directory` (default DEFAULT_DIR) the
+    `iterations` (default all); `schedule` ("dpp", "1f1b", "interleaved" or "none") and
+    DPP's `slack` go into its header. Every rank calls this (the clock sync is collective)."""
     from megatron.core import parallel_state
 
     offset_ns, round_trip_ns = _clock_offset_ns(device)
@@ -367,22 +369,16 @@ def open_tracer(args, device: torch.device, num_chunks: int) -> Tracer | NullTra
                           device=device)
     dist.broadcast(anchor, 0)
     origin_rank0_ns, run_wall_ns = (int(v) for v in anchor.tolist())
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-    slack = None
-    if args.use_dpp:
-        schedule = "dpp"
-        slack = DppOptions.from_args(args).slack
-    else:
-        schedule = "interleaved" if num_chunks > 1 else "1f1b" if pp_size > 1 else "none"
     meta = {
         "run_id": run_wall_ns, "rank": dist.get_rank(), "world_size": dist.get_world_size(),
-        "stage": parallel_state.get_pipeline_model_parallel_rank(), "pp_size": pp_size,
+        "stage": parallel_state.get_pipeline_model_parallel_rank(),
+        "pp_size": parallel_state.get_pipeline_model_parallel_world_size(),
         "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
         "dp_rank": parallel_state.get_data_parallel_rank(), "num_chunks": num_chunks,
         "schedule": schedule, "dpp_slack": slack, "device": str(device),
         "host": socket.gethostname(),
         "clock_offset_us": offset_ns / 1000.0, "clock_round_trip_us": round_trip_ns / 1000.0,
     }
-    directory = args.trace_dir or DEFAULT_DIR
-    return Tracer(trace_path(directory, dist.get_rank()), meta, device,
-                  origin_ns=origin_rank0_ns - offset_ns, iterations=args.trace_iters)
+    return Tracer(trace_path(directory or DEFAULT_DIR, dist.get_rank()), meta, device,
+                  origin_ns=origin_rank0_ns - offset_ns,
+                  iterations=iterations)

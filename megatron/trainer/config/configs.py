@@ -443,8 +443,12 @@ class ProcessConfig(FlagConfig):
 
 @dataclass(frozen=True)
 class ProfilingConfig(FlagConfig):
-    """--profile's window and ranks, and --record-memory-history's snapshots."""
+    """--trace's spans, --profile's window and ranks, and --record-memory-history's
+    snapshots."""
 
+    trace: bool
+    trace_dir: str | None
+    trace_iters: tuple[int, ...] | None
     profile: bool
     profile_step_start: int
     profile_step_end: int

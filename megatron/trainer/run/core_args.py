@@ -4,13 +4,10 @@ reads or writes the Namespace itself.
 
 The Namespace is needed here because the code on the other side is written against it, by
 Megatron-LM's conventions: a model family's forward step and datasets are built from `args`
-(pretrain_gpt.py's forward_step and train_valid_test_datasets providers), and megatron.dpp's
-tracer reads --trace and DPP's flags from it, as under Megatron-LM's own trainer.
+(pretrain_gpt.py's forward_step and train_valid_test_datasets providers).
 """
 
 from __future__ import annotations
-
-from megatron.dpp import tracing
 
 
 def make_forward_step(task, args, device):
@@ -22,7 +19,3 @@ def build_datasets(task, args, tokenizer):
     """The task's (train, valid, test) datasets (a train_valid_test_datasets provider)."""
     return task.build_datasets(args, tokenizer)
 
-
-def open_tracer(args, device, num_chunks: int):
-    """--trace's tracer for this rank: megatron.dpp reads its flags from the Namespace."""
-    return tracing.open_tracer(args, device, num_chunks)

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron.dpp import tracing
+from megatron.dpp.tracing import NullTracer, Tracer
 from megatron.trainer.checkpoint import checkpointing
 from megatron.trainer.config.arguments import parse_args
 from megatron.trainer.config.configs import TrainerConfigs
@@ -32,7 +34,7 @@ from megatron.trainer.data.microbatches import (
     plan_global_batch,
     reorder_data_iterators,
 )
-from megatron.trainer.run import core_args, metrics, replica_check
+from megatron.trainer.run import metrics, replica_check
 from megatron.trainer.run.exit_signals import (
     StoppedBySignal,
     follow_torchrun,
@@ -234,7 +236,7 @@ def microbatch_count(trainer: Trainer, costs) -> int:
 def start_tracing(trainer: Trainer) -> None:
     """--trace: a Tracer for this rank, fed by the DPP schedule itself or, for megatron.core's
     schedules, through config.timers (which also reports the grad sync under DPP)."""
-    trainer.tracer = core_args.open_tracer(trainer.args, trainer.device, len(trainer.model))
+    trainer.tracer = _open_tracer(trainer)
     traced = trainer.tracer.megatron_timers(label_compute=not trainer.configs.schedule.use_dpp)
     # megatron-core's timers go to --timing-log-level's Timers, which pass them on to the
     # tracer's
@@ -243,6 +245,21 @@ def start_tracing(trainer: Trainer) -> None:
         trainer.config.timers = trainer.timers
     if hasattr(trainer.schedule, "tracer"):
         trainer.schedule.tracer = trainer.tracer
+
+
+def _open_tracer(trainer: Trainer) -> Tracer | NullTracer:
+    settings, schedule = trainer.configs.profiling, trainer.configs.schedule
+    if not settings.trace:
+        return NullTracer()
+    chunks = len(trainer.model)
+    if schedule.use_dpp:
+        name = "dpp"
+    else:
+        pipelined = trainer.configs.parallel.pipeline_model_parallel_size > 1
+        name = "interleaved" if chunks > 1 else "1f1b" if pipelined else "none"
+    slack = trainer.configs.dpp.slack if schedule.use_dpp else None
+    return tracing.open_tracer(trainer.device, chunks, name, slack, settings.trace_dir,
+                               settings.trace_iters)
 
 
 def train_step(trainer: Trainer, iterator,
