@@ -64,7 +64,8 @@ class DppOptions:
     each W follows its own B and every stage holds what megatron-core's 1F1B holds there
     (plan.weight_delay, docs/benchmarks/). static: run the
     plan in order, each task once its input is here, never deviating (the static schedule
-    on the same runtime, to compare the dynamic one with). adaptive: choose the slack, at
+    on the same runtime, to compare the dynamic one with); None (with adaptive): choose
+    between it and the dynamic rule from the measurements too. adaptive: choose the slack, at
     most `slack`, from what the first iterations measure (megatron/dpp/slack_choice.py);
     the trainer's default unless --dpp-max-inflight forces one. memory_budget: with
     adaptive, the activations a stage may hold (`MemoryBudget.parse`: '1.15x' of 1F1B's
@@ -75,7 +76,7 @@ class DppOptions:
     timeout: float = 60.0
     weight_slices: int = 4
     defer_weights: bool = False
-    static: bool = False
+    static: bool | None = False
     adaptive: bool = False
     memory_budget: str | None = None
 
@@ -89,6 +90,9 @@ class DppOptions:
             raise ValueError(f"DPP timeout must be > 0 seconds, got {self.timeout}")
         if self.weight_slices < 1:
             raise ValueError(f"DPP weight_slices must be >= 1, got {self.weight_slices}")
+        if self.static is None and not self.adaptive:
+            raise ValueError("DPP chooses its rule (static None) only where it chooses its "
+                             "slack (adaptive)")
         if self.memory_budget is not None:
             if not self.adaptive:
                 raise ValueError("a DPP memory budget caps the slack DPP chooses; a forced "
@@ -102,15 +106,20 @@ class DppOptions:
     @classmethod
     def from_args(cls, args) -> DppOptions:
         """From the trainer's flags; a flag left unset (None) takes the default, and
-        without --dpp-max-inflight the slack is chosen from measurements (`adaptive`)."""
+        without --dpp-max-inflight the slack is chosen from measurements (`adaptive`), and
+        so is the rule unless --dpp-static or --no-dpp-static gives it."""
         forced = getattr(args, "dpp_max_inflight", None)
+        static = getattr(args, "dpp_static", None)
         given = {"slack": forced, "adaptive": forced is None,
                  "memory_budget": getattr(args, "dpp_memory_budget", None),
                  "transport": getattr(args, "dpp_transport", None),
                  "timeout": getattr(args, "dpp_timeout", None),
                  "defer_weights": getattr(args, "dpp_defer_weights", None),
-                 "static": getattr(args, "dpp_static", None)}
-        return cls(**{name: value for name, value in given.items() if value is not None})
+                 "static": static}
+        options = {name: value for name, value in given.items() if value is not None}
+        if static is None and forced is None:
+            options["static"] = None
+        return cls(**options)
 
 
 DEFAULTS = DppOptions()

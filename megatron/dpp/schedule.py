@@ -115,6 +115,13 @@ class DppSchedule:
             return self.options.slack
         return None if self._adapter.choice is None else self._adapter.choice.slack
 
+    @property
+    def runs_static(self) -> bool:
+        """Whether the next call runs the plan in order: given, or chosen once measured."""
+        if self._adapter is None:
+            return bool(self.options.static)
+        return self._adapter.runs_static
+
     def set_microbatch_costs(self, costs: list[float] | None, reorder: bool = True) -> None:
         """What each microbatch of the next call will cost (its token count), the same list
         on every rank: the policy caps the tokens a stage holds by them and, with
@@ -238,7 +245,7 @@ class _Iteration:
         )
         order = microbatch_order_for(self.stage, costs) if cost_order else None
         self.policy = GreedyPolicy(self.stage, microbatch_order=order, costs=costs,
-                                   static=schedule.options.static)
+                                   static=schedule.runs_static)
         self.executed: list[Task] = []  # the actions in the order they ran
         # while the slack is being chosen: this call's measurements
         self.record = record

@@ -10,6 +10,12 @@ is taken only where it buys time (a hop of a few forwards, task costs that stray
 medians: stragglers, a noisy machine; a calm pipeline gets 0). A
 `MemoryBudget` caps the slack first: at slack s a rank holds its static plan's count of
 microbatches plus s (`GreedyPolicy.cap`), and every rank must stay within the budget.
+
+With the rule left open (`static=None`) it also chooses between the dynamic rule and the
+plan in order at that slack: the dynamic rule runs only where the simulator gives it
+RULE_GAIN or more over the plan in order (a slow link); elsewhere its deviations buy
+nothing the simulator sees and cost what it does not (a decision's host time, a core taken
+from the critical stage where ranks share them).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ SLACK_TOLERANCE = 0.01
 # with a measured cost spread, each slack's time is the mean over this many simulated
 # iterations whose task times are drawn from it (seeded: every decision is reproducible)
 SPREAD_TRIALS = 8
+# the simulated gain over the plan in order at which the dynamic rule runs (rule left open)
+RULE_GAIN = 0.01
 
 
 @dataclass(frozen=True)
@@ -59,15 +67,19 @@ class SlackChoice:
     busiest_1f1b_bytes: float | None
     budget: MemoryBudget | None
     max_slack: int
-    static: bool
+    static: bool  # the rule that runs: the plan in order, else the dynamic rule
     spread_p95: float | None = None  # the 95th percentile of the measured cost spread
+    # rule left open: the plan in order's simulated iteration over the dynamic rule's at
+    # the chosen slack (None: the rule was given)
+    rule_gain: float | None = None
 
     def line(self) -> str:
         """One log line: the choice and why."""
         slacks = sorted(self.simulated_ms)
         base = self.simulated_ms[slacks[0]]
         speedups = "/".join(f"{base / self.simulated_ms[s]:.2f}" for s in slacks)
-        rule = "the plan in order" if self.static else "the dynamic rule"
+        rule = "the dynamic rule" if self.rule_gain is not None or not self.static \
+            else "the plan in order"
         forwards = (f"{self.hop_ms / self.forward_ms:.1f}" if self.forward_ms > 0
                     else "?")
         text = (f"DPP slack {self.slack}: measured hop {self.hop_ms:.1f} ms = "
@@ -77,6 +89,10 @@ class SlackChoice:
                 f"simulated speedup {speedups} at slack "
                 f"{'/'.join(map(str, slacks))} ({rule}; the smallest within "
                 f"{100 * SLACK_TOLERANCE:g} % of the fastest)")
+        if self.rule_gain is not None:
+            text += (f"; the dynamic rule simulated {self.rule_gain:.3f}x the plan in order "
+                     f"there: {'the plan in order' if self.static else 'the dynamic rule'} "
+                     f"runs (the dynamic rule where it gains {100 * RULE_GAIN:g} % or more)")
         if self.held_bytes is not None:
             held = "/".join(f"{b / 1e6:.1f}" for b in self.held_bytes)
             text += (f"; activations held per stage {held} MB, 1F1B's busiest stage "
@@ -115,9 +131,11 @@ def busiest_1f1b_bytes(measured: Measured, pp_size: int, num_microbatches: int,
 
 def choose_slack(measured: Measured, pp_size: int, num_microbatches: int, *,
                  num_chunks: int = 1, split_backward: bool = False,
-                 defer_weights: bool = False, weight_slices: int = 1, static: bool = False,
-                 max_slack: int = 2, budget: MemoryBudget | None = None) -> SlackChoice:
-    """The slack to run (module docstring)."""
+                 defer_weights: bool = False, weight_slices: int = 1,
+                 static: bool | None = False, max_slack: int = 2,
+                 budget: MemoryBudget | None = None) -> SlackChoice:
+    """The slack to run, with the rule `static` says (None: the rule as well; the module
+    docstring)."""
     p, m, chunks = pp_size, num_microbatches, num_chunks
     stages = p * chunks
     if len(measured.forward_ms) != stages or len(measured.backward_ms) != stages:
@@ -141,22 +159,28 @@ def choose_slack(measured: Measured, pp_size: int, num_microbatches: int, *,
     trials = [_durations(measured, m, random.Random(seed) if measured.cost_spread else None)
               for seed in range(SPREAD_TRIALS if measured.cost_spread else 1)]
     latency = _edge_latency(measured.hop_ms, p)
-    simulated = {}
-    for slack in allowed:
-        simulated[slack] = statistics.fmean(simulate(
-            "dpp-static" if static else "dpp", p, m, durations, num_chunks=chunks,
-            slack=slack, latency=latency, split_backward=split_backward,
-            weight_slices=weight_slices if split_backward else 1,
+
+    def simulated_ms(schedule: str, slack: int) -> float:
+        return statistics.fmean(simulate(
+            schedule, p, m, durations, num_chunks=chunks, slack=slack, latency=latency,
+            split_backward=split_backward, weight_slices=weight_slices if split_backward else 1,
             defer_weights=defer_weights).makespan for durations in trials)
+
+    simulated = {slack: simulated_ms("dpp-static" if static else "dpp", slack)
+                 for slack in allowed}
     fastest = min(simulated.values())
     slack = min(s for s, t in simulated.items() if t <= fastest * (1 + SLACK_TOLERANCE))
+    rule_gain = None
+    if static is None:
+        rule_gain = simulated_ms("dpp-static", slack) / simulated[slack]
+        static = rule_gain < 1 + RULE_GAIN
     measured_bytes = measured.activation_bytes is not None
     return SlackChoice(
         slack, simulated, max(measured.hop_ms), statistics.median(measured.forward_ms),
         tuple(held_bytes(measured, p, m, slack, chunks, split_backward, defer_weights))
         if measured_bytes else None,
         busiest if measured_bytes else None, budget, max_slack, static,
-        _percentile(measured.cost_spread, 0.95) if measured.cost_spread else None)
+        _percentile(measured.cost_spread, 0.95) if measured.cost_spread else None, rule_gain)
 
 
 def _percentile(values: tuple[float, ...], share: float) -> float:

@@ -160,9 +160,11 @@ class PipelineShape:
 
 class SlackAdapter:
     """Runs the measured calls at slack 0, then the slack chosen from them (module
-    docstring). `max_slack`: the largest candidate; `budget`: caps it by memory."""
+    docstring). `max_slack`: the largest candidate; `budget`: caps it by memory; `static`:
+    the rule (None: chosen too, the plan in order running while measuring)."""
 
-    def __init__(self, max_slack: int, static: bool, budget: MemoryBudget | None = None):
+    def __init__(self, max_slack: int, static: bool | None,
+                 budget: MemoryBudget | None = None):
         self.max_slack, self.static, self.budget = max_slack, static, budget
         self.records: list[IterationRecord] = []
         self.choice: SlackChoice | None = None
@@ -175,6 +177,13 @@ class SlackAdapter:
         if forward_only:
             return 0, None
         return 0, IterationRecord()
+
+    @property
+    def runs_static(self) -> bool:
+        """Whether the next call runs the plan in order."""
+        if self.static is not None:
+            return self.static
+        return self.choice is None or self.choice.static
 
     def finished(self, record: IterationRecord, shape: PipelineShape) -> None:
         """After a measured call: keeps its record; after the last, chooses the slack (a

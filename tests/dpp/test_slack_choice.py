@@ -11,7 +11,13 @@ import pytest
 
 from megatron.dpp.actions import Task
 from megatron.dpp.config import DppOptions, MemoryBudget
-from megatron.dpp.slack_choice import Measured, busiest_1f1b_bytes, choose_slack, held_bytes
+from megatron.dpp.slack_choice import (
+    RULE_GAIN,
+    Measured,
+    busiest_1f1b_bytes,
+    choose_slack,
+    held_bytes,
+)
 from megatron.dpp.slack_measurement import measured_from
 
 
@@ -35,6 +41,23 @@ def test_a_calm_link_gets_slack_0_and_latency_more():
     # the plan in order is simulated as such: it gains less at the same slack
     static = choose_slack(measured(4, 30.0), 4, 16, static=True)
     assert static.simulated_ms[2] > slow.simulated_ms[2]
+
+
+def test_the_rule_left_open_is_the_dynamic_one_only_where_it_gains():
+    """static=None: on a slow link the dynamic rule, which the simulator gives well over
+    RULE_GAIN at the chosen slack; on a calm link with every task at its median, the plan
+    in order (the dynamic rule gains nothing there)."""
+    slow = choose_slack(measured(4, 30.0), 4, 16, static=None)
+    dynamic = choose_slack(measured(4, 30.0), 4, 16)
+    in_order = choose_slack(measured(4, 30.0), 4, 16, static=True)
+    assert not slow.static and slow.slack == dynamic.slack == 2
+    assert slow.rule_gain == pytest.approx(in_order.simulated_ms[2] / dynamic.simulated_ms[2])
+    assert slow.rule_gain >= 1 + RULE_GAIN
+    assert "the dynamic rule runs" in slow.line()
+    calm = choose_slack(measured(4, 0.2), 4, 16, static=None)
+    assert calm.static and calm.rule_gain < 1 + RULE_GAIN
+    assert "the plan in order runs" in calm.line()
+    assert dynamic.rule_gain is None and "the plan in order runs" not in dynamic.line()
 
 
 def test_straggling_tasks_measured_buy_slack_on_a_calm_link():
@@ -101,9 +124,12 @@ def test_the_trainers_flags_choose_or_force_the_slack():
     def options(**flags):
         return DppOptions.from_args(argparse.Namespace(**flags))
 
-    assert (options().adaptive, options().slack) == (True, 2)
+    assert (options().adaptive, options().slack, options().static) == (True, 2, None)
     forced = options(dpp_max_inflight=1)
-    assert (forced.adaptive, forced.slack) == (False, 1)
+    assert (forced.adaptive, forced.slack, forced.static) == (False, 1, False)
+    assert options(dpp_static=True).static and options(dpp_static=False).static is False
+    with pytest.raises(ValueError, match="chooses its rule"):
+        DppOptions(static=None)
     assert options(dpp_memory_budget="1.15x").budget == MemoryBudget(factor=1.15)
     with pytest.raises(ValueError, match="a forced slack"):
         options(dpp_max_inflight=1, dpp_memory_budget="1.15x")

@@ -27,8 +27,9 @@ class _Lines(logging.Handler):
 
 
 def adaptive_runs(rank, world_size, runs):
-    """Per (delivery jitter in ms, memory budget) of `runs`: the slack of each of four
-    training calls of one adaptive DppSchedule, their losses, and what was logged."""
+    """Per (delivery jitter in ms, memory budget, rule) of `runs`: the slack and rule of
+    each of four training calls of one adaptive DppSchedule, their losses, and what was
+    logged (the rule: DppOptions.static, None to choose it too)."""
     import os
 
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -48,26 +49,27 @@ def adaptive_runs(rank, world_size, runs):
         trainer = setup(GPT_TASK, args, stack)
         m = args.num_microbatches
         result = {"core": one_step(trainer, get_forward_backward_func(), m)[0], "runs": []}
-        for jitter, budget in runs:
+        for jitter, budget, static in runs:
             os.environ[JITTER_ENV] = str(jitter)
             handler.lines.clear()
             dpp = DppSchedule(DppOptions(transport="torch", adaptive=True,
-                                         memory_budget=budget))
-            slacks, losses = [], []
+                                         memory_budget=budget, static=static))
+            slacks, rules, losses = [], [], []
             try:
                 for _ in range(4):
                     slacks.append(dpp.slack)
+                    rules.append(dpp.runs_static)
                     losses.append(one_step(trainer, dpp, m)[0])
             finally:
                 dpp.close()
-            result["runs"].append({"slacks": slacks, "losses": losses,
+            result["runs"].append({"slacks": slacks, "rules": rules, "losses": losses,
                                    "lines": list(handler.lines)})
     return result
 
 
 @pytest.mark.slow
 def test_slow_arrivals_get_slack_a_budget_caps_it_and_losses_stay():
-    runs = [(60, None), (60, "1.0x")]
+    runs = [(60, None, False), (60, "1.0x", False), (60, None, None)]
     results = run_ranks(2, adaptive_runs, 2, runs)
     for rank, result in enumerate(results):
         for run in result["runs"]:
@@ -76,7 +78,13 @@ def test_slow_arrivals_get_slack_a_budget_caps_it_and_losses_stay():
             assert run["slacks"][:2] == [None, None]
             assert run["slacks"][2] == run["slacks"][3]
             assert len(run["lines"]) == (1 if rank == 0 else 0)
-    jittered, budgeted = (run for run in results[0]["runs"])
+    jittered, budgeted, chosen = (run for run in results[0]["runs"])
+    assert jittered["rules"] == [False] * 4
+    # the rule chosen too: the plan in order while measuring, then, with arrivals far
+    # later than a forward, the dynamic rule, on every rank
+    for result in results:
+        assert result["runs"][2]["rules"] == [True, True, False, False]
+    assert "the dynamic rule runs" in chosen["lines"][0], chosen["lines"][0]
     # arrivals 30 ms late on average: far more than a forward of the tiny model
     assert jittered["slacks"][2] == 2 and results[1]["runs"][0]["slacks"][2] == 2
     assert jittered["lines"][0].startswith("DPP slack 2: measured hop ")
