@@ -82,8 +82,10 @@ def test_a_link_delivers_its_messages_in_order():
         landed.append(_timed_event(stream))
     torch.cuda.synchronize()
     times = [_seconds(sent, event) for event in landed]
-    assert times == sorted(times), f"messages landed out of order: {times}"
-    assert times[0] >= 0.8 * DELAY_S, times
+    # each waits for the one before: none lands before the first's delay (events of
+    # different streams that complete together may be timed a microsecond apart)
+    assert min(times) >= 0.8 * DELAY_S, f"a later message overtook the first: {times}"
+    assert all(b >= a - 1e-5 for a, b in zip(times, times[1:], strict=False)), times
 
 
 def test_a_straggling_task_spins_the_compute_stream_for_the_rest_of_its_factor():

@@ -42,7 +42,8 @@ def test_breakdown_per_iteration():
 
 
 def _config(tmp_path) -> ProfilingConfig:
-    return ProfilingConfig(profile=True, use_pytorch_profiler=True, profile_step_start=2,
+    return ProfilingConfig(trace=False, trace_dir=None, trace_iters=None,
+                           profile=True, use_pytorch_profiler=True, profile_step_start=2,
                            profile_step_end=4, profile_ranks=(0,), profile_dir=str(tmp_path),
                            record_memory_history=False, memory_snapshot_path="snapshot.pickle")
 
