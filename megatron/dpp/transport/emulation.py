@@ -179,6 +179,8 @@ class CudaSleep:
     def cycles_per_s(self) -> float:
         if self._cycles_per_s is None:
             cycles = 50_000_000
+            # an idle GPU raises its clock once busy: time the second of two sleeps
+            torch.cuda._sleep(cycles)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
                 enable_timing=True)
             start.record()
