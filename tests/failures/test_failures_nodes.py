@@ -161,3 +161,31 @@ def test_ranks_save_and_stop_when_torchrun_is_killed(tmp_path):
                          rf"(\d+) to {re.escape(str(save))}", out)
     assert stopped and all(a == b == stopped[0][0] for a, b in stopped), out[-3000:]
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == stopped[0][0]
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_a_raw_torchrun_saves_and_stops_every_rank(tmp_path):
+    """Ctrl-C in the terminal of a bare torchrun (its process group): every rank stops after
+    the same iteration with its line and saves; torchrun's own status is its choice (1, with
+    its SignalException traceback), the launch scripts turn it into 130."""
+    save = tmp_path / "checkpoints"
+    job = Node(torchrun(1, 0, 2, free_port(), REPO / "pretrain_gpt.py", TORCHRUN_GPT + [
+        "--train-iters", "100000", "--save", str(save)]), torchrun_env(), tmp_path)
+    try:
+        deadline = time.monotonic() + START_S
+        while " iteration        2/" not in job.output():
+            assert time.monotonic() < deadline and job.process.poll() is None, job.output()
+            job.processes()
+            time.sleep(0.2)
+        os.killpg(job.process.pid, signal.SIGINT)
+        status = job.wait(60)
+        left = job.wait_until_gone(10)
+    finally:
+        job.kill()
+    out = job.output()
+    assert status not in (None, 0) and left == [], out[-3000:]
+    # torchrun before 2.12 passes SIGTERM on to the ranks whatever it received
+    stopped = re.findall(r"stopped by (SIGINT|SIGTERM) after iteration (\d+) of 100000; saved "
+                         rf"iteration (\d+) to {re.escape(str(save))}", out)
+    assert len(stopped) == 2 and len({it for _, it, _ in stopped}) == 1, out[-3000:]
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == stopped[0][1]
