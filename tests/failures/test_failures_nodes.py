@@ -136,17 +136,25 @@ def test_a_node_whose_peers_failed_at_their_end_does_not_wait_for_them(tmp_path)
         "operation" in errors[0], master.output()[-3000:]
 
 
+def _training_torchrun(tmp_path, save) -> Node:
+    """A bare torchrun of two ranks saving to `save`, once they logged iteration 2."""
+    job = Node(torchrun(1, 0, 2, free_port(), REPO / "pretrain_gpt.py", TORCHRUN_GPT + [
+        "--train-iters", "100000", "--save", str(save)]), torchrun_env(), tmp_path)
+    deadline = time.monotonic() + START_S
+    while " iteration        2/" not in job.output():
+        if time.monotonic() > deadline or job.process.poll() is not None:
+            job.kill()
+            raise AssertionError(job.output()[-3000:])
+        job.processes()  # remember the ranks while they live
+        time.sleep(0.2)
+    return job
+
+
 @pytest.mark.slow
 def test_ranks_save_and_stop_when_torchrun_is_killed(tmp_path):
     save = tmp_path / "checkpoints"
-    job = Node(torchrun(1, 0, 2, free_port(), REPO / "pretrain_gpt.py", TORCHRUN_GPT + [
-        "--train-iters", "100000", "--save", str(save)]), torchrun_env(), tmp_path)
+    job = _training_torchrun(tmp_path, save)
     try:
-        deadline = time.monotonic() + START_S
-        while " iteration        2/" not in job.output():
-            assert time.monotonic() < deadline and job.process.poll() is None, job.output()
-            job.processes()
-            time.sleep(0.2)
         ranks = [pid for pid in job.processes() if pid != job.process.pid]
         os.kill(job.process.pid, signal.SIGKILL)
         left = job.wait_until_gone(30)
@@ -169,14 +177,8 @@ def test_ctrl_c_on_a_raw_torchrun_saves_and_stops_every_rank(tmp_path):
     the same iteration with its line and saves; torchrun's own status is its choice (1, with
     its SignalException traceback), the launch scripts turn it into 130."""
     save = tmp_path / "checkpoints"
-    job = Node(torchrun(1, 0, 2, free_port(), REPO / "pretrain_gpt.py", TORCHRUN_GPT + [
-        "--train-iters", "100000", "--save", str(save)]), torchrun_env(), tmp_path)
+    job = _training_torchrun(tmp_path, save)
     try:
-        deadline = time.monotonic() + START_S
-        while " iteration        2/" not in job.output():
-            assert time.monotonic() < deadline and job.process.poll() is None, job.output()
-            job.processes()
-            time.sleep(0.2)
         os.killpg(job.process.pid, signal.SIGINT)
         status = job.wait(60)
         left = job.wait_until_gone(10)

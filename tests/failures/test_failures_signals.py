@@ -90,62 +90,49 @@ def test_ctrl_c_on_the_launch_script_ends_with_130_and_the_log_keeps_the_last_li
     assert len(STOPPED.findall(node.log())) == 2, node.log()[-3000:]
 
 
-def _ranks_started(node: Node) -> bool:
+def _running(node: Node, word: bytes, unless: bytes | None = None) -> bool:
+    """Whether a process of the node has `word` in its command line (and not `unless`)."""
     for pid in node.processes():
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
                 words = cmdline.read()
         except OSError:  # ended meanwhile
             continue
-        if b"pretrain_gpt.py" in words and b"torchrun" not in words:
+        if word in words and (unless is None or unless not in words):
             return True
     return False
 
 
-def test_ctrl_c_while_the_ranks_start_ends_at_once_without_a_traceback(tmp_path):
-    node = Node.script("run_single_gpt.sh", tmp_path, TRAIN_ITERS=ITERS)
+def _ctrl_c_once(node: Node, ready, settle_s: float = 0.0) -> tuple[int | None, list[int]]:
+    """A terminal's Ctrl-C to the node's process group once `ready(node)` (and `settle_s`
+    after): the node's exit status and the processes left 10 s after it ended."""
     try:
-        # once torchrun has started the ranks (it sets its signal handlers first; before,
-        # a Ctrl-C would reach a torchrun that still ignores it, as a background command)
-        while not _ranks_started(node):
+        while not ready(node):
             assert node.process.poll() is None, node.output()[-3000:]
-            time.sleep(0.1)
-        time.sleep(0.5)  # the ranks import torch and megatron-core
+            time.sleep(0.02)
+        time.sleep(settle_s)
         os.killpg(node.process.pid, signal.SIGINT)
-        status = node.wait(15)
-        left = node.wait_until_gone(10)
+        return node.wait(15), node.wait_until_gone(10)
     finally:
         node.kill()
+
+
+def test_ctrl_c_while_the_ranks_start_ends_at_once_without_a_traceback(tmp_path):
+    node = Node.script("run_single_gpt.sh", tmp_path, TRAIN_ITERS=ITERS)
+    # once torchrun has started the ranks, which then import torch and megatron-core
+    status, left = _ctrl_c_once(node, lambda n: _running(n, b"pretrain_gpt.py", b"torchrun"),
+                                settle_s=0.5)
     out = node.output()
     assert status == 130 and left == [], out[-3000:]
     assert "Traceback" not in out and "During handling" not in out, out[-3000:]
     assert "[run_single_gpt.sh] stopped by SIGINT (exit 130)" in out
 
 
-def _torchrun_started(node: Node) -> bool:
-    for pid in node.processes():
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-                if b"torchrun" in cmdline.read():
-                    return True
-        except OSError:  # ended meanwhile
-            continue
-    return False
-
-
 def test_ctrl_c_while_torchrun_starts_is_not_lost(tmp_path):
     """A Ctrl-C while torchrun still imports torch (it ignores SIGINT then, as a script's
     background command) ends the job at once: no rank starts training."""
     node = Node.script("run_single_gpt.sh", tmp_path, TRAIN_ITERS=ITERS)
-    try:
-        while not _torchrun_started(node):
-            assert node.process.poll() is None, node.output()[-3000:]
-            time.sleep(0.02)
-        os.killpg(node.process.pid, signal.SIGINT)
-        status = node.wait(15)
-        left = node.wait_until_gone(10)
-    finally:
-        node.kill()
+    status, left = _ctrl_c_once(node, lambda n: _running(n, b"torchrun"))
     out = node.output()
     assert status == 130 and left == [], out[-3000:]
     assert " iteration " not in node.log(), out[-3000:]
