@@ -2,8 +2,9 @@
 training iterations measure, and the one decision every rank then follows.
 
 During the first `MEASURED_ITERATIONS` training calls the schedule runs at slack 0 and an
-`IterationRecord` keeps, per rank: each task's time (host clock on CPU, CUDA events on a
-GPU), when each message was sent and when its consumer first saw it, and the bytes each
+`IterationRecord` keeps, per rank: each task's time (CUDA events on a GPU; on CPU the host
+clock less the time the rank waited for a core, so that ranks sharing cores do not show
+each other's work as their own cost spread), when each message was sent and when its consumer first saw it, and the bytes each
 forward saved for its backward (the activations a microbatch holds; parameters excluded).
 A message's time from send to usable is taken where its consumer was blocked waiting for
 it (it then saw it as it landed); ranks of one host share CLOCK_MONOTONIC, and across hosts
@@ -34,6 +35,18 @@ log = logging.getLogger(__name__)
 # training calls measured at slack 0 before the slack is chosen: the first pays one-time
 # costs (allocations, the first kernels), the medians over both shrug them off
 MEASURED_ITERATIONS = 2
+# Linux's per-thread scheduler statistics: time on a core, time waiting for one (ns), ...
+SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+def core_wait_s() -> float:
+    """Seconds the calling thread has spent runnable but waiting for a core; 0.0 where the
+    kernel keeps no such count (then a CPU task's time includes that wait)."""
+    try:
+        with open(SCHEDSTAT, "rb") as stats:
+            return int(stats.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 @dataclass
@@ -93,7 +106,7 @@ class _TaskTimer:
             self.start = torch.cuda.Event(enable_timing=True)
             self.start.record()
         else:
-            self.start = time.perf_counter()
+            self.start, self.waited = time.perf_counter(), core_wait_s()
         return self
 
     def __exit__(self, *exc):
@@ -103,7 +116,8 @@ class _TaskTimer:
             end.record()
             self.record._events.append((kind, chunk, self.start, end))
         else:
-            self.record.task_ms[kind, chunk].append(1e3 * (time.perf_counter() - self.start))
+            elapsed = time.perf_counter() - self.start - (core_wait_s() - self.waited)
+            self.record.task_ms[kind, chunk].append(1e3 * max(0.0, elapsed))
         return False
 
 

@@ -107,7 +107,7 @@ def resolve(args, machine: Machine) -> list[str]:
     left as given."""
     gpu = on_gpu(args, machine)
     no_gpu = NO_GPU if not machine.cuda else GLOO_ON_GPU
-    fallbacks = _resolve_dpp(args, machine, gpu, no_gpu)
+    fallbacks = _resolve_dpp(args, machine, gpu)
 
     if args.cuda_graph_impl == "auto":
         reasons = _graph_conflicts(args, machine) + ([] if gpu else [no_gpu])
@@ -150,13 +150,17 @@ def resolve(args, machine: Machine) -> list[str]:
     return fallbacks
 
 
-def _resolve_dpp(args, machine: Machine, gpu: bool, no_gpu: str) -> list[str]:
+def _resolve_dpp(args, machine: Machine, gpu: bool) -> list[str]:
     """`--use-dpp` alone runs the fastest variant measured (docs/benchmarks/): the split
     backward, each W right after its B (`--dpp-defer-weights` defers them as ZB-H1 does, for
     more memory on the later stages), at the slack chosen from the first iterations'
-    measurements within 1.15x the activations of megatron-core 1F1B's busiest stage (slack
-    0 where the link is fast); with one model chunk its plan in order (in the cost order
-    where lengths vary). Returns the lines that say what was chosen and why."""
+    measurements (on GPUs within 1.15x the activations of megatron-core 1F1B's busiest
+    stage; slack 0 where the link is fast). On GPUs with one model chunk it runs its plan in
+    order (in the cost order where lengths vary); elsewhere the slack's measurements choose
+    the rule too. The split is the default on CPU as well: there it gives the dynamic rule
+    its fillers under stragglers and costs nothing calm
+    (docs/benchmarks/two_pods_cpu_2026-11-29.md). Returns the lines that say what was
+    chosen and why."""
     if not args.use_dpp or args.pipeline_model_parallel_size == 1:
         if args.dpp_split_backward is None:
             args.dpp_split_backward = False
@@ -168,7 +172,7 @@ def _resolve_dpp(args, machine: Machine, gpu: bool, no_gpu: str) -> list[str]:
                      "megatron-core 1F1B's busiest stage (--dpp-memory-budget to change it, "
                      "--dpp-max-inflight N to force a slack)")
     if args.dpp_split_backward is None:
-        reasons = ([] if gpu else [no_gpu]) + _split_conflicts(args, machine)
+        reasons = _split_conflicts(args, machine)
         args.dpp_split_backward = not reasons
         if reasons:
             return [*lines, _line(SPLIT_BACKWARD, reasons, "--no-dpp-split-backward")]

@@ -157,14 +157,24 @@ def test_the_dynamic_rule_runs_with_chunks_or_when_asked(flags):
     (["--no-gradient-accumulation-fusion"], {}, "--no-gradient-accumulation-fusion"),
     (["--transformer-impl", "transformer_engine"], dict(transformer_engine=True),
      "Transformer Engine layers"),
-    ([], dict(cuda=False, triton=False), "no CUDA GPU"),
-], ids=["no-fusion", "te-layers", "cpu"])
+], ids=["no-fusion", "te-layers"])
 def test_use_dpp_keeps_the_backward_whole_where_the_split_cannot_run(flags, machine, reason):
     args = _resolved([*PP2_DPP, *flags], world_size=2, **machine)
     assert args.dpp_split_backward is False and args.dpp_max_inflight is None
     (line,) = [line for line in args.fast_path_fallbacks
                if line.startswith(fast_path.SPLIT_BACKWARD + " off: ")]
     assert reason in line
+
+
+def test_use_dpp_splits_the_backward_on_cpu_and_leaves_the_rule_to_its_measurements():
+    """On CPU the split is the default too, without the GPU's memory budget and its forced
+    plan in order: the first iterations' measurements choose the slack and the rule."""
+    args = _resolved(PP2_DPP, world_size=2, cuda=False, triton=False)
+    assert (args.dpp_split_backward, args.dpp_defer_weights, args.dpp_static,
+            args.dpp_memory_budget, args.gradient_accumulation_fusion) == (
+        True, False, None, None, True)
+    assert any(line.startswith(fast_path.SPLIT_BACKWARD + " on by default")
+               for line in args.fast_path_fallbacks)
 
 
 def test_the_split_stays_the_users_choice():
