@@ -23,9 +23,13 @@ def _spin(seconds: float) -> None:
         pass
 
 
-def _spin_on(cpu: int, seconds: float) -> None:
+def _spin_on(cpu: int, spinning, stop) -> None:
+    """Busy on `cpu` until `stop` is set (at most 30 s); `spinning` says it has begun."""
     os.sched_setaffinity(0, {cpu})
-    _spin(seconds)
+    spinning.set()
+    end = time.perf_counter() + 30.0
+    while not stop.is_set() and time.perf_counter() < end:
+        _spin(0.01)
 
 
 def test_a_cpu_task_time_leaves_out_the_wait_for_a_core(monkeypatch):
@@ -44,15 +48,18 @@ def test_the_wait_for_a_shared_core_is_counted():
     """Two busy processes on one core: each waits for it about half the time."""
     before_affinity = os.sched_getaffinity(0)
     cpu = min(before_affinity)
-    child = multiprocessing.get_context("spawn").Process(target=_spin_on, args=(cpu, 1.5))
+    context = multiprocessing.get_context("fork")
+    spinning, stop = context.Event(), context.Event()
+    child = context.Process(target=_spin_on, args=(cpu, spinning, stop))
     try:
         os.sched_setaffinity(0, {cpu})
         child.start()
-        time.sleep(0.3)  # the child is spinning by now
+        assert spinning.wait(timeout=30)
         waited = core_wait_s()
         _spin(0.6)
         waited = core_wait_s() - waited
     finally:
+        stop.set()
         os.sched_setaffinity(0, before_affinity)
         child.join(timeout=10)
         if child.is_alive():

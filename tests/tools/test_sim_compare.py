@@ -111,12 +111,12 @@ RUN = with_flags(TINY, pipeline_model_parallel_size=2, global_batch_size=2 * MIC
 
 @pytest.fixture(scope="module")
 def real_runs(tmp_path_factory):
-    """Trace directories of a DPP (slack 1) and a 1F1B PP=2 CPU run (one pair of
-    processes for both)."""
+    """Trace directories of a DPP (slack 1, the backward whole: one span a task, as
+    megatron-core's runs have) and a 1F1B PP=2 CPU run (one pair of processes for both)."""
     root = tmp_path_factory.mktemp("real")
     dirs = {name: str(root / name) for name in ("dpp", "1f1b")}
     flags = [with_flags(RUN, trace_dir=dirs["dpp"], use_dpp=True, dpp_transport="torch",
-                        dpp_max_inflight=1),
+                        dpp_max_inflight=1, no_dpp_split_backward=True),
              with_flags(RUN, trace_dir=dirs["1f1b"])]
     run_ranks(2, train_runs, flags, 2)
     return dirs
