@@ -308,8 +308,7 @@ class ScheduleConfig(FlagConfig):
         need(not values.dpp_static or values.use_dpp, "--dpp-static needs --use-dpp")
         need(not values.dpp_defer_weights or (values.use_dpp and values.dpp_split_backward),
              "--dpp-defer-weights places the W tasks of DPP's split backward: it needs "
-             "--use-dpp with --dpp-split-backward (the split is on by default with --use-dpp "
-             "on GPUs)")
+             "--use-dpp with --dpp-split-backward (the split is on by default with --use-dpp)")
 
 
 @dataclass(frozen=True)
