@@ -146,7 +146,8 @@ def _rank_events(header: dict, iterations: list[dict], spans: list[dict]) -> lis
     for record in iterations:
         args = {"rank": rank, "stage": stage, "iteration": record["iteration"],
                 "microbatches": record.get("microbatches"),
-                "peak_memory_bytes": record.get("peak_memory_bytes")}
+                "peak_memory_bytes": record.get("peak_memory_bytes"),
+                **{key: record[key] for key in ("dpp_slack", "dpp_static") if key in record}}
         events.append({"name": f"iteration {record['iteration']}", "cat": "iteration",
                        "ph": "X", "pid": rank, "tid": ITERATION, "ts": record["start_us"],
                        "dur": max(0.0, record["end_us"] - record["start_us"]), "args": args})
@@ -190,7 +191,8 @@ def load_trace(path: str) -> dict:
 
 
 def load_spans(trace: dict) -> tuple[list[Span], dict[tuple[int, int], dict]]:
-    """Spans (ms) and per (rank, iteration) records (microbatches, peak_memory_bytes) of a
+    """Spans (ms) and per (rank, iteration) records (microbatches, peak_memory_bytes, and
+    under DPP dpp_slack and dpp_static: what the iteration ran) of a
     merged or simulated trace. Simulated traces have one rank per stage and iteration 0."""
     spans, iterations = [], {}
     for event in trace["traceEvents"]:

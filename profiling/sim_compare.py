@@ -166,6 +166,7 @@ def compare(path: str, schedule: str | None = None, slack: int | None = None,
                          f"({', '.join(SCHEDULES)})")
     # the run's slack from the header; traces written before it was recorded there ran
     # with the runtime's default
+    slack_given = slack is not None
     if schedule != "dpp":
         slack = 0
     elif slack is None:
@@ -184,14 +185,21 @@ def compare(path: str, schedule: str | None = None, slack: int | None = None,
         estimated, samples = estimate_latency(compute, pp, chunks)
         used = estimated if latency is None else latency
 
+        ran_slack, ran = slack, schedule
+        if schedule == "dpp":  # the slack and rule this iteration ran (chosen at run time)
+            noted = _noted_schedule(iterations, report["iteration"])
+            if noted is not None:
+                ran_slack = slack if slack_given else noted["dpp_slack"]
+                ran = "dpp-static" if noted["dpp_static"] else "dpp"
+
         def run(hop_ms: float, compute=compute, durations=durations, pp=pp, chunks=chunks,
-                report=report):
+                report=report, ran=ran, ran_slack=ran_slack):
             if executed:
                 return replay(_stage_plans(executed, report["iteration"], pp, actions),
                               durations, num_chunks=chunks, latency=hop_ms)
             return simulate(
-                schedule, pp, len(durations.microbatch_factor), durations,
-                num_chunks=chunks, slack=slack, latency=hop_ms,
+                ran, pp, len(durations.microbatch_factor), durations,
+                num_chunks=chunks, slack=ran_slack, latency=hop_ms,
                 microbatch_order=run_order(compute) if schedule == "dpp" else None,
                 split_backward=durations.weight is not None)
 
@@ -206,7 +214,8 @@ def compare(path: str, schedule: str | None = None, slack: int | None = None,
         bound = memory_free_bound(durations.by_kind(split_backward=durations.weight is not None),
                                   pp, len(durations.microbatch_factor),
                                   PipelineTopology(pp, chunks))
-        rows.append({"iteration": report["iteration"], "latency_ms": used,
+        rows.append({"iteration": report["iteration"], "schedule": ran, "slack": ran_slack,
+                     "latency_ms": used,
                      "latency_samples": samples, "measured_makespan_ms": report["makespan_ms"],
                      "simulated_makespan_ms": result.makespan,
                      "zero_latency_makespan_ms": ideal.makespan, "lower_bound_ms": bound,
@@ -215,6 +224,15 @@ def compare(path: str, schedule: str | None = None, slack: int | None = None,
         raise TraceError(f"{path}: no forward/backward spans")
     return {"schedule": schedule, "slack": slack, "replayed": bool(executed),
             "iterations": rows, "mean": _mean(rows)}
+
+
+def _noted_schedule(iterations: dict, iteration: int) -> dict | None:
+    """The DPP slack and rule the trace's iteration records say the iteration ran (None:
+    a trace written before they were recorded)."""
+    for (_, number), record in sorted(iterations.items()):
+        if number == iteration and "dpp_slack" in record:
+            return record
+    return None
 
 
 def _stage_plans(executed: dict, iteration: int, pp: int, directory: str) -> list[list[Task]]:
@@ -243,7 +261,10 @@ def format_comparison(result: dict) -> str:
     lines = [f"simulated schedule: {result['schedule']}{slack}{replayed}"]
     header = "  stage  measured  simulated  difference (points)"
     for row in result["iterations"]:
-        lines.append(f"iteration {row['iteration']}: makespan measured "
+        ran = (f" ({row['schedule']} slack {row['slack']})"
+               if row["schedule"] != result["schedule"] or row["slack"] != result["slack"]
+               else "")
+        lines.append(f"iteration {row['iteration']}{ran}: makespan measured "
                      f"{row['measured_makespan_ms']:.2f} ms, simulated "
                      f"{row['simulated_makespan_ms']:.2f} ms; latency {row['latency_ms']:.3f}"
                      f" ms ({row['latency_samples']} samples)")

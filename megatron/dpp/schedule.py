@@ -202,6 +202,8 @@ class DppSchedule:
                              f"{num_microbatches} microbatches")
         slack, record = ((self.options.slack, None) if self._adapter is None
                          else self._adapter.next_call(forward_only))
+        if not forward_only:
+            self.tracer.note_schedule(slack, self.runs_static)
         run = _Iteration(self, model, iterators, forward_step_func, num_microbatches,
                          config, forward_only, collect_non_loss_data, costs, self._cost_order,
                          slack, record)

@@ -68,6 +68,9 @@ class NullTracer:
     def record_actions(self, stage: int, actions) -> None:
         pass
 
+    def note_schedule(self, slack: int, static: bool) -> None:
+        pass
+
     def begin_iteration(self, iteration: int, num_microbatches: int) -> None:
         pass
 
@@ -153,6 +156,7 @@ class Tracer:
         self._num_microbatches = 0
         self._labels = {"forward": [], "backward": []}
         self._counts = {"forward": 0, "backward": 0}
+        self._schedule: dict = {}  # this iteration's DPP slack and rule (note_schedule)
         self._start_mark = None
         self._actions: dict[int, list] = {}  # stage -> this iteration's executed actions
         self._actions_path = actions_path(path)
@@ -181,6 +185,12 @@ class Tracer:
         if self.active:
             self._actions.setdefault(stage, []).extend(actions)
 
+    def note_schedule(self, slack: int, static: bool) -> None:
+        """The slack and rule DPP's training call of this iteration runs (the header's
+        slack is the largest it may choose): written into the iteration's record."""
+        if self.active:
+            self._schedule = {"dpp_slack": slack, "dpp_static": static}
+
     def next_label(self, kind: str) -> tuple[int | None, int | None]:
         """(microbatch, chunk) of this iteration's next `kind` task in the static order."""
         count = self._counts[kind]
@@ -194,6 +204,7 @@ class Tracer:
             return
         self._iteration, self._num_microbatches = iteration, num_microbatches
         self._counts = {"forward": 0, "backward": 0}
+        self._schedule = {}
         if self.meta["schedule"] != "dpp":
             self._labels = _static_labels(self.meta, num_microbatches)
         self._clock.anchor()
@@ -210,7 +221,7 @@ class Tracer:
         times = [round(t, 3) for t in times]
         self._write({"iteration": self._iteration, "microbatches": self._num_microbatches,
                      "start_us": times[0], "end_us": times[1],
-                     "peak_memory_bytes": peak_memory_bytes(self.device)})
+                     "peak_memory_bytes": peak_memory_bytes(self.device), **self._schedule})
         for index, (kind, microbatch, chunk, _, _) in enumerate(self._records):
             start, end = times[2 + 2 * index], times[3 + 2 * index]
             self._write({"kind": kind, "it": self._iteration, "mb": microbatch, "chunk": chunk,

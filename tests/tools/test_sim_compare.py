@@ -186,6 +186,32 @@ def test_dpp_trace_replays_the_executed_order(real_runs, tmp_path):
         sim_compare.compare(str(changed))
 
 
+@pytest.mark.slow
+def test_each_iteration_is_simulated_with_the_slack_and_rule_it_ran(real_runs, tmp_path):
+    """DPP's iteration records say what each training call ran (the header holds the
+    largest slack it may choose); without recorded actions each iteration is simulated
+    with its own slack and rule, and an explicit slack still wins."""
+    trace = load_trace(real_runs["dpp"])
+    _, iterations = load_spans(trace)
+    assert {(r["dpp_slack"], r["dpp_static"]) for r in iterations.values()} == {(1, False)}
+    as_run = sim_compare.compare(real_runs["dpp"])
+    assert [(row["schedule"], row["slack"]) for row in as_run["iterations"]] == [
+        ("dpp", 1), ("dpp", 1)]
+    for event in trace["traceEvents"]:  # iteration 2 ran the plan in order at slack 0
+        if event.get("cat") == "iteration" and event["args"]["iteration"] == 2:
+            event["args"].update(dpp_slack=0, dpp_static=True)
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    noted = sim_compare.compare(str(path))
+    assert not noted["replayed"]
+    assert [(row["schedule"], row["slack"]) for row in noted["iterations"]] == [
+        ("dpp-static", 0), ("dpp", 1)]
+    assert "iteration 2 (dpp-static slack 0)" in sim_compare.format_comparison(noted)
+    given = sim_compare.compare(str(path), slack=2)
+    assert [(row["schedule"], row["slack"]) for row in given["iterations"]] == [
+        ("dpp-static", 2), ("dpp", 2)]
+
+
 def rewrite(path, by_iteration):
     with open(path, "w", newline="") as file:
         for k, (iteration, plans) in enumerate(sorted(by_iteration.items())):
