@@ -53,6 +53,7 @@ TINY_GPT = [
     "--log-interval", "1", "--eval-iters", "0", "--log-throughput",
 ]
 SLACK = re.compile(r"DPP slack (\d+): (.*)")
+PLAN_CHOSEN = "the plan in order runs"  # the slack line's words when that rule was chosen
 LOSS = re.compile(r"iteration\s+(\d+)/.*\| lm loss: ([-+.\dE]+)")
 SCHEDULES = ("1f1b", "dpp", "dpp-static")
 # one activation or gradient of TINY_GPT: seq-length x micro-batch x hidden, fp32 on CPU
@@ -114,10 +115,11 @@ def emulation_of(extra: list[str]) -> Emulation:
 
 def predict(directory: Path, slack: int, iteration_ms: float,
             emulation: Emulation | None = None,
-            message_bytes: int = MESSAGE_BYTES) -> dict[str, dict]:
+            message_bytes: int = MESSAGE_BYTES, dpp_static: bool = False) -> dict[str, dict]:
     """The simulator on each traced iteration's task times and message time: per schedule
     the median makespan and that plus the traced run's median time outside the pipeline.
-    With an emulated link each message's hop is its draw (the module docstring)."""
+    With an emulated link each message's hop is its draw (the module docstring).
+    `dpp_static`: the `dpp` run chose the plan in order, which its row then simulates."""
     spans, iterations = load_spans(load_trace(str(directory)))
     reports = iteration_reports(spans, iterations)
     outside = iteration_ms - statistics.median(r["makespan_ms"] for r in reports)
@@ -137,7 +139,8 @@ def predict(directory: Path, slack: int, iteration_ms: float,
                                    max(0.0, hop_ms - link.mean_ms(message_bytes)))
         m = len(durations.microbatch_factor)
         for name in SCHEDULES:
-            makespans[name].append(simulate(name, pp, m, durations,
+            rule = "dpp-static" if name == "dpp" and dpp_static else name
+            makespans[name].append(simulate(rule, pp, m, durations,
                                             slack=0 if name == "1f1b" else slack,
                                             latency=latency).makespan)
     predicted = {"hop_ms": statistics.median(hops), "iterations": len(reports),
@@ -245,7 +248,7 @@ def main(argv=None) -> int:
     predicted = None
     if args.simulate and slack is not None and "error" not in results["1f1b"]:
         predicted = predict(trace_dir(out, "1f1b"), slack, results["1f1b"]["ms_per_iter"],
-                            emulation_of(extra))
+                            emulation_of(extra), dpp_static=PLAN_CHOSEN in reason)
     lines = table(results, slack, reason, predicted)
     (out / "results.json").write_text(json.dumps(
         {"results": results, "slack": slack, "reason": reason, "predicted": predicted},

@@ -71,6 +71,17 @@ def test_the_prediction_from_a_1f1b_trace(tmp_path, capsys):
     assert predicted["1f1b"]["iteration_ms"] == pytest.approx(makespan + 5.0)
     assert predicted["dpp"]["makespan_ms"] < 0.8 * makespan
     assert predicted["dpp-static"]["makespan_ms"] > predicted["dpp"]["makespan_ms"]
+    # a run that chose the plan in order: its row simulates that rule
+    chosen = bench_two_pods.predict(path, 2, iteration_ms=makespan + 5.0, dpp_static=True)
+    assert chosen["dpp"] == chosen["dpp-static"] == predicted["dpp-static"]
+    from megatron.dpp.slack_choice import SlackChoice
+
+    def slack_line(static: bool) -> str:
+        return SlackChoice(1, {0: 10.0, 1: 9.0}, 1.0, 5.0, None, None, None, 2, static,
+                           rule_gain=1.002 if static else 1.05).line()
+
+    assert bench_two_pods.PLAN_CHOSEN in slack_line(static=True)
+    assert bench_two_pods.PLAN_CHOSEN not in slack_line(static=False)
 
 
 def test_the_table_names_ratios_and_failures():
