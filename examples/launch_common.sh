@@ -265,13 +265,20 @@ dpp_run_torchrun() {
     exec {output}> >(trap '' INT; tee -i "$logfile" |
         PYTHONPATH="$DPP_REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m megatron.trainer.launch console)
     local filter=$!
+    # the traps come first: a signal between the start and `trainer=$!` would otherwise end
+    # this script at once; one that comes before the pid is known is passed on after it
+    trainer=
+    trap 'DPP_STOP_SIGNAL=TERM; [[ -z $trainer ]] || kill -TERM "$trainer" 2>/dev/null' TERM
+    trap 'dpp_interrupt "$trainer"' INT
     # a background command starts with Ctrl-C ignored: torchrun takes it only once it has
     # set its handlers, just before it starts the ranks (dpp_interrupt)
     "$@" >&"$output" 2>&1 &
     trainer=$!
     exec {output}>&-
-    trap 'DPP_STOP_SIGNAL=TERM; kill -TERM "$trainer" 2>/dev/null' TERM
-    trap 'dpp_interrupt "$trainer"' INT
+    case $DPP_STOP_SIGNAL in
+        INT) dpp_interrupt "$trainer" ;;
+        TERM) kill -TERM "$trainer" 2>/dev/null ;;
+    esac
     while true; do
         status=0
         wait "$trainer" || status=$?
@@ -287,6 +294,7 @@ dpp_run_torchrun() {
 # ignores SIGINT, and SIGTERM ends it at once (no rank to stop, nothing to save)
 dpp_interrupt() {
     DPP_STOP_SIGNAL=INT
+    [[ -n $1 ]] || return 0  # torchrun not started yet: dpp_run_torchrun passes it on
     local children
     children=$(cat /proc/"$1"/task/*/children 2>/dev/null || ps -o pid= --ppid "$1" 2>/dev/null)
     if [[ -n ${children// /} ]]; then
