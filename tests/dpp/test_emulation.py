@@ -251,8 +251,17 @@ def test_emulated_link_under_megatron_cores_interleaved_schedule():
 TASK_S = 0.1
 
 
+def _compute(seconds: float) -> None:
+    """A task's own work: matrix products until this thread has spent `seconds` of CPU
+    time (a straggler on CPU is stretched by its task's CPU time, not its wall time)."""
+    end = time.thread_time() + seconds
+    matrix = torch.ones(64, 64)
+    while time.thread_time() < end:
+        matrix = (matrix @ matrix).clamp_(max=1.0)
+
+
 class _SlowBackward(torch.autograd.Function):
-    """Doubles its input; its backward takes TASK_S."""
+    """Doubles its input; its backward computes for TASK_S."""
 
     @staticmethod
     def forward(ctx, value):
@@ -260,13 +269,33 @@ class _SlowBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(TASK_S)
+        _compute(TASK_S)
         return grad * 2
 
 
-def test_a_straggling_task_takes_factor_times_as_long():
+@pytest.fixture
+def stretches(monkeypatch):
+    """The sleeps the emulation's stretched tasks ask for, in order (each also slept): the
+    stretch a task gets, apart from how long a busy machine made its work take."""
+    from types import SimpleNamespace
+
+    from megatron.dpp.transport import emulation as transport_emulation
+
+    asked: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        asked.append(seconds)
+        time.sleep(seconds)
+
+    monkeypatch.setattr(transport_emulation, "time", SimpleNamespace(
+        thread_time=time.thread_time, monotonic=time.monotonic, sleep=sleep))
+    return asked
+
+
+def test_a_straggling_task_takes_factor_times_as_long(stretches):
     """The trainer's hook stretches a straggling forward after it ran and a straggling
-    backward from its output's gradient to the end of the pass, on CPU by sleeping."""
+    backward from its output's gradient to the end of the pass, on CPU by sleeping for
+    (factor - 1) times the CPU time the task spent: a task that only waited is not stretched."""
     from types import SimpleNamespace
 
     from megatron.trainer.run.emulation import Stragglers
@@ -275,43 +304,50 @@ def test_a_straggling_task_takes_factor_times_as_long():
     rng = SimpleNamespace(current_key=(1, 0, 0), pp_rank=0, pp_size=1)
 
     def forward_step(data_iterator, model):
-        time.sleep(task_s)
+        _compute(task_s)
         x = torch.ones(4, requires_grad=True)
         return _SlowBackward.apply(x), None
 
-    for prob, stretched in ((1.0, True), (0.0, False)):
+    def waiting_step(data_iterator, model):  # a task that spends its time waiting, not computing
+        time.sleep(task_s)
+        return torch.ones(4, requires_grad=True) * 2, None
+
+    def step(prob: float, forward_step) -> list[float]:
         emulation = Emulation(seed=1, straggler=StragglerProfile(None, prob, factor))
-        step = Stragglers(emulation, rng, torch.device("cpu")).wrap(forward_step)
-        started = time.monotonic()
-        output, _ = step(None, None)
-        forward_s = time.monotonic() - started
-        started = time.monotonic()
+        stretches.clear()
+        output, _ = Stragglers(emulation, rng, torch.device("cpu")).wrap(forward_step)(None, None)
         output.sum().backward()
-        backward_s = time.monotonic() - started
-        if stretched:
-            assert forward_s >= factor * task_s * 0.95 and backward_s >= factor * task_s * 0.95
-        else:
-            assert forward_s < factor * task_s * 0.95 and backward_s < factor * task_s * 0.95
+        return list(stretches)
+
+    # the forward's sleep, then the backward's, each (factor - 1) times its CPU time
+    forward_sleep, backward_sleep = step(1.0, forward_step)
+    for slept in (forward_sleep, backward_sleep):
+        assert (factor - 1) * task_s <= slept < (factor - 1) * task_s * 1.5
+    assert step(0.0, forward_step) == []
+    # a forward that slept task_s (and its backward): next to no CPU time, next to no stretch
+    waited = step(1.0, waiting_step)
+    assert len(waited) == 2 and max(waited) < 0.1 * task_s
 
 
-def test_a_straggling_weight_task_takes_factor_times_as_long():
+def test_a_straggling_weight_task_takes_factor_times_as_long(stretches):
     """DPP runs its W parts itself: each straggles by the W draw of its microbatch, chunk
-    and stage in that iteration (on CPU by sleeping), and its result is the task's."""
+    and stage in that iteration (on CPU by sleeping after it for (factor - 1) times its CPU
+    time), and its result is the task's."""
     from megatron.dpp.actions import WEIGHT
     from megatron.dpp.transport.emulation import StragglingTasks
 
-    factor = 3.0
+    factor, task_s = 3.0, TASK_S / 4
     emulation = Emulation(seed=2, straggler=StragglerProfile(None, 0.5, factor))
     stragglers = StragglingTasks(emulation, stage=1, device=torch.device("cpu"))
     stragglers.iteration = 4
     draws = {m: emulation.straggle_factor(4, m, 1, 0, WEIGHT) for m in range(12)}
     assert set(draws.values()) == {1.0, factor}  # some W straggle, some do not
     for microbatch, drawn in draws.items():
-        started = time.monotonic()
-        result = stragglers.run(WEIGHT, 0, microbatch, lambda: time.sleep(TASK_S / 4) or "done")
-        took = time.monotonic() - started
+        stretches.clear()
+        result = stragglers.run(WEIGHT, 0, microbatch, lambda: _compute(task_s) or "done")
         assert result == "done"
         if drawn > 1:
-            assert took >= factor * TASK_S / 4 * 0.95, (microbatch, took)
+            (slept,) = stretches
+            assert (factor - 1) * task_s <= slept < (factor - 1) * task_s * 1.5, microbatch
         else:
-            assert took < factor * TASK_S / 4 * 0.95, (microbatch, took)
+            assert stretches == [], microbatch

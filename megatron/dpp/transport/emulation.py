@@ -117,13 +117,15 @@ class DelayedDelivery:
 
 class StretchedTask:
     """Extends one task, started at construction, to `factor` times its own duration (the
-    factor given at its end, once the task's key is known). On CPU: the host sleeps for the
-    rest after the task. On a GPU: the compute stream spins for (factor - 1) times the
-    task's last measured duration (`CudaSleep`; the host never waits for the device)."""
+    factor given at its end, once the task's key is known). On CPU: after the task the host
+    sleeps (factor - 1) times the CPU time its thread spent in it, so where ranks share
+    cores the time it waited for one is not stretched too. On a GPU: the compute stream
+    spins for (factor - 1) times the task's last measured duration (`CudaSleep`; the host
+    never waits for the device)."""
 
     def __init__(self, device: torch.device):
         self.gpu = device.type == "cuda"
-        self.started = time.monotonic()
+        self.started = time.thread_time()
         if self.gpu:
             self._start = torch.cuda.Event(enable_timing=True)
             self._start.record()
@@ -131,8 +133,7 @@ class StretchedTask:
     def finish(self, factor: float, sleeper: CudaSleep | None = None,
                kind: str = FORWARD) -> None:
         if not self.gpu:
-            elapsed = time.monotonic() - self.started
-            time.sleep(elapsed * (factor - 1))
+            time.sleep((time.thread_time() - self.started) * (factor - 1))
             return
         end = torch.cuda.Event(enable_timing=True)
         end.record()
