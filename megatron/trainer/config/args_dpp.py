@@ -96,8 +96,8 @@ def validate_dpp(args, need):
              "Transformer Engine layers (their own weight-gradient path): use --transformer-impl local")
         from megatron.trainer.config import fast_path
 
-        gpu = cuda_available() and args.distributed_backend in (None, "nccl")
-        need(not args.use_dpp or gpu or not fast_path.budget_in_bytes(args.dpp_memory_budget),
+        need(not args.use_dpp or fast_path.on_gpu(args, cuda_available())
+             or not fast_path.budget_in_bytes(args.dpp_memory_budget),
              f"--dpp-split-backward with --dpp-memory-budget {args.dpp_memory_budget}: "
              f"{fast_path.BYTES_ON_CPU}, or --no-dpp-split-backward")
     if args.multi_node:
