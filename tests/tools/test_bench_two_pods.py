@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from megatron.dpp.sim.bounds import memory_free_bound
 from megatron.dpp.sim.simulate import main as simulate_main
-from megatron.dpp.sim.simulator import CostModel, compare
+from megatron.dpp.sim.simulator import CostModel, compare, sample_durations
 from profiling import bench_two_pods
 
 LOG = """\
@@ -71,6 +72,18 @@ def test_the_prediction_from_a_1f1b_trace(tmp_path, capsys):
     assert predicted["1f1b"]["iteration_ms"] == pytest.approx(makespan + 5.0)
     assert predicted["dpp"]["makespan_ms"] < 0.8 * makespan
     assert predicted["dpp-static"]["makespan_ms"] > predicted["dpp"]["makespan_ms"]
+    # the bound on any schedule of the traced tasks, below every schedule's makespan
+    durations = sample_durations(CostModel(cv=0.3, latency=3.0), 4, 1, 16, seed=4)
+    assert predicted["bound_ms"] == pytest.approx(memory_free_bound(durations.by_kind(False),
+                                                                    4, 16))
+    assert predicted["bound_ms"] < predicted["dpp"]["makespan_ms"]
+    results = {name: {"ms_per_iter": predicted[name]["iteration_ms"], "peak_mb_per_rank": [],
+                      "losses": {}} for name in bench_two_pods.SCHEDULES}
+    last = bench_two_pods.table(results, 2, "", predicted)[-1]
+    ratio = predicted["dpp-static"]["makespan_ms"] / predicted["bound_ms"]
+    assert last.startswith("no schedule of those tasks, at any memory, takes less than")
+    assert last.endswith(f"the plan in order at slack 2 is simulated at "
+                         f"{predicted['dpp-static']['makespan_ms']:.1f} ms, {ratio:.3f}x that")
     # a run that chose the plan in order: its row simulates that rule
     chosen = bench_two_pods.predict(path, 2, iteration_ms=makespan + 5.0, dpp_static=True)
     assert chosen["dpp"] == chosen["dpp-static"] == predicted["dpp-static"]
@@ -114,8 +127,17 @@ def test_the_prediction_under_an_emulated_link_draws_each_messages_hop(tmp_path,
     drawn = bench_two_pods.predict(path, 2, makespan, emulation, message_bytes=0)
     assert drawn["1f1b"]["makespan_ms"] == pytest.approx(makespan)
     assert "link 30 ms + U(0, 20) ms on every pipeline edge" in bench_two_pods.table(
-        {}, 2, "", drawn)[-1]
+        {}, 2, "", drawn)[-2]
     flat = bench_two_pods.predict(path, 2, makespan)
     assert abs(flat["1f1b"]["makespan_ms"] / makespan - 1) > 0.01
     assert bench_two_pods.emulation_of([]).link is None
     assert bench_two_pods.emulation_of([]).seed == bench_two_pods.TRAINER_SEED
+
+
+def test_losses_equal_exactly_or_within_the_tests_tolerance_or_not():
+    reference = {1: 6.948030, 2: 6.870213}
+    assert bench_two_pods.same_losses(dict(reference), reference) == "yes"
+    # a float sum in another order: the last printed digit
+    assert bench_two_pods.same_losses({1: 6.948030, 2: 6.870214}, reference) == "~1e-07"
+    assert bench_two_pods.same_losses({1: 6.948030, 2: 6.9}, reference) == "NO"
+    assert bench_two_pods.same_losses({1: 6.948030}, reference) == "NO"
