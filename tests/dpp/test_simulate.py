@@ -7,8 +7,10 @@ import pytest
 from megatron.dpp.actions import BACKWARD, WEIGHT, Task
 from megatron.dpp.plan import StageConfig, static_order
 from megatron.dpp.policy import microbatch_order_for
+from megatron.dpp.sim.bounds import memory_free_bound
 from megatron.dpp.sim.simulate import main
 from megatron.dpp.sim.simulator import CostModel, compare, sample_durations, simulate
+from megatron.dpp.variability import StragglerProfile
 
 
 def uniform(p, m, chunks=1):
@@ -124,6 +126,32 @@ def test_cli_iterations_report_the_mean_of_each_iterations_draws(capsys):
     for name in ("1f1b", "dpp"):
         assert report[name]["makespan"] == pytest.approx(mean[name])
     assert report["dpp"]["speedup_vs_1f1b"] == pytest.approx(mean["1f1b"] / mean["dpp"])
+
+
+def test_cli_lower_bound_is_the_mean_bound_of_each_iterations_tasks(capsys):
+    """The report's lower bound: the memory-free bound of each iteration's sampled tasks,
+    averaged as the makespans are, below every schedule's; the text names each schedule's
+    makespan over it."""
+    flags = ["--pp", "4", "--microbatches", "8", "--slack", "2", "--forward-ms", "8",
+             "--split-backward", "--slow-stage", "3", "--slow-factor", "1.5",
+             "--emulate-straggler", "all:0.3:3", "--schedules", "1f1b", "dpp",
+             "--iteration", "1", "--iterations", "3"]
+    main([*flags, "--json"])
+    report = json.loads(capsys.readouterr().out)
+    cost = CostModel(forward=8.0, slow_stage=3, slow_factor=1.5,
+                     straggler=StragglerProfile.parse("all:0.3:3"))
+    bounds = [memory_free_bound(sample_durations(cost, 4, 1, 8, 0, True, i).by_kind(True), 4, 8)
+              for i in (1, 2, 3)]
+    assert report["lower_bound"] == pytest.approx(sum(bounds) / 3)
+    assert len(set(bounds)) > 1  # each iteration's own draws
+    for entry in report["schedules"].values():
+        assert entry["makespan"] > report["lower_bound"]
+    main(flags)
+    last = capsys.readouterr().out.splitlines()[-1]
+    ratio = report["schedules"]["dpp"]["makespan"] / report["lower_bound"]
+    assert last.startswith(f"no schedule of these tasks, at any memory, takes less than "
+                           f"{report['lower_bound']:.2f}")
+    assert last.endswith(f"dpp {ratio:.3f}x")
 
 
 def test_cli_grid_small(capsys):
@@ -291,13 +319,13 @@ def test_cli_split_backward_report_and_grid(capsys):
     main(["--pp", "4", "--microbatches", "16", "--split-backward", "--slack", "0",
           "--defer-weights"])
     lines = capsys.readouterr().out.splitlines()
-    assert "speedup: 1f1b 1.118x, zb-h1 1.000x" in lines[-3]
-    assert lines[-1].endswith("peak in flight per stage: 4 4 4 4 (F to W; F to B: 4 3 2 1)")
+    assert "speedup: 1f1b 1.118x, zb-h1 1.000x" in lines[-4]
+    assert lines[-2].endswith("peak in flight per stage: 4 4 4 4 (F to W; F to B: 4 3 2 1)")
     # the default: each W after its B, 1F1B's memory on every stage (57 / 54, 51 / 54)
     main(["--pp", "4", "--microbatches", "16", "--split-backward", "--slack", "0"])
     lines = capsys.readouterr().out.splitlines()
-    assert "speedup: 1f1b 1.056x, zb-h1 0.944x" in lines[-3]
-    assert lines[-1].endswith("peak in flight per stage: 4 3 2 1")
+    assert "speedup: 1f1b 1.056x, zb-h1 0.944x" in lines[-4]
+    assert lines[-2].endswith("peak in flight per stage: 4 3 2 1")
     main(["--grid", "--split-backward", "--defer-weights", "--grid-pp", "2", "--seeds", "2",
           "--jobs", "1"])
     out = capsys.readouterr().out

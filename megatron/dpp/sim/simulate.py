@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict
 
 from megatron.dpp.config import DEFAULTS
+from megatron.dpp.sim.bounds import memory_free_bound
 from megatron.dpp.sim.simulate_grid import (
     GRID_EXTRA_MODELS,
     GRID_MODELS,
@@ -32,15 +33,27 @@ from megatron.dpp.sim.simulate_grid import (
     format_split_grid,
     run_grid,
 )
-from megatron.dpp.sim.simulator import SCHEDULES, CostModel, compare, write_trace
+from megatron.dpp.sim.simulator import (
+    SCHEDULES,
+    CostModel,
+    compare,
+    sample_durations,
+    write_trace,
+)
 from megatron.dpp.variability import LinkProfile, StragglerProfile
 
 
 def _single_report(args, cost: CostModel) -> dict:
     """Each schedule's result; over several --iterations the mean makespan (the speedups
-    divide means) and the last iteration's other figures."""
+    divide means) and the last iteration's other figures; and the mean lower bound on any
+    schedule of the same tasks (megatron/dpp/sim/bounds.py), one chunk a rank."""
     makespans: dict[str, list[float]] = {}
+    bounds = []
     for iteration in range(args.iteration, args.iteration + args.iterations):
+        durations = sample_durations(cost, args.pp, 1, args.microbatches, args.seed,
+                                     args.split_backward, iteration)
+        bounds.append(memory_free_bound(durations.by_kind(args.split_backward), args.pp,
+                                        args.microbatches))
         results = compare(
             args.pp,
             args.microbatches,
@@ -59,7 +72,8 @@ def _single_report(args, cost: CostModel) -> dict:
         for name, result in results.items():
             makespans.setdefault(name, []).append(result.makespan)
     mean = {name: sum(values) / len(values) for name, values in makespans.items()}
-    report = {"config": {**vars(args), "cost": _plain(asdict(cost))}, "schedules": {}}
+    report = {"config": {**vars(args), "cost": _plain(asdict(cost))}, "schedules": {},
+              "lower_bound": sum(bounds) / len(bounds)}
     for name, result in results.items():
         entry = {
             "makespan": mean[name],
@@ -110,6 +124,11 @@ def _format_single(report: dict) -> str:
         lines.append("             peak in flight per stage: " + " ".join(map(str, held))
                      + ("" if held == activations else
                         " (F to W; F to B: " + " ".join(map(str, activations)) + ")"))
+    bound = report["lower_bound"]
+    lines.append(f"no schedule of these tasks, at any memory, takes less than {bound:.2f} (the "
+                 "busiest rank's work after its cheapest lead-in); each over it: "
+                 + ", ".join(f"{name} {entry['makespan'] / bound:.3f}x"
+                             for name, entry in report["schedules"].items()))
     return "\n".join(lines)
 
 
