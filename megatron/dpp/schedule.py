@@ -416,9 +416,10 @@ class _Iteration:
             data = data.of(microbatch)
         stored = len(self.forward_data_store)
         with (contextlib.nullcontext() if self.record is None or self.forward_only
-              else self.record.saving(self.model[chunk].parameters(), self.device,
-                                      self.config.gradient_accumulation_fusion)):
+              else self.record.saving(self.model[chunk].parameters(), self.device)) as saving:
             output, num_tokens = self._forward_step(data, chunk, microbatch, input_tensor, last)
+            if saving is not None:
+                saving.keep(output)
         self.tracer.stop(span)
         if last and self.output_weight_grads is not None:
             self.output_weight_grads.after_forward(microbatch, training=not self.forward_only)

@@ -17,7 +17,7 @@ runs the same slack.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import logging
 import statistics
 import time
@@ -62,6 +62,8 @@ class IterationRecord:
     saved_bytes: list[int] = field(default_factory=list)  # per forward
     waiting: bool = False  # inside the schedule's wait for an input
     _events: list = field(default_factory=list)  # CUDA: (kind, chunk, start, end)
+    # CPU: (output, parameter storages) of forwards whose saved tensors are not counted yet
+    _graphs: list = field(default_factory=list)
 
     def message_sent(self, dst: int, task: Task) -> None:
         self.sent[dst, task] = time.monotonic()
@@ -76,17 +78,22 @@ class IterationRecord:
     def timed(self, task: Task, device: torch.device):
         return _TaskTimer(self, task, device)
 
-    def saving(self, parameters, device: torch.device, fused_weight_grads: bool):
-        """A context around a forward that counts the activations it leaves: on a GPU the
-        allocator's growth; on CPU the tensors autograd saves (once per storage, parameters
-        left out), except under the fused weight-gradient accumulation, whose backward
-        reads main_grad from the saved weight, an attribute autograd's saved-tensor hooks
-        do not carry over (nothing is counted then)."""
+    def saving(self, parameters, device: torch.device):
+        """A context around a forward that counts the activations it leaves, given the
+        forward's output (`keep`): on a GPU the allocator's growth; on CPU the tensors its
+        autograd graph saved (once per storage, parameters left out), walked once the
+        task's time is taken (`count_saved`). The walk reads the graph as it stands, so a
+        backward that reads attributes of a saved weight (main_grad under the fused
+        weight-gradient accumulation) finds them, as saved-tensor hooks would not let it."""
         if device.type == "cuda":
             return _AllocatedBytes(self, device)
-        if fused_weight_grads:
-            return contextlib.nullcontext()
-        return _SavedBytes(self, {p.untyped_storage().data_ptr() for p in parameters})
+        return _SavedGraph(self, {p.untyped_storage().data_ptr() for p in parameters})
+
+    def count_saved(self) -> None:
+        """CPU: the bytes each pending forward's graph saved (`saving`)."""
+        for output, parameters in self._graphs:
+            self.saved_bytes.append(saved_tensor_bytes(output.grad_fn, parameters))
+        self._graphs.clear()
 
     def resolve(self) -> None:
         """CUDA: the task times from their events (after the stream finished them)."""
@@ -119,6 +126,7 @@ class _TaskTimer:
         else:
             elapsed = time.perf_counter() - self.start - (core_wait_s() - self.waited)
             self.record.task_ms[kind, chunk].append(1e3 * max(0.0, elapsed))
+            self.record.count_saved()  # after the time is taken: the walk is not the task's
         return False
 
 
@@ -130,34 +138,74 @@ class _AllocatedBytes:
         self.before = torch.cuda.memory_allocated(self.device)
         return self
 
+    def keep(self, output) -> None:
+        """Nothing to keep: the allocator's growth is the count."""
+
     def __exit__(self, *exc):
         grown = torch.cuda.memory_allocated(self.device) - self.before
         self.record.saved_bytes.append(max(0, grown))
         return False
 
 
-class _SavedBytes:
+class _SavedGraph:
     def __init__(self, record: IterationRecord, parameter_storages: set[int]):
-        self.record, self.skip = record, parameter_storages
-        self.seen: set[int] = set()
-        self.total = 0
-
-    def _pack(self, tensor):
-        pointer = tensor.untyped_storage().data_ptr()
-        if pointer not in self.skip and pointer not in self.seen:
-            self.seen.add(pointer)
-            self.total += tensor.untyped_storage().nbytes()
-        return tensor
+        self.record, self.parameters = record, parameter_storages
 
     def __enter__(self):
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self.hooks.__enter__()
         return self
 
+    def keep(self, output) -> None:
+        """The forward's output, whose graph holds what the forward saved."""
+        if isinstance(output, torch.Tensor) and output.grad_fn is not None:
+            self.record._graphs.append((output, self.parameters))
+
     def __exit__(self, *exc):
-        self.hooks.__exit__(*exc)
-        self.record.saved_bytes.append(self.total)
         return False
+
+
+def saved_tensor_bytes(root, skip: set[int]) -> int:
+    """The bytes the autograd graph from node `root` back saved for its backward: every
+    storage once, those in `skip` (the parameters') left out."""
+    nodes, storages, total = set(), set(), 0
+    pending = [root]
+    while pending:
+        node = pending.pop()
+        if node is None or node in nodes:
+            continue
+        nodes.add(node)
+        for tensor in _saved_tensors(node):
+            storage = tensor.untyped_storage()
+            pointer = storage.data_ptr()
+            if pointer not in skip and pointer not in storages:
+                storages.add(pointer)
+                total += storage.nbytes()
+        pending.extend(next_node for next_node, _ in node.next_functions)
+    return total
+
+
+@functools.lru_cache(maxsize=1024)
+def _saved_names(node_type: type) -> tuple[str, ...]:
+    """The attributes through which nodes of this type expose what they saved (`dir` is
+    slow, and each operation has its own node type)."""
+    return tuple(name for name in dir(node_type)
+                 if name.startswith("_saved_") or name == "saved_tensors")
+
+
+def _saved_tensors(node) -> list[torch.Tensor]:
+    """What one graph node saved: a built-in node's `_saved_*` attributes, a custom
+    Function's saved_tensors."""
+    values = []
+    for name in _saved_names(type(node)):
+        try:
+            values.append(getattr(node, name))
+        except RuntimeError:  # freed already (a backward ran through it): holds nothing
+            continue
+    found = []
+    for value in values:
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, torch.Tensor):
+                found.append(item)
+    return found
 
 
 @dataclass(frozen=True)
@@ -232,8 +280,8 @@ class SlackAdapter:
         if budget is not None and budget.limit_bytes is not None \
                 and measured.activation_bytes is None:
             raise ValueError(f"memory budget {budget.describe()}: the activations were "
-                               "not measured (CPU with the fused weight-gradient "
-                               "accumulation); give a factor such as 1.15x")
+                             "not measured (no forward saved any); give a factor such as "
+                             "1.15x")
         return choose_slack(measured, len(shape.ranks), shape.num_microbatches,
                             num_chunks=shape.num_chunks, split_backward=shape.split_backward,
                             defer_weights=shape.defer_weights,

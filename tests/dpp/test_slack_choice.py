@@ -196,8 +196,8 @@ def test_the_trainer_names_a_bad_memory_budget(flags, problem):
 
 
 def test_a_size_budget_without_measured_activations_is_named():
-    """On CPU under the fused weight-gradient accumulation nothing counts the activations:
-    a budget in bytes cannot be met, a factor still can (equal bytes per stage)."""
+    """Where no forward counted any activations a budget in bytes cannot be met and says
+    so; a factor still can (equal bytes per stage)."""
     from megatron.dpp.slack_measurement import PipelineShape, SlackAdapter
 
     summaries = [_summary(0, {}, {}), _summary(1, {}, {})]

@@ -94,12 +94,6 @@ def validate_dpp(args, need):
              "weight-gradient accumulation: drop --no-gradient-accumulation-fusion")
         need(args.transformer_impl != "transformer_engine", "--dpp-split-backward with "
              "Transformer Engine layers (their own weight-gradient path): use --transformer-impl local")
-        from megatron.trainer.config import fast_path
-
-        need(not args.use_dpp or fast_path.on_gpu(args, cuda_available())
-             or not fast_path.budget_in_bytes(args.dpp_memory_budget),
-             f"--dpp-split-backward with --dpp-memory-budget {args.dpp_memory_budget}: "
-             f"{fast_path.BYTES_ON_CPU}, or --no-dpp-split-backward")
     if args.multi_node:
         need(bool(args.node_ips), "--multi-node needs --node-ips ADDR [ADDR ...]")
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))

@@ -39,9 +39,6 @@ GELU_EPILOGUE = "bias-GeLU in the MLP's GEMM epilogues (cuBLASLt)"
 NO_GPU = "no CUDA GPU on this machine"
 GLOO_ON_GPU = "--distributed-backend gloo runs the ranks on the CPU"
 SPLIT_BACKWARD = "DPP's split backward (--dpp-split-backward: B and W tasks)"
-BYTES_ON_CPU = ("a size: on CPU the split's fused weight-gradient accumulation hides a "
-                "microbatch's activations from the count the size needs; a factor such as "
-                "1.15x counts microbatches")
 # docs/benchmarks/gpu_pp4_h200_2026-11-27.md and variable_lengths_h200_2026-11-27.md (4 H200s,
 # PP=4, 16 microbatches)
 # the activations DPP's chosen slack may hold on a GPU, of megatron-core 1F1B's busiest stage
@@ -177,8 +174,6 @@ def _resolve_dpp(args, machine: Machine, gpu: bool) -> list[str]:
                      "--dpp-max-inflight N to force a slack)")
     if args.dpp_split_backward is None:
         reasons = _split_conflicts(args, machine)
-        if not gpu and budget_in_bytes(args.dpp_memory_budget):
-            reasons.append(f"--dpp-memory-budget {args.dpp_memory_budget} on CPU ({BYTES_ON_CPU})")
         args.dpp_split_backward = not reasons
         if reasons:
             return [*lines, _line(SPLIT_BACKWARD, reasons, "--no-dpp-split-backward")]
@@ -197,19 +192,6 @@ def _resolve_dpp(args, machine: Machine, gpu: bool) -> list[str]:
     if gpu and chunks == 1:
         lines.append(f"DPP: {MEASURED_CHUNKS}")
     return lines
-
-
-def budget_in_bytes(budget: str | None) -> bool:
-    """Whether --dpp-memory-budget is a size (not a factor); False where it does not parse
-    (validation names that)."""
-    if budget is None:
-        return False
-    from megatron.dpp.config import MemoryBudget
-
-    try:
-        return MemoryBudget.parse(budget).limit_bytes is not None
-    except ValueError:
-        return False
 
 
 def _split_conflicts(args, machine: Machine) -> list[str]:

@@ -177,22 +177,19 @@ def test_use_dpp_splits_the_backward_on_cpu_and_leaves_the_rule_to_its_measureme
                for line in args.fast_path_fallbacks)
 
 
-def test_a_byte_budget_on_cpu_keeps_the_backward_whole():
-    """On CPU the split's fused weight-gradient accumulation hides the activations a size
-    counts: with a size the default keeps the backward whole and says why, a factor keeps
-    the split, and the split asked for with a size stops at validation."""
+def test_a_byte_budget_on_cpu_keeps_the_split():
+    """On CPU the activations are counted from the forward's autograd graph, the split's
+    too: a size or a factor keeps the default split, and the split asked for with a size
+    passes validation."""
     cpu = dict(cuda=False, triton=False)
-    sized = _resolved([*PP2_DPP, "--dpp-memory-budget", "20MB"], world_size=2, **cpu)
-    assert sized.dpp_split_backward is False
-    (line,) = [line for line in sized.fast_path_fallbacks
-               if line.startswith(fast_path.SPLIT_BACKWARD + " off: ")]
-    assert "--dpp-memory-budget 20MB on CPU" in line and "1.15x" in line
-    assert _resolved([*PP2_DPP, "--dpp-memory-budget", "1.5x"], world_size=2,
+    for budget in ("20MB", "1.5x"):
+        resolved = _resolved([*PP2_DPP, "--dpp-memory-budget", budget], world_size=2, **cpu)
+        assert resolved.dpp_split_backward is True
+        assert not [line for line in resolved.fast_path_fallbacks
+                    if line.startswith(fast_path.SPLIT_BACKWARD + " off: ")]
+    assert _resolved([*PP2_DPP, "--dpp-split-backward", "--dpp-memory-budget", "20MB",
+                      "--distributed-backend", "gloo"], world_size=2,
                      **cpu).dpp_split_backward is True
-    with pytest.raises(ArgumentError, match="--dpp-split-backward with --dpp-memory-budget "
-                                            "20MB: a size"):
-        _resolved([*PP2_DPP, "--dpp-split-backward", "--dpp-memory-budget", "20MB",
-                   "--distributed-backend", "gloo"], world_size=2, **cpu)
 
 
 def test_the_split_stays_the_users_choice():
