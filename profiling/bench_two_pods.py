@@ -24,8 +24,8 @@ pipeline) beside the measured one, and the lower bound on any schedule of those 
 (megatron/dpp/sim/bounds.py) beside the plan in order's. Under --emulate-link-ms each
 message's hop is the link's own draw for that message in that iteration
 (megatron/dpp/variability.py, the one the runs applied) plus what the measured hop leaves
-beyond the link's mean; stragglers are in the measured task
-times already, and straggle the same tasks under every schedule.
+beyond the link's mean; stragglers are in the measured task times already, and straggle
+the same tasks under every schedule.
 """
 
 from __future__ import annotations

@@ -94,10 +94,9 @@ class GraphsRefused(ValueError):
     it as a flag error)."""
 
 
-def on_gpu(args, cuda: bool) -> bool:
-    """Whether this run's ranks compute on GPUs, given whether the machine has CUDA (gloo on
-    a GPU machine runs on the CPU)."""
-    return cuda and args.distributed_backend in (None, "nccl")
+def on_gpu(args, machine: Machine) -> bool:
+    """Whether this run's ranks compute on GPUs (gloo on a GPU machine runs on the CPU)."""
+    return machine.cuda and args.distributed_backend in (None, "nccl")
 
 
 def resolve(args, machine: Machine) -> list[str]:
@@ -106,7 +105,7 @@ def resolve(args, machine: Machine) -> list[str]:
     None) for this machine;
     returns one line per default that fell back, naming its reasons. Explicit choices are
     left as given."""
-    gpu = on_gpu(args, machine.cuda)
+    gpu = on_gpu(args, machine)
     no_gpu = NO_GPU if not machine.cuda else GLOO_ON_GPU
     fallbacks = _resolve_dpp(args, machine, gpu)
 

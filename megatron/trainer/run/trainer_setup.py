@@ -227,7 +227,7 @@ def _require_optimizer_instance_support(configs: TrainerConfigs) -> None:
     if instances > 1 and importlib.util.find_spec("einops") is None:
         raise ArgumentError(f"--num-distributed-optimizer-instances {instances}: the einops "
                             "package is not importable here (pip install einops)")
-    if instances > 1 and not fast_path.on_gpu(configs.parallel, fast_path.Machine.detect().cuda):
+    if instances > 1 and not fast_path.on_gpu(configs.parallel, fast_path.Machine.detect()):
         raise ArgumentError(f"--num-distributed-optimizer-instances {instances} needs GPUs "
                             "(megatron-core reduces between the instances on a CUDA stream)")
 
