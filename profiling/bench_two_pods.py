@@ -11,8 +11,10 @@ straggler emulation of a two-pod pipeline, for one.
 
 Each run is profiling/bench_gpt.py's (`run`: torchrun, the log, the median iteration time
 after the warm-up; here iterations 3-10; with --repeat each schedule runs that many times,
-in turn with the others, and its row gives the median of the runs). The table gives each
-schedule's median, its speedup over 1F1B and DPP's over the static plan at the same
+in turn with the others, and its row gives the median of the runs; each round's static
+plan runs at the slack that round's dynamic run chose, so the two always hold the same
+memory, and a slack column such as 1-2 says the rounds chose differently). The table gives
+each schedule's median, its speedup over 1F1B and DPP's over the static plan at the same
 slack (`--dpp-extra`: flags of both DPP runs, such as the split backward), every rank's peak
 memory (the trainer's memory line: max RSS on CPU), the slack, and whether the losses
 equal 1F1B's (`same_losses`). With --simulate every run traces its measured iterations
@@ -83,7 +85,11 @@ def median_of_runs(runs: list[dict]) -> dict:
     if failed:
         return failed[0]
     times = [r["ms_per_iter"] for r in runs]
-    return {**runs[0], "ms_per_iter": statistics.median(times), "runs_ms": times}
+    merged = {**runs[0], "ms_per_iter": statistics.median(times), "runs_ms": times}
+    slacks = sorted({r["slack"] for r in runs if r.get("slack") is not None})
+    if slacks:
+        merged["slack"] = str(slacks[0]) if len(slacks) == 1 else f"{slacks[0]}-{slacks[-1]}"
+    return merged
 
 
 def trace_flags(name: str, out: Path, first: int, last: int) -> list[str]:
@@ -187,8 +193,9 @@ def table(results: dict[str, dict], slack: int | None, reason: str,
         peaks = "/".join(f"{p:.0f}" for p in r["peak_mb_per_rank"] or [])
         same = "-" if reference is None or name == "1f1b" else same_losses(r["losses"],
                                                                            reference)
+        row_slack = "-" if name == "1f1b" else r.get("slack", slack)
         row = (f"{name:12s} {r['ms_per_iter']:9.1f} {ratio:>8s} "
-               f"{'-' if name == '1f1b' else slack:>6} {peaks:>26s} {same:>14s}")
+               f"{row_slack:>6} {peaks:>26s} {same:>14s}")
         if predicted:
             guess = predicted[name]["iteration_ms"]
             row += f" {guess:13.1f} {100 * (guess / r['ms_per_iter'] - 1):+6.1f}%"
@@ -197,7 +204,7 @@ def table(results: dict[str, dict], slack: int | None, reason: str,
         lines.append(row)
     dynamic, static = results.get("dpp"), results.get("dpp-static")
     if dynamic and static and "error" not in dynamic and "error" not in static:
-        lines.append(f"dpp / dpp-static at slack {slack}: "
+        lines.append(f"dpp / dpp-static at slack {static.get('slack', slack)}: "
                      f"{static['ms_per_iter'] / dynamic['ms_per_iter']:.3f}x")
     if reason:
         lines.append(reason)
@@ -213,6 +220,35 @@ def table(results: dict[str, dict], slack: int | None, reason: str,
                      f"work after its cheapest lead-in): the plan in order at slack {slack} is "
                      f"simulated at {static:.1f} ms, {static / predicted['bound_ms']:.3f}x that")
     return lines
+
+
+def run_schedules(repeat: int, run) -> tuple[dict[str, list[dict]], int | None, str]:
+    """Every schedule `repeat` times in turn, `run(name, round, slack)` giving a run's result
+    and log; each round's static plan runs at the slack that round's dynamic run chose, so
+    the two hold the same memory in every round. Returns each schedule's runs, the first
+    round's slack, and its reason plus the rounds that chose another."""
+    runs: dict[str, list[dict]] = {name: [] for name in SCHEDULES}
+    slack, reason = None, ""
+    for round_ in range(repeat):
+        chosen = None
+        for name in SCHEDULES:
+            if name == "dpp-static" and chosen is None:
+                runs[name].append({"name": name, "error": "the dynamic run logged no slack"})
+                continue
+            result, text = run(name, round_, chosen)
+            result["losses"] = losses(text)
+            if name != "1f1b":
+                result["slack"] = chosen
+            if name == "dpp" and "error" not in result:
+                found = chosen_slack(text)
+                if found is not None:
+                    chosen = result["slack"] = found[0]
+                    if slack is None:
+                        slack, reason = found
+                    elif chosen != slack:
+                        reason += f"; run {round_ + 1} chose slack {chosen}"
+            runs[name].append(result)
+    return runs, slack, reason
 
 
 def main(argv=None) -> int:
@@ -245,27 +281,16 @@ def main(argv=None) -> int:
         port=args.port, timeout=args.timeout, trace=False, profile=False,
         memory_snapshots=False, find_syncs=False, installed=False)
     extra, dpp_extra = args.extra.split(), tuple(args.dpp_extra.split())
-    runs: dict[str, list[dict]] = {name: [] for name in SCHEDULES}
-    slack, reason = None, ""
-    for repeat in range(args.repeat):
-        for name in SCHEDULES:
-            if name == "dpp-static" and slack is None:
-                runs[name].append({"name": name, "error": "the dynamic run logged no slack"})
-                continue
-            flags = config_flags(name, slack, extra, dpp_extra)
-            if args.simulate and repeat == 0:  # one traced run a schedule
-                flags = flags + trace_flags(name, out, args.warmup + 1, args.warmup + args.iters)
-            label = name if repeat == 0 else f"{name}-{repeat + 1}"
-            result = bench_gpt.run(label, flags, settings, out, model=TINY_GPT)
-            text = (out / f"{label}.log").read_text()
-            result["losses"] = losses(text)
-            if name == "dpp" and "error" not in result:
-                found = chosen_slack(text)
-                if found is not None and slack is None:
-                    slack, reason = found
-                elif found is not None and found[0] != slack:
-                    reason += f"; run {repeat + 1} chose slack {found[0]}"
-            runs[name].append(result)
+
+    def run(name: str, repeat: int, slack: int | None) -> tuple[dict, str]:
+        flags = config_flags(name, slack, extra, dpp_extra)
+        if args.simulate and repeat == 0:  # one traced run a schedule
+            flags = flags + trace_flags(name, out, args.warmup + 1, args.warmup + args.iters)
+        label = name if repeat == 0 else f"{name}-{repeat + 1}"
+        result = bench_gpt.run(label, flags, settings, out, model=TINY_GPT)
+        return result, (out / f"{label}.log").read_text()
+
+    runs, slack, reason = run_schedules(args.repeat, run)
     results = {name: median_of_runs(values) for name, values in runs.items()}
     predicted = None
     if args.simulate and slack is not None and "error" not in results["1f1b"]:

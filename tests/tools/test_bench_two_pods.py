@@ -141,3 +141,32 @@ def test_losses_equal_exactly_or_within_the_tests_tolerance_or_not():
     assert bench_two_pods.same_losses({1: 6.948030, 2: 6.870214}, reference) == "~1e-07"
     assert bench_two_pods.same_losses({1: 6.948030, 2: 6.9}, reference) == "NO"
     assert bench_two_pods.same_losses({1: 6.948030}, reference) == "NO"
+
+
+def test_each_rounds_static_plan_runs_at_that_rounds_chosen_slack():
+    """Rounds whose dynamic runs choose slack 2, then 1: each static plan gets its round's
+    slack, the rows say 1-2, and a round whose dynamic run logged none runs no static plan."""
+    chosen = iter([2, 1, None])
+    asked = []
+
+    def run(name, round_, slack):
+        asked.append((name, round_, slack))
+        text = LOG.splitlines()[1]
+        if name == "dpp":
+            found = next(chosen)
+            if found is not None:
+                text = LOG.replace("DPP slack 2", f"DPP slack {found}")
+        return {"name": name, "ms_per_iter": 500.0 + round_, "peak_mb_per_rank": []}, text
+
+    runs, slack, reason = bench_two_pods.run_schedules(3, run)
+    assert asked == [("1f1b", 0, None), ("dpp", 0, None), ("dpp-static", 0, 2),
+                     ("1f1b", 1, None), ("dpp", 1, None), ("dpp-static", 1, 1),
+                     ("1f1b", 2, None), ("dpp", 2, None)]
+    assert slack == 2 and reason.endswith("; run 2 chose slack 1")
+    assert runs["dpp-static"][2] == {"name": "dpp-static",
+                                     "error": "the dynamic run logged no slack"}
+    first_two = {name: bench_two_pods.median_of_runs(values[:2]) for name, values in runs.items()}
+    assert first_two["dpp"]["slack"] == first_two["dpp-static"]["slack"] == "1-2"
+    lines = bench_two_pods.table(first_two, slack, reason, None)
+    assert lines[2].split()[3] == lines[3].split()[3] == "1-2"
+    assert lines[4] == "dpp / dpp-static at slack 1-2: 1.000x"
