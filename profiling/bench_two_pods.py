@@ -237,9 +237,9 @@ def run_schedules(repeat: int, run) -> tuple[dict[str, list[dict]], int | None, 
                 continue
             result, text = run(name, round_, chosen)
             result["losses"] = losses(text)
-            if name != "1f1b":
+            if name == "dpp-static":
                 result["slack"] = chosen
-            if name == "dpp" and "error" not in result:
+            elif name == "dpp" and "error" not in result:
                 found = chosen_slack(text)
                 if found is not None:
                     chosen = result["slack"] = found[0]
