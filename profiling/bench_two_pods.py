@@ -23,7 +23,11 @@ iteration of the 1F1B run, its task times and message time (consumer start minus
 end where the consumer waited: profiling/sim_compare.py): it predicts each schedule's
 iteration time (the median simulated makespan plus the 1F1B run's median time outside the
 pipeline) beside the measured one, and the lower bound on any schedule of those tasks
-(megatron/dpp/sim/bounds.py) beside the plan in order's. Under --emulate-link-ms each
+(megatron/dpp/sim/bounds.py) beside the plan in order's; and for each traced DPP run (the
+dynamic rule's and the plan in order's) the in-order bound of its own measured tasks
+(profiling/sim_compare.py: no schedule that runs each stage's microbatches in order within
+that slack's memory is shorter), the most an in-order schedule could gain on them. Under
+--emulate-link-ms each
 message's hop is the link's own draw for that message in that iteration
 (megatron/dpp/variability.py, the one the runs applied) plus what the measured hop leaves
 beyond the link's mean; stragglers are in the measured task times already, and straggle
@@ -46,7 +50,7 @@ from megatron.dpp.sim.bounds import memory_free_bound  # noqa: E402
 from megatron.dpp.sim.simulator import link_latency, simulate  # noqa: E402
 from megatron.dpp.variability import Emulation  # noqa: E402
 from megatron.trainer.config.configs import EmulationConfig  # noqa: E402
-from profiling import bench_gpt  # noqa: E402
+from profiling import bench_gpt, sim_compare  # noqa: E402
 from profiling.aggregate import load_spans, load_trace  # noqa: E402
 from profiling.report import COMPUTE_KINDS, iteration_reports  # noqa: E402
 from profiling.sim_compare import estimate_latency, measured_durations  # noqa: E402
@@ -175,6 +179,19 @@ def predict(directory: Path, slack: int, iteration_ms: float,
     return predicted
 
 
+def in_order_gaps(out: Path) -> dict[str, float]:
+    """Per traced DPP run: the median over its iterations of its makespan over the in-order
+    bound of its own tasks."""
+    gaps = {}
+    for name in ("dpp", "dpp-static"):
+        directory = trace_dir(out, name)
+        if directory.exists():
+            rows = sim_compare.compare(str(directory), "dpp")["iterations"]
+            gaps[name] = statistics.median(row["measured_makespan_ms"] / row["in_order_bound_ms"]
+                                           for row in rows)
+    return gaps
+
+
 def table(results: dict[str, dict], slack: int | None, reason: str,
           predicted: dict | None) -> list[str]:
     base = results.get("1f1b", {}).get("ms_per_iter")
@@ -219,6 +236,12 @@ def table(results: dict[str, dict], slack: int | None, reason: str,
                      f"{predicted['bound_ms']:.1f} ms a pipeline (median; the busiest rank's "
                      f"work after its cheapest lead-in): the plan in order at slack {slack} is "
                      f"simulated at {static:.1f} ms, {static / predicted['bound_ms']:.3f}x that")
+        gaps = predicted.get("in_order_gaps") or {}
+        if gaps:
+            lines.append("each traced DPP run over the in-order bound of its own tasks (no "
+                         "schedule running each stage's microbatches in order within the "
+                         "slack's memory is shorter; median of the iterations): "
+                         + ", ".join(f"{name} {gap:.3f}x" for name, gap in gaps.items()))
     return lines
 
 
@@ -296,6 +319,7 @@ def main(argv=None) -> int:
     if args.simulate and slack is not None and "error" not in results["1f1b"]:
         predicted = predict(trace_dir(out, "1f1b"), slack, results["1f1b"]["ms_per_iter"],
                             emulation_of(extra), dpp_static=PLAN_CHOSEN in reason)
+        predicted["in_order_gaps"] = in_order_gaps(out)
     lines = table(results, slack, reason, predicted)
     (out / "results.json").write_text(json.dumps(
         {"results": results, "slack": slack, "reason": reason, "predicted": predicted},

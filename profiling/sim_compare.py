@@ -25,7 +25,9 @@ to a replay with zero latency is attributed to the message hops (the replay at t
 latency minus that at zero) and to the runtime beyond the replay (the rest). Lower bound: no
 schedule of the iteration's measured tasks, at any memory and in any order, is shorter than
 the busiest rank's work after its cheapest lead-in (megatron/dpp/sim/bounds.py): the run's
-makespan over it is the most any schedule could gain.
+makespan over it is the most any schedule could gain. With one chunk a rank also the
+in-order bound: no schedule that runs each stage's microbatches in the run's order and holds
+on each stage at most what the run held or its slack allows (from F to W) is shorter.
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ if __package__ in (None, ""):  # run as a script: make the `profiling` package i
 
 from megatron.dpp.actions import BACKWARD, FORWARD, WEIGHT, Task, read_actions  # noqa: E402
 from megatron.dpp.config import DEFAULTS  # noqa: E402
-from megatron.dpp.sim.bounds import memory_free_bound  # noqa: E402
+from megatron.dpp.plan import StageConfig  # noqa: E402
+from megatron.dpp.policy import GreedyPolicy  # noqa: E402
+from megatron.dpp.sim.bounds import in_order_bound, memory_free_bound  # noqa: E402
 from megatron.dpp.sim.simulator import SCHEDULES, Durations, replay, simulate  # noqa: E402
 from megatron.dpp.topology import PipelineTopology  # noqa: E402
 from profiling.aggregate import Span, TraceError, load_spans, load_trace  # noqa: E402
@@ -103,6 +107,39 @@ def run_order(compute: list[Span]) -> list[int]:
     forwards = [s for s in compute if s.kind == "forward" and s.stage == 0 and not s.chunk]
     rank = min(s.rank for s in forwards)  # one of the stage's tensor-parallel ranks
     return [s.microbatch for s in sorted(forwards, key=lambda s: s.start) if s.rank == rank]
+
+
+def held_peaks(compute: list[Span], pp: int) -> list[int]:
+    """Per stage (its lowest rank, one chunk): the most microbatches held at once from the
+    start of their F to the end of their release (the last part of their W, or their B
+    without W spans)."""
+    peaks = []
+    for stage in range(pp):
+        spans = [s for s in compute if s.stage == stage]
+        rank = min(s.rank for s in spans)
+        spans = [s for s in spans if s.rank == rank]
+        release = "weight" if any(s.kind == "weight" for s in spans) else "backward"
+        released: dict[int, float] = {}
+        for span in spans:
+            if span.kind == release:
+                released[span.microbatch] = max(released.get(span.microbatch, 0.0), span.end)
+        # at equal times a release comes first: a W that ended frees before an F starts
+        events = sorted([(s.start, 1) for s in spans if s.kind == "forward"]
+                        + [(end, -1) for end in released.values()])
+        held = peak = 0
+        for _, change in events:
+            held += change
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
+
+def slack_caps(pp: int, m: int, slack: int) -> list[int]:
+    """Per stage: the most microbatches DPP's plan at this slack may hold from F to W (each
+    W after its B)."""
+    return [GreedyPolicy(StageConfig(r, pp, 1, m, slack=slack, split_backward=True,
+                                     defer_weights=False)).cap
+            for r in range(pp)]
 
 
 def estimate_latency(compute: list[Span], pp: int, chunks: int) -> tuple[float, int]:
@@ -214,12 +251,21 @@ def compare(path: str, schedule: str | None = None, slack: int | None = None,
         bound = memory_free_bound(durations.by_kind(split_backward=durations.weight is not None),
                                   pp, len(durations.microbatch_factor),
                                   PipelineTopology(pp, chunks))
-        rows.append({"iteration": report["iteration"], "schedule": ran, "slack": ran_slack,
-                     "latency_ms": used,
-                     "latency_samples": samples, "measured_makespan_ms": report["makespan_ms"],
-                     "simulated_makespan_ms": result.makespan,
-                     "zero_latency_makespan_ms": ideal.makespan, "lower_bound_ms": bound,
-                     "stages": stages})
+        row = {"iteration": report["iteration"], "schedule": ran, "slack": ran_slack,
+               "latency_ms": used,
+               "latency_samples": samples, "measured_makespan_ms": report["makespan_ms"],
+               "simulated_makespan_ms": result.makespan,
+               "zero_latency_makespan_ms": ideal.makespan, "lower_bound_ms": bound,
+               "stages": stages}
+        if chunks == 1:
+            m = len(durations.microbatch_factor)
+            held = [max(pair) for pair in zip(held_peaks(compute, pp),
+                                              slack_caps(pp, m, ran_slack), strict=True)]
+            row["held"] = held
+            row["in_order_bound_ms"] = in_order_bound(
+                durations.by_kind(split_backward=durations.weight is not None), pp, m, held,
+                run_order(compute))
+        rows.append(row)
     if not rows:
         raise TraceError(f"{path}: no forward/backward spans")
     return {"schedule": schedule, "slack": slack, "replayed": bool(executed),
@@ -276,6 +322,11 @@ def format_comparison(result: dict) -> str:
         lines.append(f"  no schedule of these tasks takes less than {row['lower_bound_ms']:.2f} ms "
                      f"(the busiest rank's work after its cheapest lead-in): the run took "
                      f"{row['measured_makespan_ms'] / row['lower_bound_ms']:.3f}x that")
+        if "in_order_bound_ms" in row:
+            lines.append(f"  no schedule of them in this microbatch order holding at most "
+                         f"{'/'.join(map(str, row['held']))} from F to W per stage takes less "
+                         f"than {row['in_order_bound_ms']:.2f} ms: the run took "
+                         f"{row['measured_makespan_ms'] / row['in_order_bound_ms']:.3f}x that")
         lines.append(header)
         lines += [_stage_line(stage) for stage in row["stages"]]
     if len(result["iterations"]) > 1:

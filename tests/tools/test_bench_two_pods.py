@@ -8,7 +8,7 @@ import pytest
 from megatron.dpp.sim.bounds import memory_free_bound
 from megatron.dpp.sim.simulate import main as simulate_main
 from megatron.dpp.sim.simulator import CostModel, compare, sample_durations
-from profiling import bench_two_pods
+from profiling import bench_two_pods, sim_compare
 
 LOG = """\
 [05:07:50 rank0] INFO megatron.dpp.slack_measurement: DPP slack 2: measured hop 31.2 ms = 2.9 forwards (10.8 ms); simulated speedup 1.00/1.18/1.41 at slack 0/1/2
@@ -170,3 +170,32 @@ def test_each_rounds_static_plan_runs_at_that_rounds_chosen_slack():
     lines = bench_two_pods.table(first_two, slack, reason, None)
     assert lines[2].split()[3] == lines[3].split()[3] == "1-2"
     assert lines[4] == "dpp / dpp-static at slack 1-2: 1.000x"
+
+
+def test_each_traced_dpp_run_against_the_in_order_bound_of_its_tasks(tmp_path, monkeypatch,
+                                                                       capsys):
+    """The rule's and the plan in order's traces (the simulator's, a slow last stage with
+    stragglers): each gap is the run's makespan over the in-order bound of its own tasks at
+    the slack's memory, at least 1, and the table's last line names both."""
+    traces = {}
+    for name in ("dpp", "dpp-static"):
+        traces[name] = tmp_path / f"{name}.json"
+        simulate_main(["--pp", "4", "--microbatches", "16", "--slack", "2", "--split-backward",
+                       "--weight-share", "0.2", "--slow-stage", "3", "--slow-factor", "1.5",
+                       "--emulate-straggler", "all:0.1:3", "--schedules", name, "--trace",
+                       str(traces[name]), "--trace-schedule", name])
+    capsys.readouterr()
+    monkeypatch.setattr(bench_two_pods, "trace_dir", lambda out, name: traces[name])
+    gaps = bench_two_pods.in_order_gaps(tmp_path)
+    for name, path in traces.items():
+        (row,) = sim_compare.compare(str(path), "dpp", 2)["iterations"]
+        assert gaps[name] == pytest.approx(row["measured_makespan_ms"] / row["in_order_bound_ms"])
+        assert gaps[name] >= 1.0
+    results = {name: {"ms_per_iter": 100.0, "peak_mb_per_rank": [], "losses": {}}
+               for name in bench_two_pods.SCHEDULES}
+    predicted = {"hop_ms": 0.1, "iterations": 1, "outside_ms": 0.0, "bound_ms": 90.0,
+                 "link": None, "in_order_gaps": gaps,
+                 **{name: {"makespan_ms": 95.0, "iteration_ms": 95.0}
+                    for name in bench_two_pods.SCHEDULES}}
+    last = bench_two_pods.table(results, 2, "", predicted)[-1]
+    assert last.endswith(f"dpp {gaps['dpp']:.3f}x, dpp-static {gaps['dpp-static']:.3f}x")

@@ -245,3 +245,24 @@ def test_the_gap_splits_into_hops_and_the_runtime(tmp_path, capsys):
     assert abs(row["measured_makespan_ms"] - row["simulated_makespan_ms"]) < 1e-6
     assert sim_compare.main([path, "--schedule", "1f1b", "--latency", "0.3"]) == 0
     assert "message hops +" in capsys.readouterr().out
+
+
+def test_the_in_order_bound_counts_what_the_run_held(tmp_path, capsys):
+    """DPP's rule on a slow last stage with stragglers, the split backward: each stage's
+    held count read from the trace is what the simulator counted (at least the slack's cap),
+    and the in-order bound at it lies between the memory-free bound and the makespan."""
+    path = str(tmp_path / "split.json")
+    simulate_main(["--pp", "4", "--microbatches", "12", "--slack", "2", "--split-backward",
+                   "--weight-share", "0.2", "--slow-stage", "3", "--slow-factor", "1.5",
+                   "--emulate-straggler", "all:0.2:3", "--schedules", "dpp", "--trace", path,
+                   "--json"])
+    report = json.loads(capsys.readouterr().out)
+    (row,) = sim_compare.compare(path, "dpp", 2)["iterations"]
+    caps = sim_compare.slack_caps(4, 12, 2)
+    assert caps == [6, 5, 4, 3]
+    peaks = report["schedules"]["dpp"]["peak_in_flight_per_stage"]
+    assert row["held"] == [max(peak, cap) for peak, cap in zip(peaks, caps, strict=True)]
+    assert row["lower_bound_ms"] <= row["in_order_bound_ms"] <= row["measured_makespan_ms"]
+    assert sim_compare.main([path, "--schedule", "dpp", "--slack", "2"]) == 0
+    assert (f"holding at most {'/'.join(map(str, row['held']))} from F to W per stage takes "
+            f"less than {row['in_order_bound_ms']:.2f} ms") in capsys.readouterr().out

@@ -10,7 +10,15 @@ faster than a given schedule any schedule could be:
   slack 0, whatever it decides): after its p warm-up forwards rank 0 can only run B(j), W(j),
   F(j + p) in turn (F(j + p) needs W(j); running W(j), F(j + p) before a ready B(j + 1) never
   delays anything), and B(j) waits for its gradient, which here travels through the other
-  ranks without waiting for them (their contention dropped).
+  ranks without waiting for them (their contention dropped);
+* `in_order_bound`, valid for every schedule that runs each rank's forwards and backwards in
+  one microbatch order (megatron-core's, ZB-H1, DPP's plan and rule) and holds at most
+  held[r] microbatches from F to W on rank r: rank r's first task is F of the order's first
+  microbatch, after that microbatch's forwards on the ranks before it; its last B is the
+  last microbatch's, which the B tasks of that microbatch on the ranks before it and then
+  rank 0's W of it follow, while rank r can run only the W tasks of the microbatches it
+  holds (at most held[r]). Where one rank's work dominates, every such schedule takes its
+  lead-in, its work and what of that tail its W tasks cannot cover.
 """
 
 from __future__ import annotations
@@ -52,3 +60,25 @@ def rank0_bound(times: dict[str, list[list[float]]], p: int, m: int,
             now += forward[0][k]
             arrival[k] = now + trip[k]
     return now
+
+
+def in_order_bound(times: dict[str, list[list[float]]], p: int, m: int, held: list[int],
+                   order: list[int] | None = None) -> float:
+    """The module docstring's third bound, one chunk a rank; `order`: the microbatch order
+    (default 0..m-1). Without W in `times` (a backward run whole) the tail is the B tasks'."""
+    order = list(range(m)) if order is None else order
+    first, last = order[0], order[-1]
+    forward, backward = times[FORWARD], times[BACKWARD]
+    weight = times.get(WEIGHT)
+    bound = 0.0
+    for r in range(p):
+        work = sum(sum(times[kind][r]) for kind in times)
+        lead_in = sum(forward[q][first] for q in range(r))
+        tail = sum(backward[q][last] for q in range(r))
+        covered = 0.0
+        if weight is not None:
+            if r:
+                tail += weight[0][last]
+            covered = sum(sorted(weight[r], reverse=True)[:held[r]])
+        bound = max(bound, lead_in + work + max(0.0, tail - covered))
+    return bound

@@ -22,8 +22,9 @@ import sys
 import time
 from dataclasses import asdict
 
+from megatron.dpp.actions import FORWARD
 from megatron.dpp.config import DEFAULTS
-from megatron.dpp.sim.bounds import memory_free_bound
+from megatron.dpp.sim.bounds import in_order_bound, memory_free_bound
 from megatron.dpp.sim.simulate_grid import (
     GRID_EXTRA_MODELS,
     GRID_MODELS,
@@ -46,8 +47,10 @@ from megatron.dpp.variability import LinkProfile, StragglerProfile
 def _single_report(args, cost: CostModel) -> dict:
     """Each schedule's result; over several --iterations the mean makespan (the speedups
     divide means) and the last iteration's other figures; and the mean lower bound on any
-    schedule of the same tasks (megatron/dpp/sim/bounds.py), one chunk a rank."""
+    schedule of the same tasks (megatron/dpp/sim/bounds.py), one chunk a rank; with one chunk
+    also each schedule's mean in-order bound at the microbatches it held."""
     makespans: dict[str, list[float]] = {}
+    in_order: dict[str, list[float]] = {}
     bounds = []
     for iteration in range(args.iteration, args.iteration + args.iterations):
         durations = sample_durations(cost, args.pp, 1, args.microbatches, args.seed,
@@ -62,15 +65,20 @@ def _single_report(args, cost: CostModel) -> dict:
             slack=args.slack,
             seed=args.seed,
             schedules=tuple(args.schedules),
-            record=bool(args.trace),
+            record=bool(args.trace) or args.chunks == 1,
             known_costs=not args.costs_unknown,
             split_backward=args.split_backward,
             weight_slices=args.weight_slices,
             defer_weights=args.defer_weights,
             iteration=iteration,
         )
+        times = durations.by_kind(args.split_backward)
         for name, result in results.items():
             makespans.setdefault(name, []).append(result.makespan)
+            if args.chunks == 1:
+                order = [task.microbatch for task in result.orders[0] if task.kind == FORWARD]
+                in_order.setdefault(name, []).append(in_order_bound(
+                    times, args.pp, args.microbatches, result.peak_in_flight, order))
     mean = {name: sum(values) / len(values) for name, values in makespans.items()}
     report = {"config": {**vars(args), "cost": _plain(asdict(cost))}, "schedules": {},
               "lower_bound": sum(bounds) / len(bounds)}
@@ -82,6 +90,8 @@ def _single_report(args, cost: CostModel) -> dict:
             "peak_in_flight_per_stage": result.peak_in_flight,
             "peak_activations_per_stage": result.peak_activations,
         }
+        if name in in_order:
+            entry["in_order_bound"] = sum(in_order[name]) / len(in_order[name])
         for base in ("1f1b", "interleaved", "zb-h1", "dpp-static"):
             if base in results and base != name:
                 entry[f"speedup_vs_{base}"] = mean[base] / mean[name]
@@ -129,6 +139,15 @@ def _format_single(report: dict) -> str:
                  "busiest rank's work after its cheapest lead-in); each over it: "
                  + ", ".join(f"{name} {entry['makespan'] / bound:.3f}x"
                              for name, entry in report["schedules"].items()))
+    bounded = {name: entry for name, entry in report["schedules"].items()
+               if "in_order_bound" in entry}
+    if bounded:
+        lines.append("no schedule that runs each stage's forwards and backwards in the same "
+                     "microbatch order and holds what the row held from F to W on each stage "
+                     "takes less than: " + ", ".join(
+                         f"{name} {entry['in_order_bound']:.2f} (it took "
+                         f"{entry['makespan'] / entry['in_order_bound']:.3f}x)"
+                         for name, entry in bounded.items()))
     return "\n".join(lines)
 
 
