@@ -27,10 +27,9 @@ pipeline) beside the measured one, and the lower bound on any schedule of those 
 dynamic rule's and the plan in order's) the in-order bound of its own measured tasks
 (profiling/sim_compare.py: no schedule that runs each stage's microbatches in order within
 that slack's memory is shorter), the most an in-order schedule could gain on them. Under
---emulate-link-ms each
-message's hop is the link's own draw for that message in that iteration
-(megatron/dpp/variability.py, the one the runs applied) plus what the measured hop leaves
-beyond the link's mean; stragglers are in the measured task times already, and straggle
+--emulate-link-ms each message's hop is the link's own draw for that message in that
+iteration (megatron/dpp/variability.py, the one the runs applied) plus what the measured hop
+leaves beyond the link's mean; stragglers are in the measured task times already, and straggle
 the same tasks under every schedule.
 """
 
