@@ -10,7 +10,7 @@ import pytest
 from megatron.dpp.plan import StageConfig
 from megatron.dpp.policy import microbatch_order_for
 from megatron.dpp.sim.bounds import in_order_bound, memory_free_bound, rank0_bound
-from megatron.dpp.sim.simulator import CostModel, sample_durations, simulate
+from megatron.dpp.sim.simulator import CostModel, Durations, sample_durations, simulate
 from megatron.dpp.topology import PipelineTopology
 from megatron.dpp.variability import StragglerProfile
 
@@ -94,7 +94,7 @@ STRAGGLERS = StragglerProfile.parse("all:0.1:3")
 def test_no_in_order_schedule_beats_the_in_order_bound_at_its_memory(model):
     """1F1B, ZB-H1, and DPP's rule and plan in order at slack 0-2 (each W after its B, and
     deferred), each against the bound at the microbatches it held from F to W on each rank:
-    none finishes before it; DPP comes within 3 % of it where the last stage is the slowest
+    none finishes before it; DPP comes within 1 % of it where the last stage is the slowest
     and the bound then lies above the memory-free one."""
     p, m = 4, 16
     closest, tighter = float("inf"), 0
@@ -117,7 +117,7 @@ def test_no_in_order_schedule_beats_the_in_order_bound_at_its_memory(model):
                 closest = min(closest, run.makespan / bound)
                 tighter += bound > memory_free_bound(times, p, m) + 1e-9
     if model.slow_stage is not None:
-        assert closest < 1.03 and tighter
+        assert closest < 1.01 and tighter
 
 
 def test_the_in_order_tail_is_what_the_last_ranks_held_weights_leave_uncovered():
@@ -131,3 +131,17 @@ def test_the_in_order_tail_is_what_the_last_ranks_held_weights_leave_uncovered()
     assert in_order_bound(times, 2, 8, [2, 2]) == pytest.approx(1 + 64)
     whole = {"F": forward, "B": [[3.0] * 8, [6.0] * 8]}
     assert in_order_bound(whole, 2, 8, [2, 2]) == pytest.approx(1 + 64 + 3)
+
+
+def test_a_late_forward_upstream_delays_what_follows_it_and_1f1b_meets_the_bound():
+    """Two ranks, the backward run whole: F(1) on rank 0 takes 10 instead of 1. Rank 1 can
+    start F(1) no earlier than 11 and then has three microbatches' work (3 x 6) and rank 0's
+    last backward (2) to go: 31, above the first microbatch's 1 + 24 + 2. 1F1B takes exactly
+    that."""
+    durations = Durations(forward=[[1.0, 10.0, 1.0, 1.0], [2.0] * 4],
+                          backward=[[2.0] * 4, [4.0] * 4], microbatch_factor=[1.0] * 4)
+    times = durations.by_kind()
+    assert in_order_bound(times, 2, 4, [2, 1]) == pytest.approx(11 + 18 + 2)
+    assert simulate("1f1b", 2, 4, durations).makespan == pytest.approx(31)
+    # in the order 1, 0, 2, 3 the late forward comes first: rank 1 starts at 10
+    assert in_order_bound(times, 2, 4, [2, 1], order=[1, 0, 2, 3]) == pytest.approx(10 + 24 + 2)

@@ -13,15 +13,19 @@ faster than a given schedule any schedule could be:
   ranks without waiting for them (their contention dropped);
 * `in_order_bound`, valid for every schedule that runs each rank's forwards and backwards in
   one microbatch order (megatron-core's, ZB-H1, DPP's plan and rule) and holds at most
-  held[r] microbatches from F to W on rank r: rank r's first task is F of the order's first
-  microbatch, after that microbatch's forwards on the ranks before it; its last B is the
-  last microbatch's, which the B tasks of that microbatch on the ranks before it and then
-  rank 0's W of it follow, while rank r can run only the W tasks of the microbatches it
-  holds (at most held[r]). Where one rank's work dominates, every such schedule takes its
-  lead-in, its work and what of that tail its W tasks cannot cover.
+  held[r] microbatches from F to W on rank r: rank r starts F of the order's n-th
+  microbatch no earlier than that microbatch's forwards could reach it if the ranks before it
+  ran only their forwards, in order (a late forward upstream delays every later one), and
+  from then on runs all its tasks of that and the later microbatches; its last B is the last
+  microbatch's, which the B tasks of that microbatch on the ranks before it and then rank
+  0's W of it follow, while rank r can run only the W tasks of the microbatches it holds (at
+  most held[r]). Where one rank's work dominates, every such schedule takes, for the worst
+  n, that arrival, that work and what of that tail its W tasks cannot cover.
 """
 
 from __future__ import annotations
+
+import heapq
 
 from megatron.dpp.actions import BACKWARD, FORWARD, WEIGHT
 from megatron.dpp.topology import PipelineTopology
@@ -67,18 +71,30 @@ def in_order_bound(times: dict[str, list[list[float]]], p: int, m: int, held: li
     """The module docstring's third bound, one chunk a rank; `order`: the microbatch order
     (default 0..m-1). Without W in `times` (a backward run whole) the tail is the B tasks'."""
     order = list(range(m)) if order is None else order
-    first, last = order[0], order[-1]
+    last = order[-1]
     forward, backward = times[FORWARD], times[BACKWARD]
     weight = times.get(WEIGHT)
+    # arrival[n]: the earliest end of the n-th forward on the rank before (rank 0: inputs local)
+    arrival = [0.0] * m
     bound = 0.0
     for r in range(p):
-        work = sum(sum(times[kind][r]) for kind in times)
-        lead_in = sum(forward[q][first] for q in range(r))
         tail = sum(backward[q][last] for q in range(r))
-        covered = 0.0
-        if weight is not None:
-            if r:
-                tail += weight[0][last]
-            covered = sum(sorted(weight[r], reverse=True)[:held[r]])
-        bound = max(bound, lead_in + work + max(0.0, tail - covered))
+        if weight is not None and r:
+            tail += weight[0][last]
+        remaining = covered = 0.0
+        longest: list[float] = []  # a min-heap of the held[r] longest W tasks from n on
+        for n in range(m - 1, -1, -1):
+            k = order[n]
+            remaining += sum(times[kind][r][k] for kind in times)
+            if weight is not None and held[r] > 0:
+                if len(longest) < held[r]:
+                    heapq.heappush(longest, weight[r][k])
+                    covered += weight[r][k]
+                elif weight[r][k] > longest[0]:
+                    covered += weight[r][k] - heapq.heapreplace(longest, weight[r][k])
+            bound = max(bound, arrival[n] + remaining + max(0.0, tail - covered))
+        done = 0.0
+        for n, k in enumerate(order):
+            done = max(done, arrival[n]) + forward[r][k]
+            arrival[n] = done
     return bound
