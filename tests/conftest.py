@@ -33,6 +33,25 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.get_closest_marker("long") is None)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _rendezvous_ports_of_this_worker():
+    """Each xdist worker draws rendezvous ports (launch.free_port) from its own part of the
+    range: jobs that two workers start at once then never both take the port that was free
+    when each checked it (EADDRINUSE in one of them)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        yield
+        return
+    from megatron.trainer import launch
+
+    whole = launch.RENDEZVOUS_PORTS
+    share = len(whole) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    start = whole.start + int(worker.removeprefix("gw")) * share
+    launch.RENDEZVOUS_PORTS = range(start, start + share)
+    yield
+    launch.RENDEZVOUS_PORTS = whole
+
+
 # the handlers a test may install for the code it runs, never keep: a later test in the same
 # worker (a child process it forks, say) would inherit them
 _GUARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
