@@ -11,10 +11,12 @@ between pods (at runtime the ranks' own pods; in the simulator the stages split 
 A message's draw is keyed by (seed, iteration, source stage, destination stage, and the
 task it feeds there: kind, local chunk, microbatch).
 
-Straggler: with probability `prob` a compute task (F, B or W) on one of `stages` (None: all)
-takes `factor` times as long; its draw is keyed by (seed, iteration, microbatch, stage,
-local chunk, task kind). A draw is a hash of its key, never a position in a random stream,
-so it does not depend on which rank asks first or how many draws came before.
+Straggler: with probability `prob` a compute task (F, or a backward) on one of `stages`
+(None: all) takes `factor` times as long; its draw is keyed by (seed, iteration, microbatch,
+stage, local chunk, F or B). A split backward's W takes its B's draw, so that the same work
+straggles under a schedule that splits the backward and one that runs it whole. A draw is a
+hash of its key, never a position in a random stream, so it does not depend on which rank
+asks first or how many draws came before.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import hashlib
 import math
 import struct
 from dataclasses import dataclass
+
+from megatron.dpp.actions import BACKWARD, WEIGHT
 
 LINK_EDGES = ("pods", "all")
 _SCALE = float(1 << 64)
@@ -150,7 +154,8 @@ class StragglerProfile:
         `stage` takes (1 or `factor`)."""
         if self.prob == 0 or (self.stages is not None and stage not in self.stages):
             return 1.0
-        hit = unit_draw("straggler", seed, iteration, microbatch, stage, chunk, kind) < self.prob
+        drawn = BACKWARD if kind == WEIGHT else kind  # a W is the rest of its backward
+        hit = unit_draw("straggler", seed, iteration, microbatch, stage, chunk, drawn) < self.prob
         return self.factor if hit else 1.0
 
     def describe(self) -> str:

@@ -330,9 +330,9 @@ def test_a_straggling_task_takes_factor_times_as_long(stretches):
 
 
 def test_a_straggling_weight_task_takes_factor_times_as_long(stretches):
-    """DPP runs its W parts itself: each straggles by the W draw of its microbatch, chunk
-    and stage in that iteration (on CPU by sleeping after it for (factor - 1) times its CPU
-    time), and its result is the task's."""
+    """DPP runs its W parts itself: each straggles by its backward's draw (microbatch,
+    chunk and stage in that iteration; on CPU by sleeping after it for (factor - 1) times
+    its CPU time), and its result is the task's."""
     from megatron.dpp.actions import WEIGHT
     from megatron.dpp.transport.emulation import StragglingTasks
 

@@ -46,6 +46,25 @@ def test_straggler_rate_and_stages():
     assert abs(on_stage.count(2.5) / len(on_stage) - 0.1) < 0.02
 
 
+def test_a_split_backward_straggles_as_the_whole_one_does():
+    """W takes its B's draw: the simulator's unsplit backward (B + W) is stretched by one
+    factor, as the trainer stretches megatron-core's whole backward, and the split one's two
+    parts by that same factor, while forwards and backwards draw apart."""
+    profile = StragglerProfile.parse("all:0.3:3")
+    keys = list(itertools.product(range(3), range(16), range(4)))
+    assert all(profile.factor_of(7, *key, WEIGHT) == profile.factor_of(7, *key, BACKWARD)
+               for key in keys)
+    assert any(profile.factor_of(7, *key, FORWARD) != profile.factor_of(7, *key, BACKWARD)
+               for key in keys)
+    cost = CostModel(forward=10.0, backward_ratio=2.0, weight_share=0.25, straggler=profile)
+    split = sample_durations(cost, 4, 1, 16, seed=7, split_backward=True, iteration=2)
+    whole = split.by_kind(split_backward=False)[BACKWARD]
+    for stage in range(4):
+        for mb in range(16):
+            assert whole[stage][mb] == pytest.approx(
+                20.0 * profile.factor_of(7, 2, mb, stage, BACKWARD))
+
+
 def test_link_hop_times_and_edges():
     link = LinkProfile.parse("30,10", gbps=1.0, edges="pods")
     hops = [link.hop_ms(0, it, 1, 2, FORWARD, 0, mb, nbytes=1_000_000)
