@@ -34,11 +34,16 @@ COMPUTE_KINDS = ("forward", "backward", "weight")
 
 def peak_in_flight(spans: list[Span]) -> int:
     """Most microbatches whose forward has started and backward (with the split backward:
-    W) not finished; at equal times a finish counts before a start (the simulator's
-    order)."""
+    W, whose last part ends it when DPP runs it in parts) not finished; at equal times a
+    finish counts before a start (the simulator's order)."""
     release = "weight" if any(s.kind == "weight" for s in spans) else "backward"
+    released: dict[tuple, float] = {}
+    for span in spans:
+        if span.kind == release:
+            key = (span.chunk, span.microbatch)
+            released[key] = max(released.get(key, span.end), span.end)
     changes = [(s.start, 1) for s in spans if s.kind == "forward"]
-    changes += [(s.end, -1) for s in spans if s.kind == release]
+    changes += [(end, -1) for end in released.values()]
     count = peak = 0
     # rounded to the nanosecond: a simulated task starts exactly when its input's producer
     # ends, which the trace's microsecond floats may put a hair apart

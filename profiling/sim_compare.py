@@ -55,6 +55,7 @@ from profiling.plot_timeline import select  # noqa: E402
 from profiling.report import (  # noqa: E402
     COMPUTE_KINDS,
     iteration_reports,
+    peak_in_flight,
     trace_tool_parser,
     write_result,
 )
@@ -111,26 +112,12 @@ def run_order(compute: list[Span]) -> list[int]:
 
 def held_peaks(compute: list[Span], pp: int) -> list[int]:
     """Per stage (its lowest rank, one chunk): the most microbatches held at once from the
-    start of their F to the end of their release (the last part of their W, or their B
-    without W spans)."""
+    start of their F to the end of their release (report.peak_in_flight)."""
     peaks = []
     for stage in range(pp):
         spans = [s for s in compute if s.stage == stage]
         rank = min(s.rank for s in spans)
-        spans = [s for s in spans if s.rank == rank]
-        release = "weight" if any(s.kind == "weight" for s in spans) else "backward"
-        released: dict[int, float] = {}
-        for span in spans:
-            if span.kind == release:
-                released[span.microbatch] = max(released.get(span.microbatch, 0.0), span.end)
-        # at equal times a release comes first: a W that ended frees before an F starts
-        events = sorted([(s.start, 1) for s in spans if s.kind == "forward"]
-                        + [(end, -1) for end in released.values()])
-        held = peak = 0
-        for _, change in events:
-            held += change
-            peak = max(peak, held)
-        peaks.append(peak)
+        peaks.append(peak_in_flight([s for s in spans if s.rank == rank]))
     return peaks
 
 
@@ -248,8 +235,8 @@ def compare(path: str, schedule: str | None = None, slack: int | None = None,
                    "simulated_bubble": result.bubble[row["stage"]],
                    "difference_pp": 100.0 * (row["bubble"] - result.bubble[row["stage"]])}
                   for row in report["stages"]]
-        bound = memory_free_bound(durations.by_kind(split_backward=durations.weight is not None),
-                                  pp, len(durations.microbatch_factor),
+        times = durations.by_kind(split_backward=durations.weight is not None)
+        bound = memory_free_bound(times, pp, len(durations.microbatch_factor),
                                   PipelineTopology(pp, chunks))
         row = {"iteration": report["iteration"], "schedule": ran, "slack": ran_slack,
                "latency_ms": used,
@@ -262,9 +249,7 @@ def compare(path: str, schedule: str | None = None, slack: int | None = None,
             held = [max(pair) for pair in zip(held_peaks(compute, pp),
                                               slack_caps(pp, m, ran_slack), strict=True)]
             row["held"] = held
-            row["in_order_bound_ms"] = in_order_bound(
-                durations.by_kind(split_backward=durations.weight is not None), pp, m, held,
-                run_order(compute))
+            row["in_order_bound_ms"] = in_order_bound(times, pp, m, held, run_order(compute))
         rows.append(row)
     if not rows:
         raise TraceError(f"{path}: no forward/backward spans")

@@ -235,6 +235,25 @@ def test_a_w_run_in_parts_counts_as_the_sum_of_its_parts():
     assert durations.backward == [[2.0], [2.0]]
 
 
+def test_a_w_run_in_parts_releases_its_microbatch_at_its_last_part():
+    """Two microbatches, each W in 4 parts: the second forward starts after the first W's
+    first part, so both are held at once (2), not 1 less per part; once every part has
+    ended nothing is held, and a third forward after that makes 1 again."""
+    from profiling.aggregate import Span
+    from profiling.report import peak_in_flight
+
+    def span(kind, microbatch, start, duration=0.5):
+        return Span(kind, 0, 0, 0, microbatch, 0, start, duration)
+
+    spans = [span("forward", 0, 0.0), span("backward", 0, 1.0),
+             *(span("weight", 0, 2.0 + k) for k in range(4)),
+             span("forward", 1, 2.6), span("backward", 1, 6.0),
+             *(span("weight", 1, 7.0 + k) for k in range(4)),
+             span("forward", 2, 11.0), span("backward", 2, 12.0), span("weight", 2, 13.0)]
+    assert peak_in_flight(spans) == 2
+    assert peak_in_flight(spans[:6] + spans[12:]) == 1
+
+
 def test_the_gap_splits_into_hops_and_the_runtime(tmp_path, capsys):
     """A simulator trace written with a latency: replayed at that latency it has no runtime
     gap, and the hops account for the whole difference to the zero-latency replay."""
