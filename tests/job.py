@@ -25,6 +25,25 @@ REPO = Path(__file__).resolve().parent.parent
 POLL_S = 0.1
 
 
+def process_fields(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (the state first); None once
+    the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def live_processes() -> dict[int, list[str]]:
+    """pid -> `process_fields` of every live process (zombies left out)."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (fields := process_fields(entry)) is not None \
+                and fields[0] not in ("Z", "X"):
+            table[int(entry)] = fields
+    return table
+
+
 class Job:
     def __init__(self, entry: str, flags: list[str], world_size: int, workdir: Path,
                  prelude: str = "", env: dict[str, str] | None = None):
@@ -85,8 +104,7 @@ class Job:
     def wait_stopped(self, rank: int, timeout: float) -> None:
         """Until the rank is stopped (SIGSTOP, from itself or another process)."""
         deadline = time.monotonic() + timeout
-        stat = Path(f"/proc/{self.ranks[rank].pid}/stat")
-        while stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
+        while (process_fields(self.ranks[rank].pid) or ["gone"])[0] != "T":
             if self.ranks[rank].poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"rank {rank} did not stop:\n{self.log(rank)[-3000:]}")
             time.sleep(POLL_S)
@@ -94,18 +112,7 @@ class Job:
     def processes(self) -> list[int]:
         """Live processes of the job: its ranks and everything they started."""
         sessions = {str(rank.pid) for rank in self.ranks}
-        alive = []
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            state, _, _, session = stat.rsplit(")", 1)[1].split()[:4]
-            if session in sessions and state not in ("Z", "X"):
-                alive.append(int(entry))
-        return alive
+        return [pid for pid, fields in live_processes().items() if fields[3] in sessions]
 
     def wait_until_gone(self, timeout: float) -> list[int]:
         """Waits until no process of the job is alive; returns those alive at the end."""

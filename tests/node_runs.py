@@ -14,7 +14,7 @@ from pathlib import Path
 
 from megatron.trainer import launch
 from megatron.trainer.launch import free_port
-from tests.job import kill_all, wait_until_gone
+from tests.job import kill_all, live_processes, wait_until_gone
 
 REPO = Path(__file__).resolve().parent.parent
 POLL_S = 0.2
@@ -92,10 +92,10 @@ class Node:
         """The live processes started from this node's command, those torchrun moved out of
         its process group included (it starts each rank with setsid): every process whose
         parent is one of them, remembered once seen so that orphans are found too."""
-        table = _process_table()
+        table = live_processes()
         grew = True
         while grew:
-            children = {pid for pid, (parent, _) in table.items() if parent in self.known}
+            children = {pid for pid, fields in table.items() if int(fields[1]) in self.known}
             grew = not children <= self.known
             self.known |= children
         return sorted(pid for pid in self.known if pid in table)
@@ -111,18 +111,3 @@ class Node:
     def losses(self) -> list[float]:
         return [row["lm loss"] for row in launch.read_iterations(self.log().splitlines())]
 
-
-def _process_table() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, state) of every live process (zombies left out)."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        state, parent = stat.rsplit(")", 1)[1].split()[:2]
-        if state not in ("Z", "X"):
-            table[int(entry)] = (int(parent), state)
-    return table
