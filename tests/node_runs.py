@@ -92,13 +92,13 @@ class Node:
         """The live processes started from this node's command, those torchrun moved out of
         its process group included (it starts each rank with setsid): every process whose
         parent is one of them, remembered once seen so that orphans are found too."""
-        table = live_processes()
+        parents = {pid: int(fields[1]) for pid, fields in live_processes().items()}
         grew = True
         while grew:
-            children = {pid for pid, fields in table.items() if int(fields[1]) in self.known}
+            children = {pid for pid, parent in parents.items() if parent in self.known}
             grew = not children <= self.known
             self.known |= children
-        return sorted(pid for pid in self.known if pid in table)
+        return sorted(pid for pid in self.known if pid in parents)
 
     def wait_until_gone(self, timeout: float) -> list[int]:
         """Waits until no process of the node is alive; returns those alive at the end."""
