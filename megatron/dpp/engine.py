@@ -11,6 +11,11 @@ Each rank runs one task at a time; a task's output reaches the rank of the consu
 edge and the message: megatron/dpp/variability.py's link profiles). Every event of one instant is
 applied before any rank decides, so the result does not depend on the order in which
 ranks are asked.
+
+By default each rank has a processor of its own (a GPU a stage). With `cores` fewer than
+the ranks they share that many (CPU processes on a small host): while n ranks compute,
+each advances its task at min(1, cores / n) of full speed, as a fair scheduler shares
+them; the part of a task spent waiting (`waits`: a CPU straggler's sleep) takes no core.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ def run_pipeline(
     record: bool = False,
     count_in_flight: bool = True,
     weight_slices: int = 1,
+    cores: int | None = None,
+    waits: Mapping[str, Sequence[Sequence[float]]] | None = None,
 ) -> EngineResult:
     """Run every rank's runner to the end. `durations[kind][v][i]`: the time of the task
     of that kind on virtual stage v for microbatch i (a WEIGHT table when the backward is
@@ -65,8 +72,10 @@ def run_pipeline(
     the peaks at 0 (the cost-order choice needs the makespan only). `weight_slices` = n: a
     runner returns each W n times, each a part of 1/n of its time; the W releases its
     microbatch at its last part (the timeline has every part). `latency` may be a function
-    (source rank, destination rank, the task the message feeds) -> time. Raises DeadlockError
-    when ranks are left that can never run their next task."""
+    (source rank, destination rank, the task the message feeds) -> time. `cores` and
+    `waits[kind][v][i]` (the part of that task's duration spent waiting): the module
+    docstring; `busy` and the timeline then hold each task's wall time. Raises
+    DeadlockError when ranks are left that can never run their next task."""
     p = topology.pp_size
     if len(runners) != p:
         raise ValueError(f"{len(runners)} runners for {p} ranks")
@@ -74,24 +83,32 @@ def run_pipeline(
     release = WEIGHT if WEIGHT in durations else BACKWARD
     if weight_slices < 1:
         raise ValueError(f"weight_slices must be >= 1, got {weight_slices}")
+    if cores is not None and cores < 1:
+        raise ValueError(f"cores must be >= 1, got {cores}")
+    shared = cores is not None and cores < p
     if weight_slices > 1 and release == WEIGHT:
         durations = dict(durations)
         durations[WEIGHT] = [[d / weight_slices for d in row] for row in durations[WEIGHT]]
+        if waits is not None:
+            waits = dict(waits)
+            waits[WEIGHT] = [[d / weight_slices for d in row] for row in waits[WEIGHT]]
     # per rank: parts run of each W started and not finished
     weight_parts = [{} for _ in range(p)]
     # per rank, by kind and local chunk: the durations row of the chunk's virtual stage,
-    # the destination rank of the output (-1: none) and the table of its tasks there
+    # the destination rank of the output (-1: none), the table of its tasks there and the
+    # waits row (None: no waits)
     lanes = []
     for r in range(p):
         lane = {}
         for kind, table in durations.items():
             lane[kind] = []
             for v, route in zip(topology.stage_of[r], topology.routes[r][kind], strict=True):
+                wait = waits[kind][v] if shared and waits is not None else None
                 if route is None:
-                    lane[kind].append((table[v], -1, None))
+                    lane[kind].append((table[v], -1, None, wait))
                 else:
                     lane[kind].append((table[v], route[0],
-                                       task_table(kind, route[1], num_microbatches)))
+                                       task_table(kind, route[1], num_microbatches), wait))
         lanes.append(lane)
     next_task = [runner.next_task for runner in runners]
     complete = [runner.complete for runner in runners]
@@ -110,6 +127,15 @@ def run_pipeline(
     # message pending[code - p] = (rank, task) arrives (only with latency). Codes are
     # unique, so equal times never compare anything else.
     events: list[tuple[float, int]] = []
+    # shared cores: every computing rank advances at the same speed, so their work ends in
+    # the order of its end on one clock that runs at that speed: (that clock's time at the
+    # end of the work, rank); then the task's wait, if any, is an event like any other
+    computing: list[tuple[float, int]] = []
+    work_clock = 0.0
+    # shared cores, per rank: the running task's wait, start and row of the timeline
+    waiting = [0.0] * p
+    started = [0.0] * p
+    timeline_row = [0] * p
     pending: list[tuple[int, Task]] = []
     push, pop = heapq.heappush, heapq.heappop
     now = 0.0
@@ -136,10 +162,30 @@ def run_pipeline(
                     if count > peak_activations[r]:
                         peak_activations[r] = count
             running[r] = task, lane
-            busy[r] += duration
-            push(events, (now + duration, r))
+            if shared:
+                wait = 0.0 if lane[3] is None else lane[3][microbatch]
+                push(computing, (work_clock + duration - wait, r))
+                waiting[r] = wait
+                started[r] = now
+                if record:
+                    timeline_row[r] = len(timeline)
+            else:
+                busy[r] += duration
+                push(events, (now + duration, r))
             if record:
                 timeline.append((r, task, now, duration))
+        # shared cores: advance the work of the computing ranks to the next event
+        while shared and computing and (not events or events[0][0] > now):
+            speed = min(1.0, cores / len(computing))
+            work_end = now + (computing[0][0] - work_clock) / speed
+            if events and events[0][0] < work_end:
+                work_clock += (events[0][0] - now) * speed
+                now = events[0][0]
+            else:
+                now, work_clock = work_end, computing[0][0]
+            while computing and computing[0][0] <= work_clock:
+                r = pop(computing)[1]
+                push(events, (now + waiting[r], r))
         if not events:
             break
         now = events[0][0]
@@ -152,8 +198,12 @@ def run_pipeline(
                 deciding.append(r)
                 continue
             deciding.append(r)
-            task, (_, dst, targets) = running[r]
+            task, (_, dst, targets, _) = running[r]
             running[r] = None
+            if shared:
+                busy[r] += now - started[r]
+                if record:
+                    timeline[timeline_row[r]] = (r, task, started[r], now - started[r])
             complete[r](task)
             if weight_slices > 1 and task[0] == WEIGHT:
                 parts = weight_parts[r].get(task, 0) + 1

@@ -336,3 +336,74 @@ def test_cli_split_backward_report_and_grid(capsys):
     out = capsys.readouterr().out
     assert out.count("| 2 | 8 |") == 8
     assert "| 2 | 8 | uniform | +0 | 1.080x | 1.080x | 1.000x | 1.000x |" in out
+
+
+def _two_by_two(stretch_rank0_forward1: float = 0.0):
+    """p = 2, m = 2, every task 1; rank 0's forward of microbatch 1 stretched by a wait."""
+    durations = sample_durations(CostModel(backward_ratio=1.0), 2, 1, 2, seed=0)
+    zero = [[0.0, 0.0], [0.0, 0.0]]
+    durations.forward[0][1] += stretch_rank0_forward1
+    durations.stretch = {"F": [[0.0, stretch_rank0_forward1], [0.0, 0.0]], "B": zero}
+    return durations
+
+
+def test_one_shared_core_runs_all_the_work_back_to_back():
+    p, m = 4, 8
+    durations = sample_durations(CostModel(jitter=0.3), p, 1, m, seed=3, split_backward=True)
+    total = sum(sum(row) for table in durations.by_kind(True).values() for row in table)
+    for schedule in ("1f1b", "dpp"):
+        dedicated = simulate(schedule, p, m, durations, split_backward=True)
+        one_core = simulate(schedule, p, m, durations, split_backward=True, cores=1)
+        # nothing ever waits for a message, so the one core never idles
+        assert one_core.makespan == pytest.approx(total)
+        assert dedicated.makespan < total
+        assert simulate(schedule, p, m, durations, split_backward=True,
+                        cores=p).makespan == dedicated.makespan
+
+
+def test_two_ranks_on_one_core_run_at_half_speed_and_a_wait_takes_no_core():
+    # 1F1B: rank 0 runs F0 F1 B0 B1, rank 1 F0 B0 F1 B1
+    assert simulate("1f1b", 2, 2, _two_by_two(), cores=1).makespan == pytest.approx(8.0)
+    # rank 0's F1 computes beside rank 1's F0 (both at half speed, 1..3), then sleeps
+    # 3..6 while rank 1 runs B0 alone (3..4); then rank 0's B0 beside rank 1's F1 (6..8),
+    # rank 1's B1 (8..9), rank 0's B1 (9..10)
+    shared = simulate("1f1b", 2, 2, _two_by_two(3.0), cores=1, record=True)
+    assert shared.makespan == pytest.approx(10.0)
+    spans = {(event["tid"], event["name"]): (event["ts"] / 1000, event["dur"] / 1000)
+             for event in shared.trace}
+    assert spans[0, "F1c0"] == pytest.approx((1.0, 5.0))
+    assert spans[1, "B0c0"] == pytest.approx((3.0, 1.0))
+    # with a processor each, the same wait is a longer task: 8
+    assert simulate("1f1b", 2, 2, _two_by_two(3.0)).makespan == pytest.approx(8.0)
+
+
+def test_stragglers_stretch_is_what_they_add():
+    straggler = StragglerProfile.parse("all:0.3:3")
+    plain = sample_durations(CostModel(forward=5.0), 4, 1, 8, seed=2, split_backward=True)
+    stretched = sample_durations(CostModel(forward=5.0, straggler=straggler), 4, 1, 8,
+                                 seed=2, split_backward=True)
+    added = stretched.stretch_by_kind(True)
+    for kind, table in stretched.by_kind(True).items():
+        for v, row in enumerate(table):
+            for i, value in enumerate(row):
+                base = plain.by_kind(True)[kind][v][i]
+                assert value - base == pytest.approx(added[kind][v][i])
+                assert added[kind][v][i] in (0.0, pytest.approx(2 * base))
+    whole = stretched.stretch_by_kind(False)
+    assert whole["B"][1][3] == pytest.approx(added["B"][1][3] + added["W"][1][3])
+    assert any(value > 0 for row in added["F"] for value in row)
+
+
+def test_cli_cores_bound_is_the_compute_over_the_cores(capsys):
+    main(["--pp", "4", "--microbatches", "8", "--forward-ms", "5", "--emulate-straggler",
+          "all:0.2:3", "--cores", "2", "--schedules", "1f1b", "dpp", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    durations = sample_durations(CostModel(forward=5.0, straggler=StragglerProfile.parse(
+        "all:0.2:3")), 4, 1, 8, seed=0)
+    compute = sum(sum(row) for table in durations.by_kind().values() for row in table) - sum(
+        sum(row) for table in durations.stretch_by_kind().values() for row in table)
+    assert report["lower_bound"] == pytest.approx(compute / 2)
+    for entry in report["schedules"].values():
+        assert entry["makespan"] >= compute / 2
+    with pytest.raises(SystemExit):
+        main(["--cores", "0"])

@@ -11,6 +11,8 @@ faster than a given schedule any schedule could be:
   F(j + p) in turn (F(j + p) needs W(j); running W(j), F(j + p) before a ready B(j + 1) never
   delays anything), and B(j) waits for its gradient, which here travels through the other
   ranks without waiting for them (their contention dropped);
+* `shared_cores_bound`, valid for every schedule where the ranks share a number of cores
+  (megatron/dpp/engine.py): all ranks' compute over the cores;
 * `in_order_bound`, valid for every schedule that runs each rank's forwards and backwards in
   one microbatch order (megatron-core's, ZB-H1, DPP's plan and rule) and holds at most
   held[r] microbatches from F to W on rank r: rank r starts F of the order's n-th
@@ -45,6 +47,15 @@ def memory_free_bound(times: dict[str, list[list[float]]], p: int, m: int,
     forward = times[FORWARD]
     return max(min(sum(forward[v][k] for v in range(first[r])) for k in range(m)) + work[r]
                for r in range(p))
+
+
+def shared_cores_bound(times: dict[str, list[list[float]]],
+                       waits: dict[str, list[list[float]]] | None, cores: int) -> float:
+    """All the tasks' time but their waits (`waits`: as `times`, or None), over `cores`."""
+    total = sum(sum(row) for table in times.values() for row in table)
+    if waits is not None:
+        total -= sum(sum(row) for table in waits.values() for row in table)
+    return total / cores
 
 
 def rank0_bound(times: dict[str, list[list[float]]], p: int, m: int,

@@ -9,9 +9,13 @@ replays; megatron/dpp/sim/simulate_grid.py: the comparison grid).
         --emulate-link-edges all --schedules 1f1b dpp dpp-static
     python -m megatron.dpp.sim.simulate --forward-ms 10 --emulate-straggler all:0.1:3 \
         --iterations 20 --schedules 1f1b dpp-static dpp
+    python -m megatron.dpp.sim.simulate --forward-ms 5 --emulate-straggler all:0.1:3 \
+        --cores 2 --schedules 1f1b dpp-static dpp
 
 The --emulate-* flags are the trainer's: the same link and straggler draws for the same
---seed (megatron/dpp/variability.py); with them every time is in milliseconds.
+--seed (megatron/dpp/variability.py); with them every time is in milliseconds. --cores N
+models N processors shared by all ranks (CPU processes on a small host: the task times are
+then each task's own compute time, a straggler's added time a sleep that takes no core).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from dataclasses import asdict
 
 from megatron.dpp.actions import FORWARD
 from megatron.dpp.config import DEFAULTS
-from megatron.dpp.sim.bounds import in_order_bound, memory_free_bound
+from megatron.dpp.sim.bounds import in_order_bound, memory_free_bound, shared_cores_bound
 from megatron.dpp.sim.simulate_grid import (
     GRID_EXTRA_MODELS,
     GRID_MODELS,
@@ -55,8 +59,12 @@ def _single_report(args, cost: CostModel) -> dict:
     for iteration in range(args.iteration, args.iteration + args.iterations):
         durations = sample_durations(cost, args.pp, 1, args.microbatches, args.seed,
                                      args.split_backward, iteration)
-        bounds.append(memory_free_bound(durations.by_kind(args.split_backward), args.pp,
-                                        args.microbatches))
+        times = durations.by_kind(args.split_backward)
+        bound = memory_free_bound(times, args.pp, args.microbatches)
+        if args.cores is not None:
+            bound = max(bound, shared_cores_bound(
+                times, durations.stretch_by_kind(args.split_backward), args.cores))
+        bounds.append(bound)
         results = compare(
             args.pp,
             args.microbatches,
@@ -71,8 +79,8 @@ def _single_report(args, cost: CostModel) -> dict:
             weight_slices=args.weight_slices,
             defer_weights=args.defer_weights,
             iteration=iteration,
+            cores=args.cores,
         )
-        times = durations.by_kind(args.split_backward)
         for name, result in results.items():
             makespans.setdefault(name, []).append(result.makespan)
             if args.chunks == 1:
@@ -135,8 +143,11 @@ def _format_single(report: dict) -> str:
                      + ("" if held == activations else
                         " (F to W; F to B: " + " ".join(map(str, activations)) + ")"))
     bound = report["lower_bound"]
+    shared = report["config"]["cores"]
     lines.append(f"no schedule of these tasks, at any memory, takes less than {bound:.2f} (the "
-                 "busiest rank's work after its cheapest lead-in); each over it: "
+                 "busiest rank's work after its cheapest lead-in"
+                 + (f", or all ranks' compute over {shared} cores" if shared else "")
+                 + "); each over it: "
                  + ", ".join(f"{name} {entry['makespan'] / bound:.3f}x"
                              for name, entry in report["schedules"].items()))
     bounded = {name: entry for name, entry in report["schedules"].items()
@@ -191,6 +202,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--iterations", type=int, default=1,
                         help="simulate this many iterations from --iteration on (each with its "
                              "own draws) and report the mean makespan of each schedule")
+    parser.add_argument("--cores", type=int, default=None,
+                        help="the ranks share this many processors (default: one a rank); a "
+                             "straggler's added time then takes none")
     parser.add_argument("--backward-ratio", type=float, default=2.0)
     parser.add_argument("--split-backward", action="store_true",
                         help="B and W tasks: DPP places W, zb-h1 runs, the static schedules "
@@ -237,6 +251,10 @@ def _check_args(parser, args):
         parser.error(f"--seed-offset must be >= 0, got {args.seed_offset}")
     if any(p < 1 for p in args.grid_pp):
         parser.error(f"--grid-pp values must be >= 1, got {args.grid_pp}")
+    if args.cores is not None and args.cores < 1:
+        parser.error(f"--cores must be >= 1, got {args.cores}")
+    if args.cores is not None and args.grid:
+        parser.error("--grid gives each rank a processor: drop --cores")
     if args.forward_ms is not None and args.forward_ms <= 0:
         parser.error(f"--forward-ms must be > 0, got {args.forward_ms}")
     if args.message_bytes < 0 or args.iteration < 0:

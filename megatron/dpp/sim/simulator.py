@@ -107,6 +107,9 @@ class Durations:
     backward: list[list[float]]
     microbatch_factor: list[float]
     weight: list[list[float]] | None = None
+    # kind -> [virtual stage][microbatch]: the part of each duration a straggler adds,
+    # which a CPU rank sleeps (None: no stragglers); only shared cores tell it apart
+    stretch: dict[str, list[list[float]]] | None = None
 
     def by_kind(self, split_backward: bool = False) -> dict[str, list[list[float]]]:
         """The engine's view: task kind -> [virtual stage][microbatch]; without the split,
@@ -118,9 +121,19 @@ class Durations:
             return {FORWARD: self.forward, BACKWARD: self.backward, WEIGHT: self.weight}
         if self.weight is None:
             return {FORWARD: self.forward, BACKWARD: self.backward}
-        whole = [[b + w for b, w in zip(bs, ws, strict=True)]
-                 for bs, ws in zip(self.backward, self.weight, strict=True)]
-        return {FORWARD: self.forward, BACKWARD: whole}
+        return {FORWARD: self.forward, BACKWARD: _sum_rows(self.backward, self.weight)}
+
+    def stretch_by_kind(self, split_backward: bool = False) -> dict | None:
+        """`stretch` as `by_kind` gives the durations (None without stragglers)."""
+        if self.stretch is None or split_backward or WEIGHT not in self.stretch:
+            return self.stretch
+        return {FORWARD: self.stretch[FORWARD],
+                BACKWARD: _sum_rows(self.stretch[BACKWARD], self.stretch[WEIGHT])}
+
+
+def _sum_rows(first: list[list[float]], second: list[list[float]]) -> list[list[float]]:
+    return [[a + b for a, b in zip(xs, ys, strict=True)]
+            for xs, ys in zip(first, second, strict=True)]
 
 
 def sample_durations(
@@ -151,14 +164,23 @@ def sample_durations(
         backward.append([base * cost.backward_ratio * (1 - share) * f * jitter()
                          for f in factors])
         weight.append([base * cost.backward_ratio * share * f * jitter() for f in factors])
+    stretch = None
     if cost.straggler is not None:
-        tables = {FORWARD: forward, BACKWARD: backward, WEIGHT: weight}
+        tables = {FORWARD: forward, BACKWARD: backward}
+        if split_backward:
+            tables[WEIGHT] = weight
+        stretch = {}
         for kind, table in tables.items():
+            stretch[kind] = []
             for v, row in enumerate(table):
                 stage, chunk = topology.placement(v)
+                added = [0.0] * num_microbatches
                 for i in range(num_microbatches):
-                    row[i] *= cost.straggler.factor_of(seed, iteration, i, stage, kind, chunk)
-    return Durations(forward, backward, factors, weight if split_backward else None)
+                    factor = cost.straggler.factor_of(seed, iteration, i, stage, kind, chunk)
+                    added[i] = row[i] * (factor - 1)
+                    row[i] += added[i]
+                stretch[kind].append(added)
+    return Durations(forward, backward, factors, weight if split_backward else None, stretch)
 
 
 def link_latency(link: LinkProfile, pp_size: int, seed: int, iteration: int = 0,
@@ -217,6 +239,7 @@ def simulate(
     split_backward: bool = False,
     weight_slices: int = DEFAULTS.weight_slices,
     defer_weights: bool = DEFAULTS.defer_weights,
+    cores: int | None = None,
 ) -> SimResult:
     """Run one schedule to completion. `record` keeps each rank's task order and a trace.
     `microbatch_costs`: what is known of each microbatch's cost before the iteration (its
@@ -228,7 +251,8 @@ def simulate(
     places B and W tasks (zb-h1 always does; the other static schedules never), each W in
     `weight_slices` parts (the static schedules run each W whole), deferred as ZB-H1 defers
     them with `defer_weights` (zb-h1 always), else each right after its B. `latency`: a
-    number, or a function of the edge and the message (`link_latency`)."""
+    number, or a function of the edge and the message (`link_latency`). `cores`: the ranks
+    share this many processors (megatron/dpp/engine.py; default one a rank)."""
     p, m, chunks = pp_size, num_microbatches, num_chunks
     if schedule == "1f1b" and chunks != 1:
         raise ValueError("schedule 1f1b has one chunk per rank; use interleaved or dpp")
@@ -248,8 +272,9 @@ def simulate(
         microbatch_order = microbatch_order_for(stages[0], microbatch_costs)
     runners = [_runner(schedule, s, topology, microbatch_order, microbatch_costs)
                for s in stages]
-    return _result(schedule, run_pipeline(topology, runners, durations.by_kind(split), latency,
-                                          record, weight_slices=slices), slices)
+    return _result(schedule, run_pipeline(
+        topology, runners, durations.by_kind(split), latency, record, weight_slices=slices,
+        cores=cores, waits=durations.stretch_by_kind(split)), slices)
 
 
 def replay(plans: list[list[Task]], durations: Durations, *, num_chunks: int = 1,
@@ -338,12 +363,14 @@ def compare(
     weight_slices: int = DEFAULTS.weight_slices,
     defer_weights: bool = DEFAULTS.defer_weights,
     iteration: int = 0,
+    cores: int | None = None,
 ) -> dict[str, SimResult]:
     """Simulate several schedules on the same sampled durations and the same link. Single-
     chunk schedules (1f1b, gpipe, zb-h1) run the rank's work as one chunk; interleaved, dpp
     and dpp-static use num_chunks. With `split_backward` DPP places W tasks, zb-h1 runs (it
     is skipped otherwise), and every static schedule runs the microbatches in DPP's order.
-    The cost model's link and stragglers are drawn from `seed` and `iteration`."""
+    The cost model's link and stragglers are drawn from `seed` and `iteration`; `cores`:
+    the ranks share this many processors (`simulate`)."""
     results = {}
     samples = {}
     static_order_given = None
@@ -380,5 +407,6 @@ def compare(
             split_backward=split_backward and dpp,
             weight_slices=weight_slices,
             defer_weights=defer_weights,
+            cores=cores,
         )
     return results
