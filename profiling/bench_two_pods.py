@@ -1,5 +1,5 @@
 """megatron-core's 1F1B, `--use-dpp` and `--use-dpp --dpp-static` at the slack the dynamic run
-chose, on a tiny GPT at PP=4 on CPU (gloo), all under the same extra flags: the link and
+chose, on a tiny GPT at PP=4 (`--pp`) on CPU (gloo), all under the same extra flags: the link and
 straggler emulation of a two-pod pipeline, for one.
 
     python profiling/bench_two_pods.py --out runs/pods
@@ -287,19 +287,24 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=1,
                         help="run the schedules this many times in turn; each row gives the "
                              "median of its runs' medians and every run's")
+    parser.add_argument("--pp", type=int, default=4,
+                        help="pipeline stages, a process each (2 on a 2-core machine gives "
+                             "each its own core)")
     parser.add_argument("--microbatches", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=2, help="iterations left out")
     parser.add_argument("--iters", type=int, default=8, help="iterations measured")
     parser.add_argument("--port", type=int, default=29541)
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
     args = parser.parse_args(argv)
-    if args.microbatches < 1 or args.warmup < 0 or args.iters < 1 or args.repeat < 1:
-        parser.error("--microbatches, --iters and --repeat must be >= 1, --warmup >= 0")
+    if min(args.microbatches, args.iters, args.repeat) < 1 or args.warmup < 0 \
+            or args.pp not in (2, 4):
+        parser.error("--microbatches, --iters and --repeat must be >= 1, --warmup >= 0, "
+                     "--pp 2 or 4 (the model's 4 layers split evenly)")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    # what bench_gpt.run reads of its arguments: four CPU processes, one stage each
+    # what bench_gpt.run reads of its arguments: a CPU process a stage
     settings = argparse.Namespace(
-        gpus=4, pp=4, microbatches=args.microbatches, warmup=args.warmup, iters=args.iters,
+        gpus=args.pp, pp=args.pp, microbatches=args.microbatches, warmup=args.warmup, iters=args.iters,
         port=args.port, timeout=args.timeout, trace=False, profile=False,
         memory_snapshots=False, find_syncs=False, installed=False)
     extra, dpp_extra = args.extra.split(), tuple(args.dpp_extra.split())
