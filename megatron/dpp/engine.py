@@ -63,7 +63,7 @@ def run_pipeline(
     record: bool = False,
     count_in_flight: bool = True,
     weight_slices: int = 1,
-    cores: int | None = None,
+    cores: float | None = None,
     waits: Mapping[str, Sequence[Sequence[float]]] | None = None,
 ) -> EngineResult:
     """Run every rank's runner to the end. `durations[kind][v][i]`: the time of the task
@@ -83,8 +83,8 @@ def run_pipeline(
     release = WEIGHT if WEIGHT in durations else BACKWARD
     if weight_slices < 1:
         raise ValueError(f"weight_slices must be >= 1, got {weight_slices}")
-    if cores is not None and cores < 1:
-        raise ValueError(f"cores must be >= 1, got {cores}")
+    if cores is not None and cores <= 0:
+        raise ValueError(f"cores must be > 0, got {cores}")
     shared = cores is not None and cores < p
     if weight_slices > 1 and release == WEIGHT:
         durations = dict(durations)

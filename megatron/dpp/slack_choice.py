@@ -11,11 +11,15 @@ medians: stragglers, a noisy machine; a calm pipeline gets 0). A
 `MemoryBudget` caps the slack first: at slack s a rank holds its static plan's count of
 microbatches plus s (`GreedyPolicy.cap`), and every rank must stay within the budget.
 
+Where CPU ranks outnumber their cores (`Measured.shared_cores`) the simulator shares that
+many cores among the pipeline's ranks, and a task's time beyond its median is a wait that
+takes none (a straggler's sleep): what one rank fills in its bubble, the rank beside it on
+the same core loses.
+
 With the rule left open (`static=None`) it also chooses between the dynamic rule and the
 plan in order at that slack: the dynamic rule runs only where the simulator gives it
 RULE_GAIN or more over the plan in order (a slow link); elsewhere its deviations buy
-nothing the simulator sees and cost what it does not (a decision's host time, a core taken
-from the critical stage where ranks share them).
+nothing the simulator sees and cost what it does not (a decision's host time).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import random
 import statistics
 from dataclasses import dataclass
 
+from megatron.dpp.actions import BACKWARD, FORWARD, WEIGHT
 from megatron.dpp.config import MemoryBudget
 from megatron.dpp.plan import StageConfig, static_peak
 from megatron.dpp.policy import GreedyPolicy
@@ -55,6 +60,9 @@ class Measured:
     # each measured F / B over its kind's median (None: every task at its median); a
     # straggling stage or a noisy machine shows here, and slack pays only under such spread
     cost_spread: tuple[float, ...] | None = None
+    # the cores the pipeline's ranks share where CPU ranks outnumber them (None: a
+    # processor each)
+    shared_cores: float | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +80,7 @@ class SlackChoice:
     # rule left open: the plan in order's simulated iteration over the dynamic rule's at
     # the chosen slack (None: the rule was given)
     rule_gain: float | None = None
+    shared_cores: float | None = None  # as Measured's
 
     def line(self) -> str:
         """One log line: the choice and why."""
@@ -85,8 +94,10 @@ class SlackChoice:
         text = (f"DPP slack {self.slack}: measured hop {self.hop_ms:.1f} ms = "
                 f"{forwards} forwards ({self.forward_ms:.1f} ms); "
                 + (f"task costs up to {self.spread_p95:.2f}x their median (p95); "
-                   if self.spread_p95 is not None else "") +
-                f"simulated speedup {speedups} at slack "
+                   if self.spread_p95 is not None else "")
+                + (f"on {self.shared_cores:g} cores shared by the ranks, "
+                   if self.shared_cores is not None else "")
+                + f"simulated speedup {speedups} at slack "
                 f"{'/'.join(map(str, slacks))} ({rule}; the smallest within "
                 f"{100 * SLACK_TOLERANCE:g} % of the fastest)")
         if self.rule_gain is not None:
@@ -164,7 +175,8 @@ def choose_slack(measured: Measured, pp_size: int, num_microbatches: int, *,
         return statistics.fmean(simulate(
             schedule, p, m, durations, num_chunks=chunks, slack=slack, latency=latency,
             split_backward=split_backward, weight_slices=weight_slices if split_backward else 1,
-            defer_weights=defer_weights).makespan for durations in trials)
+            defer_weights=defer_weights, cores=measured.shared_cores).makespan
+            for durations in trials)
 
     simulated = {slack: simulated_ms("dpp-static" if static else "dpp", slack)
                  for slack in allowed}
@@ -180,7 +192,8 @@ def choose_slack(measured: Measured, pp_size: int, num_microbatches: int, *,
         tuple(held_bytes(measured, p, m, slack, chunks, split_backward, defer_weights))
         if measured_bytes else None,
         busiest if measured_bytes else None, budget, max_slack, static,
-        _percentile(measured.cost_spread, 0.95) if measured.cost_spread else None, rule_gain)
+        _percentile(measured.cost_spread, 0.95) if measured.cost_spread else None, rule_gain,
+        measured.shared_cores)
 
 
 def _percentile(values: tuple[float, ...], share: float) -> float:
@@ -190,17 +203,23 @@ def _percentile(values: tuple[float, ...], share: float) -> float:
 
 def _durations(measured: Measured, m: int, rng: random.Random | None) -> Durations:
     """Every task at its stage's median, each F and B scaled by a draw from the measured
-    spread where `rng` is given."""
+    spread where `rng` is given; what a draw adds beyond the median is the task's stretch
+    (a wait where the cores are shared)."""
+    stretch = {FORWARD: [], BACKWARD: []}
 
-    def row(median: float) -> list[float]:
-        if rng is None:
-            return [median] * m
-        return [median * rng.choice(measured.cost_spread) for _ in range(m)]
+    def row(kind: str, median: float) -> list[float]:
+        factors = [1.0] * m if rng is None else [rng.choice(measured.cost_spread)
+                                                 for _ in range(m)]
+        stretch[kind].append([median * max(0.0, f - 1) for f in factors])
+        return [median * f for f in factors]
 
-    return Durations([row(t) for t in measured.forward_ms],
-                     [row(t) for t in measured.backward_ms], [1.0] * m,
-                     None if measured.weight_ms is None
-                     else [[t] * m for t in measured.weight_ms])
+    forward = [row(FORWARD, t) for t in measured.forward_ms]
+    backward = [row(BACKWARD, t) for t in measured.backward_ms]
+    weight = None
+    if measured.weight_ms is not None:
+        weight = [[t] * m for t in measured.weight_ms]
+        stretch[WEIGHT] = [[0.0] * m for _ in weight]
+    return Durations(forward, backward, [1.0] * m, weight, stretch)
 
 
 def _edge_latency(hop_ms: tuple[float, ...], pp_size: int):

@@ -6,7 +6,8 @@ During the first `MEASURED_ITERATIONS` training calls the schedule runs at slack
 clock less the time the rank waited for a core, so that ranks sharing cores do not show
 each other's work as their own cost spread), when each message was sent and when its
 consumer first saw it, and the bytes each forward saved for its backward (the activations
-a microbatch holds; parameters excluded). A message's time from send to usable is taken
+a microbatch holds; parameters excluded), and on CPU its host and the cores it may run on
+(ranks that outnumber their cores are simulated sharing them). A message's time from send to usable is taken
 where its consumer was blocked waiting for it (it then saw it as it landed); ranks of one
 host share CLOCK_MONOTONIC, and across hosts the clock offset cancels in the mean of an
 edge's two directions (a one-way estimate from the round trip). After the last measured
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import statistics
 import time
 from collections import defaultdict
@@ -219,6 +221,7 @@ class PipelineShape:
     split_backward: bool
     defer_weights: bool
     weight_slices: int
+    cpu: bool = False  # the ranks compute on the host (their cores may be shared)
 
 
 class SlackAdapter:
@@ -305,6 +308,10 @@ def _summary(records: list[IterationRecord], shape: PipelineShape) -> dict:
               if key[0] in (FORWARD, BACKWARD) and medians[key] > 0 for value in values]
     return {
         "ranks": shape.ranks, "stage": shape.stage, "chunks": shape.num_chunks,
+        # CPU: the host, the cores this rank may run on and its compute threads
+        "host": os.uname().nodename,
+        "cpus": sorted(os.sched_getaffinity(0)) if shape.cpu else None,
+        "threads": torch.get_num_threads(),
         "task_ms": {key: parts[key[0]] * statistics.median(values)
                     for key, values in task_ms.items()},
         # per forward of a chunk; a microbatch saves this once per chunk
@@ -347,7 +354,22 @@ def measured_from(summaries: list[dict]) -> Measured:
     spread = tuple(sorted(ratio for summary in summaries for ratio in summary["spread"]))
     return Measured(per_stage(FORWARD), per_stage(BACKWARD),
                     tuple(statistics.median(hops[e]) if hops[e] else 0.0 for e in range(p)),
-                    weight, activation, spread or None)
+                    weight, activation, spread or None, shared_cores(summaries, p))
+
+
+def shared_cores(summaries: list[dict], p: int) -> float | None:
+    """Where CPU ranks' threads outnumber the cores of their host, the cores a pipeline of
+    p ranks shares: p times the least share of a core a thread gets on any host. None on
+    GPUs, or with a core for every thread."""
+    if any(summary.get("cpus") is None for summary in summaries):
+        return None
+    cores: dict[str, set[int]] = defaultdict(set)
+    threads: dict[str, int] = defaultdict(int)
+    for summary in summaries:
+        cores[summary["host"]].update(summary["cpus"])
+        threads[summary["host"]] += summary["threads"]
+    share = min(len(cores[host]) / threads[host] for host in cores)
+    return None if share >= 1 else p * share
 
 
 def _edge_hops(stages: list[dict], p: int) -> dict[int, float]:

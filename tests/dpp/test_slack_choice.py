@@ -1,6 +1,7 @@
 """Choosing DPP's slack from measurements (megatron/dpp/slack_choice.py) and combining the
 ranks' measurements (megatron/dpp/slack_measurement.py): slack 0 on a calm link, more under
-latency, capped by the memory budget; message times across hosts with offset clocks."""
+latency, capped by the memory budget; message times across hosts with offset clocks; CPU
+ranks that share cores."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from megatron.dpp.slack_choice import (
     choose_slack,
     held_bytes,
 )
-from megatron.dpp.slack_measurement import measured_from
+from megatron.dpp.slack_measurement import measured_from, shared_cores
 
 
 def measured(p: int, hop_ms: float, forward_ms: float = 10.0,
@@ -206,3 +207,44 @@ def test_a_size_budget_without_measured_activations_is_named():
         SlackAdapter(2, False, MemoryBudget.parse("1GB"))._decide(summaries, shape)
     choice = SlackAdapter(2, False, MemoryBudget.parse("1x"))._decide(summaries, shape)
     assert choice.slack == 0 and choice.held_bytes is None
+
+
+def test_ranks_that_share_cores_are_simulated_so():
+    """The straggler model's costs (the last stage 1.53x the others, W 15 % of a backward,
+    one task in ten 3x its median): with a processor a rank slack pays; on one core shared
+    by the four ranks every task runs back to back whatever the order, and slack buys
+    nothing."""
+    forward = (4.8, 4.8, 4.8, 7.3)
+    spread = (1.0,) * 90 + (3.0,) * 10
+
+    def choice(cores):
+        costs = Measured(forward, tuple(0.73 * f for f in forward), (0.7,) * 4,
+                         weight_ms=tuple(0.13 * f for f in forward), cost_spread=spread,
+                         shared_cores=cores)
+        return choose_slack(costs, 4, 16, split_backward=True, static=None)
+
+    alone, two, one = choice(None), choice(2.0), choice(1.0)
+    assert alone.slack > 0 and one.slack == 0
+    assert alone.simulated_ms[0] < two.simulated_ms[0] < one.simulated_ms[0]
+    assert "on 2 cores shared by the ranks, simulated speedup" in two.line()
+    assert "shared" not in alone.line()
+
+
+def _cpu_summary(host: str, cpus: list[int] | None, threads: int = 1) -> dict:
+    return {"host": host, "cpus": cpus, "threads": threads}
+
+
+def test_the_cores_a_pipeline_shares_are_the_least_share_of_any_host():
+    # four one-thread ranks on a host of two cores: a pipeline of four shares two
+    two_cores = [_cpu_summary("a", [0, 1]) for _ in range(4)]
+    assert shared_cores(two_cores, 4) == pytest.approx(2.0)
+    # two pods, each of two ranks pinned to one core of its own host: half a core a rank
+    pods = [_cpu_summary("a", [0]), _cpu_summary("a", [0]), _cpu_summary("b", [3]),
+            _cpu_summary("b", [3])]
+    assert shared_cores(pods, 4) == pytest.approx(2.0)
+    # a core for every thread, or GPUs: a processor each
+    assert shared_cores([_cpu_summary("a", [0, 1, 2, 3], threads=2)] * 2, 2) is None
+    assert shared_cores([_cpu_summary("a", None)] * 4, 4) is None
+    # two threads a rank on a host of four cores and four ranks: half a core a thread
+    assert shared_cores([_cpu_summary("a", [0, 1, 2, 3], threads=2)] * 4, 4) == \
+        pytest.approx(2.0)

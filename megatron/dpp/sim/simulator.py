@@ -239,7 +239,7 @@ def simulate(
     split_backward: bool = False,
     weight_slices: int = DEFAULTS.weight_slices,
     defer_weights: bool = DEFAULTS.defer_weights,
-    cores: int | None = None,
+    cores: float | None = None,
 ) -> SimResult:
     """Run one schedule to completion. `record` keeps each rank's task order and a trace.
     `microbatch_costs`: what is known of each microbatch's cost before the iteration (its
@@ -363,7 +363,7 @@ def compare(
     weight_slices: int = DEFAULTS.weight_slices,
     defer_weights: bool = DEFAULTS.defer_weights,
     iteration: int = 0,
-    cores: int | None = None,
+    cores: float | None = None,
 ) -> dict[str, SimResult]:
     """Simulate several schedules on the same sampled durations and the same link. Single-
     chunk schedules (1f1b, gpipe, zb-h1) run the rank's work as one chunk; interleaved, dpp
