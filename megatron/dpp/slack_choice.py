@@ -95,8 +95,8 @@ class SlackChoice:
                 f"{forwards} forwards ({self.forward_ms:.1f} ms); "
                 + (f"task costs up to {self.spread_p95:.2f}x their median (p95); "
                    if self.spread_p95 is not None else "")
-                + (f"on {self.shared_cores:g} cores shared by the ranks, "
-                   if self.shared_cores is not None else "")
+                + (f"on {self.shared_cores:g} core{'' if self.shared_cores == 1 else 's'} "
+                   "shared by the ranks, " if self.shared_cores is not None else "")
                 + f"simulated speedup {speedups} at slack "
                 f"{'/'.join(map(str, slacks))} ({rule}; the smallest within "
                 f"{100 * SLACK_TOLERANCE:g} % of the fastest)")

@@ -26,12 +26,14 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def adaptive_runs(rank, world_size, runs):
+def adaptive_runs(rank, world_size, runs, one_core_last=False):
     """Per (delivery jitter in ms, memory budget, rule) of `runs`: the slack and rule of
     each of four training calls of one adaptive DppSchedule, their losses, and what was
-    logged (the rule: DppOptions.static, None to choose it too)."""
+    logged (the rule: DppOptions.static, None to choose it too). `one_core_last`: the
+    last run's ranks all run on one core."""
     import os
 
+    import torch
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron.dpp.config import DppOptions
@@ -49,7 +51,9 @@ def adaptive_runs(rank, world_size, runs):
         trainer = setup(GPT_TASK, args, stack)
         m = args.num_microbatches
         result = {"core": one_step(trainer, get_forward_backward_func(), m)[0], "runs": []}
-        for jitter, budget, static in runs:
+        for index, (jitter, budget, static) in enumerate(runs):
+            if one_core_last and index == len(runs) - 1:
+                os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
             os.environ[JITTER_ENV] = str(jitter)
             handler.lines.clear()
             dpp = DppSchedule(DppOptions(transport="torch", adaptive=True,
@@ -63,14 +67,15 @@ def adaptive_runs(rank, world_size, runs):
             finally:
                 dpp.close()
             result["runs"].append({"slacks": slacks, "rules": rules, "losses": losses,
-                                   "lines": list(handler.lines)})
+                                   "lines": list(handler.lines),
+                                   "threads": torch.get_num_threads()})
     return result
 
 
 @pytest.mark.slow
 def test_slow_arrivals_get_slack_a_budget_caps_it_and_losses_stay():
-    runs = [(60, None, False), (60, "1.0x", False), (60, None, None)]
-    results = run_ranks(2, adaptive_runs, 2, runs)
+    runs = [(60, None, False), (60, "1.0x", False), (60, None, None), (60, None, False)]
+    results = run_ranks(2, adaptive_runs, 2, runs, True)
     for rank, result in enumerate(results):
         for run in result["runs"]:
             assert all(losses == result["core"] for losses in run["losses"])
@@ -78,7 +83,7 @@ def test_slow_arrivals_get_slack_a_budget_caps_it_and_losses_stay():
             assert run["slacks"][:2] == [None, None]
             assert run["slacks"][2] == run["slacks"][3]
             assert len(run["lines"]) == (1 if rank == 0 else 0)
-    jittered, budgeted, chosen = (run for run in results[0]["runs"])
+    jittered, budgeted, chosen, one_core = (run for run in results[0]["runs"])
     assert jittered["rules"] == [False] * 4
     # the rule chosen too: the plan in order while measuring, then, with arrivals far
     # later than a forward, the dynamic rule, on every rank
@@ -91,3 +96,9 @@ def test_slow_arrivals_get_slack_a_budget_caps_it_and_losses_stay():
     # 1F1B's busiest stage (rank 0 holds 2 microbatches): no room for one more
     assert budgeted["slacks"][2] == 0 and results[1]["runs"][1]["slacks"][2] == 0
     assert "budget 1x 1F1B's busiest stage (caps the slack at 0)" in budgeted["lines"][0]
+    # both ranks on one core: the decision simulates the two ranks sharing it (the core
+    # over both ranks' threads, a share of it each)
+    shared = 2 / (one_core["threads"] + results[1]["runs"][3]["threads"])
+    cores = f"{shared:g} core" + ("" if shared == 1 else "s")
+    assert f"on {cores} shared by the ranks" in one_core["lines"][0], \
+        one_core["lines"][0]
