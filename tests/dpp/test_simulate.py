@@ -339,7 +339,8 @@ def test_cli_split_backward_report_and_grid(capsys):
 
 
 def _two_by_two(stretch_rank0_forward1: float = 0.0):
-    """p = 2, m = 2, every task 1; rank 0's forward of microbatch 1 stretched by a wait."""
+    """p = 2, m = 2, every F and B of unit time; rank 0's forward of microbatch 1 stretched by
+    a wait."""
     durations = sample_durations(CostModel(backward_ratio=1.0), 2, 1, 2, seed=0)
     zero = [[0.0, 0.0], [0.0, 0.0]]
     durations.forward[0][1] += stretch_rank0_forward1
