@@ -16,10 +16,12 @@ many cores among the pipeline's ranks, and a task's time beyond its median is a 
 takes none (a straggler's sleep): what one rank fills in its bubble, the rank beside it on
 the same core loses.
 
-With the rule left open (`static=None`) it also chooses between the dynamic rule and the
-plan in order at that slack: the dynamic rule runs only where the simulator gives it
-RULE_GAIN or more over the plan in order (a slow link); elsewhere its deviations buy
-nothing the simulator sees and cost what it does not (a decision's host time).
+With the rule left open (`static=None`) it simulates the plan in order at each slack too
+and takes the first of (slack 0, the plan in order), (slack 0, the dynamic rule), (slack 1,
+the plan in order), ... within `tolerance` of the fastest of them all: the least memory,
+and the plan in order where the dynamic rule's deviations buy less than that (they cost
+what the simulator does not see, a decision's host time). Two choices made one after the
+other, each within the tolerance, could together end twice as far from the fastest.
 """
 
 from __future__ import annotations
@@ -39,8 +41,6 @@ SLACK_TOLERANCE = 0.01
 # with a measured cost spread, each slack's time is the mean over this many simulated
 # iterations whose task times are drawn from it (seeded: every decision is reproducible)
 SPREAD_TRIALS = 8
-# the simulated gain over the plan in order at which the dynamic rule runs (rule left open)
-RULE_GAIN = 0.01
 
 
 @dataclass(frozen=True)
@@ -81,14 +81,26 @@ class SlackChoice:
     # the chosen slack (None: the rule was given)
     rule_gain: float | None = None
     shared_cores: float | None = None  # as Measured's
+    # rule left open: the plan in order's simulated iteration per slack (simulated_ms is
+    # then the dynamic rule's)
+    plan_ms: dict[int, float] | None = None
 
     def line(self) -> str:
         """One log line: the choice and why."""
         slacks = sorted(self.simulated_ms)
         base = self.simulated_ms[slacks[0]]
-        speedups = "/".join(f"{base / self.simulated_ms[s]:.2f}" for s in slacks)
-        rule = "the dynamic rule" if self.rule_gain is not None or not self.static \
-            else "the plan in order"
+
+        def speedups(times: dict[int, float]) -> str:
+            return "/".join(f"{base / times[s]:.2f}" for s in slacks)
+
+        if self.plan_ms is None:
+            rule = "the dynamic rule" if not self.static else "the plan in order"
+            simulated = f"{rule} {speedups(self.simulated_ms)}"
+            smallest = "the smallest slack"
+        else:
+            simulated = (f"the dynamic rule {speedups(self.simulated_ms)}, "
+                         f"the plan in order {speedups(self.plan_ms)}")
+            smallest = "the smallest slack, and there the plan in order before the dynamic rule,"
         forwards = (f"{self.hop_ms / self.forward_ms:.1f}" if self.forward_ms > 0
                     else "?")
         text = (f"DPP slack {self.slack}: measured hop {self.hop_ms:.1f} ms = "
@@ -97,13 +109,12 @@ class SlackChoice:
                    if self.spread_p95 is not None else "")
                 + (f"on {self.shared_cores:g} core{'' if self.shared_cores == 1 else 's'} "
                    "shared by the ranks, " if self.shared_cores is not None else "")
-                + f"simulated speedup {speedups} at slack "
-                f"{'/'.join(map(str, slacks))} ({rule}; the smallest within "
-                f"{100 * SLACK_TOLERANCE:g} % of the fastest)")
+                + f"simulated speedup at slack {'/'.join(map(str, slacks))}: {simulated} "
+                f"({smallest} within {100 * SLACK_TOLERANCE:g} % of the fastest)")
         if self.rule_gain is not None:
             text += (f"; the dynamic rule simulated {self.rule_gain:.3f}x the plan in order "
                      f"there: {'the plan in order' if self.static else 'the dynamic rule'} "
-                     f"runs (the dynamic rule where it gains {100 * RULE_GAIN:g} % or more)")
+                     "runs")
         if self.held_bytes is not None:
             held = "/".join(f"{b / 1e6:.1f}" for b in self.held_bytes)
             text += (f"; activations held per stage {held} MB, 1F1B's busiest stage "
@@ -180,12 +191,16 @@ def choose_slack(measured: Measured, pp_size: int, num_microbatches: int, *,
 
     simulated = {slack: simulated_ms("dpp-static" if static else "dpp", slack)
                  for slack in allowed}
-    fastest = min(simulated.values())
-    slack = min(s for s, t in simulated.items() if t <= fastest * (1 + SLACK_TOLERANCE))
-    rule_gain = None
+    rule_gain = plans = None
     if static is None:
-        rule_gain = simulated_ms("dpp-static", slack) / simulated[slack]
-        static = rule_gain < 1 + RULE_GAIN
+        plans = {slack: simulated_ms("dpp-static", slack) for slack in allowed}
+        within = (1 + SLACK_TOLERANCE) * min(*simulated.values(), *plans.values())
+        slack, static = next((s, plan) for s in allowed for plan in (True, False)
+                             if (plans if plan else simulated)[s] <= within)
+        rule_gain = plans[slack] / simulated[slack]
+    else:
+        fastest = min(simulated.values())
+        slack = min(s for s, t in simulated.items() if t <= fastest * (1 + SLACK_TOLERANCE))
     measured_bytes = measured.activation_bytes is not None
     return SlackChoice(
         slack, simulated, max(measured.hop_ms), statistics.median(measured.forward_ms),
@@ -193,7 +208,7 @@ def choose_slack(measured: Measured, pp_size: int, num_microbatches: int, *,
         if measured_bytes else None,
         busiest if measured_bytes else None, budget, max_slack, static,
         _percentile(measured.cost_spread, 0.95) if measured.cost_spread else None, rule_gain,
-        measured.shared_cores)
+        measured.shared_cores, plans)
 
 
 def _percentile(values: tuple[float, ...], share: float) -> float:
