@@ -8,6 +8,8 @@ straggler emulation of a two-pod pipeline, for one.
     python profiling/bench_two_pods.py --out runs/straggler --extra "--emulate-straggler all:0.1:3"
     python profiling/bench_two_pods.py --out runs/straggler-split --repeat 3 \
         --extra "--emulate-straggler all:0.1:3" --dpp-extra=--dpp-split-backward
+    python profiling/bench_two_pods.py --out runs/rule --pp 2 --slack 2 --repeat 20 \
+        --extra "--emulate-straggler all:0.1:3"
 
 Each run is profiling/bench_gpt.py's (`run`: torchrun, the log, the median iteration time
 after the warm-up; here iterations 3-10; with --repeat each schedule runs that many times,
@@ -71,11 +73,15 @@ LOSS_RTOL = 1e-5  # losses "equal" to within this, as the tests compare them
 
 
 def config_flags(name: str, slack: int | None, extra: list[str],
-                 dpp_extra: tuple[str, ...] = ()) -> list[str]:
-    """A schedule's flags: the static plan gets the slack the dynamic run chose;
-    `dpp_extra` goes to both DPP runs only."""
+                 dpp_extra: tuple[str, ...] = (), forced: bool = False) -> list[str]:
+    """A schedule's flags: the static plan gets the slack the dynamic run chose (`forced`:
+    both DPP runs get `slack`, the dynamic one the dynamic rule); `dpp_extra` goes to both
+    DPP runs only."""
     if name == "1f1b":
         return list(extra)
+    if name == "dpp" and forced:
+        return ["--use-dpp", "--no-dpp-static", "--dpp-max-inflight", str(slack), *dpp_extra,
+                *extra]
     if name == "dpp":
         return ["--use-dpp", *dpp_extra, *extra]
     return ["--use-dpp", "--dpp-static", "--dpp-max-inflight", str(slack), *dpp_extra, *extra]
@@ -244,15 +250,19 @@ def table(results: dict[str, dict], slack: int | None, reason: str,
     return lines
 
 
-def run_schedules(repeat: int, run) -> tuple[dict[str, list[dict]], int | None, str]:
+def run_schedules(repeat: int, run, forced: int | None = None
+                  ) -> tuple[dict[str, list[dict]], int | None, str]:
     """Every schedule `repeat` times in turn, `run(name, round, slack)` giving a run's result
-    and log; each round's static plan runs at the slack that round's dynamic run chose, so
-    the two hold the same memory in every round. Returns each schedule's runs, the first
-    round's slack, and its reason plus the rounds that chose another."""
+    and log; each round's static plan runs at the slack that round's dynamic run chose (or
+    both at `forced`), so the two hold the same memory in every round. Returns each
+    schedule's runs, the first round's slack, and its reason plus the rounds that chose
+    another."""
     runs: dict[str, list[dict]] = {name: [] for name in SCHEDULES}
-    slack, reason = None, ""
+    slack, reason = forced, ""
+    if forced is not None:
+        reason = f"slack {forced} given: the dynamic rule against the plan in order"
     for round_ in range(repeat):
-        chosen = None
+        chosen = forced
         for name in SCHEDULES:
             if name == "dpp-static" and chosen is None:
                 runs[name].append({"name": name, "error": "the dynamic run logged no slack"})
@@ -261,6 +271,8 @@ def run_schedules(repeat: int, run) -> tuple[dict[str, list[dict]], int | None, 
             result["losses"] = losses(text)
             if name == "dpp-static":
                 result["slack"] = chosen
+            elif name == "dpp" and forced is not None:
+                result["slack"] = forced
             elif name == "dpp" and "error" not in result:
                 found = chosen_slack(text)
                 if found is not None:
@@ -287,6 +299,10 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=1,
                         help="run the schedules this many times in turn; each row gives the "
                              "median of its runs' medians and every run's")
+    parser.add_argument("--slack", type=int, default=None,
+                        help="both DPP runs at this slack (--dpp-max-inflight), the dynamic "
+                             "run with the dynamic rule (--no-dpp-static): the rule's own "
+                             "share, without the choice")
     parser.add_argument("--pp", type=int, default=4,
                         help="pipeline stages, a process each (2 on a 2-core machine gives "
                              "each its own core)")
@@ -297,9 +313,9 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
     args = parser.parse_args(argv)
     if min(args.microbatches, args.iters, args.repeat) < 1 or args.warmup < 0 \
-            or args.pp not in (2, 4):
-        parser.error("--microbatches, --iters and --repeat must be >= 1, --warmup >= 0, "
-                     "--pp 2 or 4 (the model's 4 layers split evenly)")
+            or args.pp not in (2, 4) or (args.slack is not None and args.slack < 0):
+        parser.error("--microbatches, --iters and --repeat must be >= 1, --warmup and "
+                     "--slack >= 0, --pp 2 or 4 (the model's 4 layers split evenly)")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     # what bench_gpt.run reads of its arguments: a CPU process a stage
@@ -310,14 +326,14 @@ def main(argv=None) -> int:
     extra, dpp_extra = args.extra.split(), tuple(args.dpp_extra.split())
 
     def run(name: str, repeat: int, slack: int | None) -> tuple[dict, str]:
-        flags = config_flags(name, slack, extra, dpp_extra)
+        flags = config_flags(name, slack, extra, dpp_extra, args.slack is not None)
         if args.simulate and repeat == 0:  # one traced run a schedule
             flags = flags + trace_flags(name, out, args.warmup + 1, args.warmup + args.iters)
         label = name if repeat == 0 else f"{name}-{repeat + 1}"
         result = bench_gpt.run(label, flags, settings, out, model=TINY_GPT)
         return result, (out / f"{label}.log").read_text()
 
-    runs, slack, reason = run_schedules(args.repeat, run)
+    runs, slack, reason = run_schedules(args.repeat, run, args.slack)
     results = {name: median_of_runs(values) for name, values in runs.items()}
     predicted = None
     if args.simulate and slack is not None and "error" not in results["1f1b"]:

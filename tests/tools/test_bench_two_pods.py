@@ -199,3 +199,23 @@ def test_each_traced_dpp_run_against_the_in_order_bound_of_its_tasks(tmp_path, m
                     for name in bench_two_pods.SCHEDULES}}
     last = bench_two_pods.table(results, 2, "", predicted)[-1]
     assert last.endswith(f"dpp {gaps['dpp']:.3f}x, dpp-static {gaps['dpp-static']:.3f}x")
+
+
+def test_a_given_slack_runs_the_dynamic_rule_against_the_plan_at_it():
+    extra = ["--emulate-straggler", "all:0.1:3"]
+    assert bench_two_pods.config_flags("dpp", 2, extra, forced=True) == [
+        "--use-dpp", "--no-dpp-static", "--dpp-max-inflight", "2", *extra]
+    assert bench_two_pods.config_flags("dpp-static", 2, extra, forced=True) == [
+        "--use-dpp", "--dpp-static", "--dpp-max-inflight", "2", *extra]
+    asked = []
+
+    def run(name, round_, slack):
+        asked.append((name, slack))
+        # a run at a given slack logs no choice
+        return {"name": name, "ms_per_iter": 500.0, "peak_mb_per_rank": []}, ""
+
+    runs, slack, reason = bench_two_pods.run_schedules(2, run, forced=2)
+    assert asked == [("1f1b", 2), ("dpp", 2), ("dpp-static", 2)] * 2
+    assert slack == 2 and "given" in reason
+    assert [r["slack"] for r in runs["dpp"] + runs["dpp-static"]] == [2] * 4
+    assert bench_two_pods.PLAN_CHOSEN not in reason
