@@ -320,8 +320,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     # what bench_gpt.run reads of its arguments: a CPU process a stage
     settings = argparse.Namespace(
-        gpus=args.pp, pp=args.pp, microbatches=args.microbatches, warmup=args.warmup, iters=args.iters,
-        port=args.port, timeout=args.timeout, trace=False, profile=False,
+        gpus=args.pp, pp=args.pp, microbatches=args.microbatches, warmup=args.warmup,
+        iters=args.iters, port=args.port, timeout=args.timeout, trace=False, profile=False,
         memory_snapshots=False, find_syncs=False, installed=False)
     extra, dpp_extra = args.extra.split(), tuple(args.dpp_extra.split())
 

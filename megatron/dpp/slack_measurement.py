@@ -7,13 +7,13 @@ clock less the time the rank waited for a core, so that ranks sharing cores do n
 each other's work as their own cost spread), when each message was sent and when its
 consumer first saw it, and the bytes each forward saved for its backward (the activations
 a microbatch holds; parameters excluded), and on CPU its host and the cores it may run on
-(ranks that outnumber their cores are simulated sharing them). A message's time from send to usable is taken
-where its consumer was blocked waiting for it (it then saw it as it landed); ranks of one
-host share CLOCK_MONOTONIC, and across hosts the clock offset cancels in the mean of an
-edge's two directions (a one-way estimate from the round trip). After the last measured
-call every rank sends its records to global rank 0 over a gloo group; rank 0 chooses the
-slack (`choose_slack`), logs why, and broadcasts it, so that every rank of every pipeline
-runs the same slack.
+(ranks that outnumber their cores are simulated sharing them). A message's time from send
+to usable is taken where its consumer was blocked waiting for it (it then saw it as it
+landed); ranks of one host share CLOCK_MONOTONIC, and across hosts the clock offset cancels
+in the mean of an edge's two directions (a one-way estimate from the round trip). After the
+last measured call every rank sends its records to global rank 0 over a gloo group; rank 0
+chooses the slack (`choose_slack`), logs why, and broadcasts it, so that every rank of every
+pipeline runs the same slack.
 """
 
 from __future__ import annotations

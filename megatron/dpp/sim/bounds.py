@@ -50,7 +50,7 @@ def memory_free_bound(times: dict[str, list[list[float]]], p: int, m: int,
 
 
 def shared_cores_bound(times: dict[str, list[list[float]]],
-                       waits: dict[str, list[list[float]]] | None, cores: int) -> float:
+                       waits: dict[str, list[list[float]]] | None, cores: float) -> float:
     """All the tasks' time but their waits (`waits`: as `times`, or None), over `cores`."""
     total = sum(sum(row) for table in times.values() for row in table)
     if waits is not None:
