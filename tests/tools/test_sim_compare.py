@@ -124,18 +124,28 @@ def real_runs(tmp_path_factory):
 
 @pytest.mark.slow
 def test_real_pp2_runs(real_runs):
-    """A DPP and a 1F1B CPU run: the schedule comes from the header, and the simulator's
-    bubble is near the measured one. CPU stages idle on host work outside the spans
-    (data, sends), so the bound is loose."""
+    """A DPP and a 1F1B CPU run: the schedule comes from the header, and the times keep
+    the order the run's own dependencies impose: no bound above the zero-latency replay of
+    the measured tasks, that replay no longer than the run (which waited for the same
+    inputs, plus hops and host work) nor than the replay with the measured hop. How near
+    the simulated bubble comes to the measured one depends on the machine's load, so it is
+    a benchmark's question (docs/profiling.md), not this test's."""
+    tolerance = 1e-6  # ms: the spans' rounding
     for name, directory in real_runs.items():
         result = sim_compare.compare(directory)
         assert result["schedule"] == name
         assert result["slack"] == (1 if name == "dpp" else 0)  # the header's --dpp-max-inflight
         assert [row["iteration"] for row in result["iterations"]] == [2, 3]
         for iteration in result["iterations"]:
-            assert iteration["latency_samples"] > 0
+            assert iteration["latency_samples"] > 0 and iteration["latency_ms"] >= 0
+            ideal = iteration["zero_latency_makespan_ms"]
+            assert iteration["lower_bound_ms"] <= iteration["in_order_bound_ms"] + tolerance
+            assert iteration["in_order_bound_ms"] <= ideal + tolerance, (name, iteration)
+            assert ideal <= iteration["measured_makespan_ms"] + tolerance, (name, iteration)
+            assert ideal <= iteration["simulated_makespan_ms"] + tolerance, (name, iteration)
             for row in iteration["stages"]:
-                assert abs(row["difference_pp"]) < 25.0, (name, iteration)
+                assert 0.0 <= row["simulated_bubble"] < 1.0
+                assert 0.0 <= row["measured_bubble"] < 1.0
 
 
 @pytest.mark.slow
