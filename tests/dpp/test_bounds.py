@@ -1,7 +1,8 @@
 """megatron/dpp/sim/bounds.py: lower bounds on the makespan. The memory-free bound lies below
 every schedule the simulator runs, the rank-0 bound below every one that keeps rank 0 in
 the microbatch order at 1F1B's memory, the in-order bound below every in-order schedule at
-the memory it held, and on uniform tasks ZB-H1 reaches the first."""
+the memory it held (the release-tail bound below every in-order schedule at any memory),
+and on uniform tasks ZB-H1 reaches the first."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ import pytest
 
 from megatron.dpp.plan import StageConfig
 from megatron.dpp.policy import microbatch_order_for
-from megatron.dpp.sim.bounds import in_order_bound, memory_free_bound, rank0_bound
+from megatron.dpp.sim import bounds
+from megatron.dpp.sim.bounds import (
+    in_order_bound,
+    memory_free_bound,
+    rank0_bound,
+    release_tail_bound,
+)
 from megatron.dpp.sim.simulator import CostModel, Durations, sample_durations, simulate
 from megatron.dpp.topology import PipelineTopology
 from megatron.dpp.variability import StragglerProfile
@@ -145,3 +152,38 @@ def test_a_late_forward_upstream_delays_what_follows_it_and_1f1b_meets_the_bound
     assert simulate("1f1b", 2, 4, durations).makespan == pytest.approx(31)
     # in the order 1, 0, 2, 3 the late forward comes first: rank 1 starts at 10
     assert in_order_bound(times, 2, 4, [2, 1], order=[1, 0, 2, 3]) == pytest.approx(10 + 24 + 2)
+
+
+def test_a_rank_that_waits_for_a_late_forward_with_nothing_else_released_idles():
+    """Three ranks, the backward run whole, F(1) and F(2) on rank 0 three times as long (30)
+    and rank 1's backwards 50. Rank 1 runs F(0) at 10-20, then has nothing it may run until
+    40: F(1) arrives then and B(0)'s gradient (through rank 2: 20 + 10 + 10) too. After that
+    it has all its other work (10 + 10 + 150) and rank 0's last backward (1) to go: 211,
+    which 1F1B takes. The arrival bound alone misses the idle 20-40: it counts F(0)'s work
+    from 10 without it (10 + 180 + 1), and from F(1)'s arrival leaves out B(0)."""
+    durations = Durations(forward=[[10.0, 30.0, 30.0], [10.0] * 3, [10.0] * 3],
+                          backward=[[1.0] * 3, [50.0] * 3, [10.0] * 3],
+                          microbatch_factor=[1.0] * 3)
+    times = durations.by_kind()
+    assert bounds._arrival_bound(times, 3, 3, [3, 2, 1], [0, 1, 2]) == pytest.approx(191)
+    assert release_tail_bound(times, 3, 3) == pytest.approx(211)
+    assert in_order_bound(times, 3, 3, [3, 2, 1]) == pytest.approx(211)
+    assert simulate("1f1b", 3, 3, durations).makespan == pytest.approx(211)
+
+
+@pytest.mark.parametrize("model", [
+    CostModel(cv=0.5),
+    CostModel(straggler=STRAGGLERS, backward_ratio=0.9, slow_stage=1, slow_factor=1.5),
+])
+def test_no_in_order_schedule_beats_the_release_tail_bound_at_any_memory(model):
+    """The backward run whole: 1F1B, GPipe (every microbatch in flight) and DPP's rule at
+    slack 0-3 on p = 3 and 4 ranks, three draws each: none finishes before the bound."""
+    m = 8
+    for p in (3, 4):
+        for seed in range(3):
+            durations = sample_durations(model, p, 1, m, seed)
+            bound = release_tail_bound(durations.by_kind(), p, m)
+            runs = [simulate("1f1b", p, m, durations), simulate("gpipe", p, m, durations)]
+            runs += [simulate("dpp", p, m, durations, slack=slack) for slack in range(4)]
+            for run in runs:
+                assert run.makespan >= bound - 1e-9, (p, seed, run.schedule, run.makespan)

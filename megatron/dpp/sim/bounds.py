@@ -22,7 +22,18 @@ faster than a given schedule any schedule could be:
   microbatch's, which the B tasks of that microbatch on the ranks before it and then rank
   0's W of it follow, while rank r can run only the W tasks of the microbatches it holds (at
   most held[r]). Where one rank's work dominates, every such schedule takes, for the worst
-  n, that arrival, that work and what of that tail its W tasks cannot cover.
+  n, that arrival, that work and what of that tail its W tasks cannot cover. It is also no
+  less than `release_tail_bound`;
+* `release_tail_bound`, valid for every schedule that runs each rank's forwards and
+  backwards in one microbatch order, at any memory: each task of rank r is released no
+  earlier than its inputs could reach it if the ranks ran only the chains it depends on
+  (forwards alone in order up to it; for a B, also the backwards alone in order after the
+  last rank) and is followed by its successors' shortest chain (its tail); rank r then takes
+  at least the preemptive Jackson schedule of its tasks (among the released ones the one
+  with the longest tail runs, interrupted by a release with a longer one), which is the
+  least the largest end plus tail can be when tasks may be interrupted. It counts what the
+  arrival bound leaves out: a rank's earlier microbatches' tasks that cannot run before a
+  late forward arrives either.
 """
 
 from __future__ import annotations
@@ -82,6 +93,12 @@ def in_order_bound(times: dict[str, list[list[float]]], p: int, m: int, held: li
     """The module docstring's third bound, one chunk a rank; `order`: the microbatch order
     (default 0..m-1). Without W in `times` (a backward run whole) the tail is the B tasks'."""
     order = list(range(m)) if order is None else order
+    return max(_arrival_bound(times, p, m, held, order), release_tail_bound(times, p, m, order))
+
+
+def _arrival_bound(times: dict[str, list[list[float]]], p: int, m: int, held: list[int],
+                   order: list[int]) -> float:
+    """`in_order_bound` from the arrival of each rank's n-th forward and what follows it."""
     last = order[-1]
     forward, backward = times[FORWARD], times[BACKWARD]
     weight = times.get(WEIGHT)
@@ -109,3 +126,74 @@ def in_order_bound(times: dict[str, list[list[float]]], p: int, m: int, held: li
             done = max(done, arrival[n]) + forward[r][k]
             arrival[n] = done
     return bound
+
+
+def release_tail_bound(times: dict[str, list[list[float]]], p: int, m: int,
+                       order: list[int] | None = None) -> float:
+    """The module docstring's last bound, one chunk a rank; `order`: the microbatch order
+    (default 0..m-1). Without W in `times` (a backward run whole) B is the whole backward."""
+    order = list(range(m)) if order is None else order
+    forward, backward = times[FORWARD], times[BACKWARD]
+    weight = times.get(WEIGHT)
+    # [r][n]: the earliest end of the n-th F (B) on rank r, the chains it needs run alone
+    forward_end = [[0.0] * m for _ in range(p)]
+    for r in range(p):
+        end = 0.0
+        for n, k in enumerate(order):
+            end = max(end, forward_end[r - 1][n] if r else 0.0) + forward[r][k]
+            forward_end[r][n] = end
+    backward_end = [[0.0] * m for _ in range(p)]
+    for r in range(p - 1, -1, -1):
+        end = 0.0
+        for n, k in enumerate(order):
+            gradient = backward_end[r + 1][n] if r < p - 1 else 0.0
+            end = max(end, forward_end[r][n], gradient) + backward[r][k]
+            backward_end[r][n] = end
+    # [r][k]: the least time from the end of a task to the iteration's (W: none)
+    backward_tail = [[0.0] * m for _ in range(p)]
+    for r in range(p):
+        for k in range(m):
+            own = weight[r][k] if weight is not None else 0.0
+            below = backward[r - 1][k] + backward_tail[r - 1][k] if r else 0.0
+            backward_tail[r][k] = max(own, below)
+    forward_tail = [[0.0] * m for _ in range(p)]
+    for r in range(p - 1, -1, -1):
+        for k in range(m):
+            forward_tail[r][k] = (forward[r + 1][k] + forward_tail[r + 1][k] if r < p - 1
+                                  else backward[r][k] + backward_tail[r][k])
+    bound = 0.0
+    for r in range(p):
+        tasks = []  # (release, work, tail)
+        for n, k in enumerate(order):
+            tasks.append((forward_end[r][n] - forward[r][k], forward[r][k], forward_tail[r][k]))
+            tasks.append((backward_end[r][n] - backward[r][k], backward[r][k],
+                          backward_tail[r][k]))
+            if weight is not None:
+                tasks.append((backward_end[r][n], weight[r][k], 0.0))
+        bound = max(bound, _jackson_preemptive(tasks))
+    return bound
+
+
+def _jackson_preemptive(tasks: list[tuple[float, float, float]]) -> float:
+    """The largest end plus tail of (release, work, tail) tasks on one processor, run in the
+    preemptive Jackson order: the least any order, interruptions allowed, can reach."""
+    tasks = sorted(tasks)
+    waiting: list[tuple[float, float]] = []  # (-tail, work left): the longest tail first
+    now = latest = 0.0
+    i = 0
+    while i < len(tasks) or waiting:
+        if not waiting:
+            now = max(now, tasks[i][0])
+        while i < len(tasks) and tasks[i][0] <= now:
+            _, work, tail = tasks[i]
+            heapq.heappush(waiting, (-tail, work))
+            i += 1
+        negative_tail, work = heapq.heappop(waiting)
+        next_release = tasks[i][0] if i < len(tasks) else float("inf")
+        if now + work <= next_release:
+            now += work
+            latest = max(latest, now - negative_tail)
+        else:  # interrupted at the next release, which may have a longer tail
+            heapq.heappush(waiting, (negative_tail, work - (next_release - now)))
+            now = next_release
+    return latest
