@@ -77,13 +77,18 @@ class SlackChoice:
     max_slack: int
     static: bool  # the rule that runs: the plan in order, else the dynamic rule
     spread_p95: float | None = None  # the 95th percentile of the measured cost spread
-    # rule left open: the plan in order's simulated iteration over the dynamic rule's at
-    # the chosen slack (None: the rule was given)
-    rule_gain: float | None = None
     shared_cores: float | None = None  # as Measured's
     # rule left open: the plan in order's simulated iteration per slack (simulated_ms is
-    # then the dynamic rule's)
+    # then the dynamic rule's; None: the rule was given)
     plan_ms: dict[int, float] | None = None
+
+    @property
+    def rule_gain(self) -> float | None:
+        """Rule left open: the plan in order's simulated iteration over the dynamic rule's
+        at the chosen slack (None: the rule was given)."""
+        if self.plan_ms is None:
+            return None
+        return self.plan_ms[self.slack] / self.simulated_ms[self.slack]
 
     def line(self) -> str:
         """One log line: the choice and why."""
@@ -191,13 +196,12 @@ def choose_slack(measured: Measured, pp_size: int, num_microbatches: int, *,
 
     simulated = {slack: simulated_ms("dpp-static" if static else "dpp", slack)
                  for slack in allowed}
-    rule_gain = plans = None
+    plans = None
     if static is None:
         plans = {slack: simulated_ms("dpp-static", slack) for slack in allowed}
         within = (1 + SLACK_TOLERANCE) * min(*simulated.values(), *plans.values())
         slack, static = next((s, plan) for s in allowed for plan in (True, False)
                              if (plans if plan else simulated)[s] <= within)
-        rule_gain = plans[slack] / simulated[slack]
     else:
         fastest = min(simulated.values())
         slack = min(s for s, t in simulated.items() if t <= fastest * (1 + SLACK_TOLERANCE))
@@ -207,7 +211,7 @@ def choose_slack(measured: Measured, pp_size: int, num_microbatches: int, *,
         tuple(held_bytes(measured, p, m, slack, chunks, split_backward, defer_weights))
         if measured_bytes else None,
         busiest if measured_bytes else None, budget, max_slack, static,
-        _percentile(measured.cost_spread, 0.95) if measured.cost_spread else None, rule_gain,
+        _percentile(measured.cost_spread, 0.95) if measured.cost_spread else None,
         measured.shared_cores, plans)
 
 

@@ -90,8 +90,9 @@ def test_the_prediction_from_a_1f1b_trace(tmp_path, capsys):
     from megatron.dpp.slack_choice import SlackChoice
 
     def slack_line(static: bool) -> str:
+        gain = 1.002 if static else 1.05
         return SlackChoice(1, {0: 10.0, 1: 9.0}, 1.0, 5.0, None, None, None, 2, static,
-                           rule_gain=1.002 if static else 1.05).line()
+                           plan_ms={0: 10.0, 1: 9.0 * gain}).line()
 
     assert bench_two_pods.PLAN_CHOSEN in slack_line(static=True)
     assert bench_two_pods.PLAN_CHOSEN not in slack_line(static=False)
