@@ -79,12 +79,10 @@ def config_flags(name: str, slack: int | None, extra: list[str],
     DPP runs only."""
     if name == "1f1b":
         return list(extra)
-    if name == "dpp" and forced:
-        return ["--use-dpp", "--no-dpp-static", "--dpp-max-inflight", str(slack), *dpp_extra,
-                *extra]
-    if name == "dpp":
+    if name == "dpp" and not forced:
         return ["--use-dpp", *dpp_extra, *extra]
-    return ["--use-dpp", "--dpp-static", "--dpp-max-inflight", str(slack), *dpp_extra, *extra]
+    rule = "--dpp-static" if name == "dpp-static" else "--no-dpp-static"
+    return ["--use-dpp", rule, "--dpp-max-inflight", str(slack), *dpp_extra, *extra]
 
 
 def median_of_runs(runs: list[dict]) -> dict:
