@@ -140,6 +140,23 @@ def test_the_in_order_tail_is_what_the_last_ranks_held_weights_leave_uncovered()
     assert in_order_bound(whole, 2, 8, [2, 2]) == pytest.approx(1 + 64 + 3)
 
 
+def test_the_last_microbatchs_w_is_among_the_held_ones_that_cover_the_tail():
+    """Two ranks, rank 1 holding one microbatch from F to W, its W(0) 6 and its other W
+    tasks 2. When rank 1's last B ends, the W pending there is the last microbatch's (2), not
+    its longest (6): rank 0's B(last) and W(last) (3) leave 1 uncovered after rank 1's work (4
+    x 6 + 6 + 3 x 2) from F(0)'s end on rank 0 (1): 38, which DPP at slack 0 takes."""
+    durations = Durations(forward=[[1.0] * 4, [2.0] * 4], backward=[[2.0] * 4, [4.0] * 4],
+                          microbatch_factor=[1.0] * 4,
+                          weight=[[1.0] * 4, [6.0, 2.0, 2.0, 2.0]])
+    times = durations.by_kind(split_backward=True)
+    assert in_order_bound(times, 2, 4, [2, 1]) == pytest.approx(1 + 36 + 1)
+    run = simulate("dpp", 2, 4, durations, slack=0, split_backward=True)
+    assert run.peak_in_flight == [2, 1]
+    assert run.makespan == pytest.approx(38)
+    # holding two, rank 1 may keep W(0) for the end: the tail is covered
+    assert in_order_bound(times, 2, 4, [2, 2]) == pytest.approx(1 + 36)
+
+
 def test_a_late_forward_upstream_delays_what_follows_it_and_1f1b_meets_the_bound():
     """Two ranks, the backward run whole: F(1) on rank 0 takes 10 instead of 1. Rank 1 can
     start F(1) no earlier than 11 and then has three microbatches' work (3 x 6) and rank 0's

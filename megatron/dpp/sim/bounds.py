@@ -21,7 +21,7 @@ faster than a given schedule any schedule could be:
   from then on runs all its tasks of that and the later microbatches; its last B is the last
   microbatch's, which the B tasks of that microbatch on the ranks before it and then rank
   0's W of it follow, while rank r can run only the W tasks of the microbatches it holds (at
-  most held[r]). Where one rank's work dominates, every such schedule takes, for the worst
+  most held[r], the last microbatch among them: its W follows that last B). Where one rank's work dominates, every such schedule takes, for the worst
   n, that arrival, that work and what of that tail its W tasks cannot cover. It is also no
   less than `release_tail_bound`;
 * `release_tail_bound`, valid for every schedule that runs each rank's forwards and
@@ -110,15 +110,20 @@ def _arrival_bound(times: dict[str, list[list[float]]], p: int, m: int, held: li
         if weight is not None and r:
             tail += weight[0][last]
         remaining = covered = 0.0
-        longest: list[float] = []  # a min-heap of the held[r] longest W tasks from n on
+        # the W tasks that can cover the tail: the last microbatch's (held from its F until
+        # its W, so pending when its B ends) and the held[r] - 1 longest of the others from
+        # n on (a min-heap)
+        longest: list[float] = []
         for n in range(m - 1, -1, -1):
             k = order[n]
             remaining += sum(times[kind][r][k] for kind in times)
             if weight is not None and held[r] > 0:
-                if len(longest) < held[r]:
+                if k == last:
+                    covered += weight[r][k]
+                elif len(longest) < held[r] - 1:
                     heapq.heappush(longest, weight[r][k])
                     covered += weight[r][k]
-                elif weight[r][k] > longest[0]:
+                elif longest and weight[r][k] > longest[0]:
                     covered += weight[r][k] - heapq.heapreplace(longest, weight[r][k])
             bound = max(bound, arrival[n] + remaining + max(0.0, tail - covered))
         done = 0.0
