@@ -3,8 +3,8 @@ its tasks. The simulator, the plan checker and the policy's cost-order choice al
 
 A runner is one rank's decision maker: `next_task(arrived)` returns the task to start now
 or None (`arrived(task)` says whether the task's input from another rank is here),
-`complete(task)` reports the end of the task it started, `finished` says it has nothing
-left. `GreedyPolicy` (the DPP rule) and `StaticReplay` (a fixed order) are runners.
+`complete(task, duration)` reports the end of the task it started and how long it took,
+`finished` says it has nothing left. `GreedyPolicy` (the DPP rule) and `StaticReplay` (a fixed order) are runners.
 
 Each rank runs one task at a time; a task's output reaches the rank of the consuming task
 (megatron/dpp/topology.py) `latency` after the task ends (a number, or a function of the
@@ -162,11 +162,11 @@ def run_pipeline(
                     if count > peak_activations[r]:
                         peak_activations[r] = count
             running[r] = task, lane
+            started[r] = now
             if shared:
                 wait = 0.0 if lane[3] is None else lane[3][microbatch]
                 push(computing, (work_clock + duration - wait, r))
                 waiting[r] = wait
-                started[r] = now
                 if record:
                     timeline_row[r] = len(timeline)
             else:
@@ -204,7 +204,7 @@ def run_pipeline(
                 busy[r] += now - started[r]
                 if record:
                     timeline[timeline_row[r]] = (r, task, started[r], now - started[r])
-            complete[r](task)
+            complete[r](task, now - started[r])
             if weight_slices > 1 and task[0] == WEIGHT:
                 parts = weight_parts[r].get(task, 0) + 1
                 if parts < weight_slices:
@@ -270,7 +270,7 @@ class StaticReplay:
             return None
         return self.order[k]
 
-    def complete(self, task: Task) -> None:
+    def complete(self, task: Task, duration: float | None = None) -> None:
         self._next += 1
 
     def done(self, task: Task) -> bool:

@@ -5,7 +5,9 @@ plus up to `slack` extra warm-up forwards) when its input is here, else the earl
 ready task that keeps the rest of the plan within the caps on microbatches (and, given
 token counts, on tokens) held. So the planned task is never blocked and the static plan's
 deadlock freedom carries over; at slack 0 the order and memory are megatron-core's. With
-the split backward each W is a filler that runs when the planned F or B is not ready.
+the split backward each W is a filler that runs when the planned F or B is not ready; among
+the pending W tasks the one whose B was shortest runs first (where the runner reports how
+long each B took), so that the longest fill the drain at the iteration's end.
 Given each microbatch's cost, the plan runs them in a cost order (`choose_cost_order`).
 
 Pure Python (no torch, no I/O) so the runtime schedule and the simulator run the same
@@ -222,10 +224,11 @@ class GreedyPolicy:
     """Plan-guided greedy task choice for one pipeline rank (see the module docstring).
 
     `microbatch_order`: the order the microbatches go through the plan (default 0..m-1;
-    `microbatch_order_for` gives DPP's from the microbatches' costs). The rule itself does
-    not use duration estimates: deviating only when the substitute would finish before the
+    `microbatch_order_for` gives DPP's from the microbatches' costs). The rule does not
+    estimate durations ahead: deviating only when the substitute would finish before the
     planned input arrives never deviated in the simulator, because a lower bound on that
-    arrival is shorter than a backward.
+    arrival is shorter than a backward. It uses the durations reported to `complete` only
+    to order the pending W tasks (`_cheapest_weight_first`).
     """
 
     __slots__ = ("stage", "_order", "_forwards", "_backwards", "_weights", "_plan",
@@ -235,7 +238,7 @@ class GreedyPolicy:
                  "_next_weight", "_in_flight", "_held", "_running", "_running_pos",
                  "_backward_ahead", "_local_forward_chunk", "_local_backward_chunk",
                  "_costs", "_cost_peak_from", "_cost_cap", "_held_cost", "_ahead_cost",
-                 "_weight_slices", "_weight_parts", "static")
+                 "_weight_slices", "_weight_parts", "_backward_durations", "static")
 
     def __init__(self, stage: StageConfig, extra_warmup: int | None = None,
                  microbatch_order: list[int] | None = None,
@@ -257,7 +260,8 @@ class GreedyPolicy:
         # the k-th forward / backward / W of each chunk in the plan's microbatch order
         sequences = _task_sequences(chunks, m, self._order)
         self._forwards, self._backwards = sequences[FORWARD], sequences[BACKWARD]
-        self._weights = sequences[WEIGHT]
+        # lists: the rule may swap two pending W tasks' turns (_cheapest_weight_first)
+        self._weights = [list(weights) for weights in sequences[WEIGHT]]
         self._plan = [sequences[kind][chunk][k] for kind, chunk, k in shape.skeleton]
         self._forward_position = shape.position[FORWARD]
         self._backward_position = shape.position[BACKWARD]
@@ -280,6 +284,8 @@ class GreedyPolicy:
         self._weight_slices = stage.weight_slices if self._split else 1
         # per chunk: parts run of its next W (each chunk runs its W tasks in turn)
         self._weight_parts = [0] * chunks
+        # [chunk][microbatch]: how long its B took, where the runner reported it
+        self._backward_durations: list[list[float | None]] = [[None] * m for _ in range(chunks)]
         self._running: Task | None = None
         self._running_pos = 0
         self._backward_ahead = stage.slack > 0 and not stage.forward_only
@@ -396,9 +402,12 @@ class GreedyPolicy:
         elif kind == BACKWARD:
             ready = task[1] == self._local_backward_chunk or arrived(task)
         else:  # a W (its B, earlier in the plan, ran): it fills, so a ready F or B goes first
-            substitute = None if self.static else self._past_weights(arrived)
-            if substitute is not None:
-                return substitute
+            if not self.static:
+                substitute = self._past_weights(arrived)
+                if substitute is not None:
+                    return substitute
+                self._cheapest_weight_first(task[1])
+                task = self._plan[pos]
             ready = True
         if ready:
             self._running, self._running_pos = task, pos
@@ -426,8 +435,35 @@ class GreedyPolicy:
         it is then ready); None otherwise."""
         w = self._next_weight[chunk]
         if w < self._next_backward[chunk]:
+            if not self.static:
+                self._cheapest_weight_first(chunk)
             return self._weights[chunk][w], self._weight_position[chunk][w]
         return None
+
+    def _cheapest_weight_first(self, chunk: int) -> None:
+        """Give the chunk's next W turn to its pending W (B ran) whose B was the shortest,
+        swapping the two W tasks' places in the plan: a W takes about what its B took, and
+        the longest ones, kept for last, fill the pipeline's drain, where a stage waits for
+        the last backwards and has nothing but W tasks to run. Without every pending B's
+        duration, or with a W run in part, the turns stay in order."""
+        first, end = self._next_weight[chunk], self._next_backward[chunk]
+        if end - first < 2 or self._weight_parts[chunk]:
+            return
+        weights, durations = self._weights[chunk], self._backward_durations[chunk]
+        best, shortest = first, durations[weights[first][2]]
+        if shortest is None:
+            return
+        for k in range(first + 1, end):
+            duration = durations[weights[k][2]]
+            if duration is None:
+                return
+            if duration < shortest:
+                best, shortest = k, duration
+        if best != first:
+            positions = self._weight_position[chunk]
+            weights[first], weights[best] = weights[best], weights[first]
+            plan = self._plan
+            plan[positions[first]], plan[positions[best]] = weights[first], weights[best]
 
     def _past_weights(self, arrived) -> Task | None:
         """The first F or B of the plan not done after the planned W (and the W tasks that
@@ -486,7 +522,9 @@ class GreedyPolicy:
             self._running, self._running_pos = best, best_pos
         return best
 
-    def complete(self, task: Task) -> None:
+    def complete(self, task: Task, duration: float | None = None) -> None:
+        """The running task ended; `duration`: how long it took (a B's orders the pending W
+        tasks, `_cheapest_weight_first`), None where the runner does not know."""
         running = self._running
         if task is not running and task != running:
             raise RuntimeError(f"complete({task}) but the running task is {running}")
@@ -508,6 +546,7 @@ class GreedyPolicy:
             self._held_cost += cost
         elif kind == BACKWARD:
             self._next_backward[task[1]] += 1
+            self._backward_durations[task[1]][task[2]] = duration
             self._in_flight -= 1
             if not self._split:
                 self._held_cost -= cost
