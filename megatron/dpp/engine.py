@@ -4,7 +4,8 @@ its tasks. The simulator, the plan checker and the policy's cost-order choice al
 A runner is one rank's decision maker: `next_task(arrived)` returns the task to start now
 or None (`arrived(task)` says whether the task's input from another rank is here),
 `complete(task, duration)` reports the end of the task it started and how long it took,
-`finished` says it has nothing left. `GreedyPolicy` (the DPP rule) and `StaticReplay` (a fixed order) are runners.
+`finished` says it has nothing left. `GreedyPolicy` (the DPP rule) and `StaticReplay` (a
+fixed order) are runners.
 
 Each rank runs one task at a time; a task's output reaches the rank of the consuming task
 (megatron/dpp/topology.py) `latency` after the task ends (a number, or a function of the

@@ -285,7 +285,8 @@ class GreedyPolicy:
         # per chunk: parts run of its next W (each chunk runs its W tasks in turn)
         self._weight_parts = [0] * chunks
         # [chunk][microbatch]: how long its B took, where the runner reported it
-        self._backward_durations: list[list[float | None]] = [[None] * m for _ in range(chunks)]
+        self._backward_durations: list[list[float | None]] = [
+            [None] * m for _ in range(chunks)]
         self._running: Task | None = None
         self._running_pos = 0
         self._backward_ahead = stage.slack > 0 and not stage.forward_only
