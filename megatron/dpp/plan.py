@@ -48,6 +48,9 @@ class StageConfig:
     rank 0's 1F1B count from F to W), or, when False, right after its B (every rank holds
     its own 1F1B count: 1F1B's memory). `weight_slices`: the DPP policy runs each W in
     this many parts, each one a decision of its own (the plans hold each W once).
+    `weights_by_backward`: the DPP rule runs, of its pending W tasks, the one whose B was
+    shortest first (the simulator's option: it needs each B's time, and on a real run it
+    would make the order of the gradient sums, so their last bits, depend on timing).
     """
 
     rank: int
@@ -60,6 +63,7 @@ class StageConfig:
     split_backward: bool = False
     defer_weights: bool = True
     weight_slices: int = 1
+    weights_by_backward: bool = False
 
     def __post_init__(self):
         if self.pp_size < 1:

@@ -5,9 +5,9 @@ plus up to `slack` extra warm-up forwards) when its input is here, else the earl
 ready task that keeps the rest of the plan within the caps on microbatches (and, given
 token counts, on tokens) held. So the planned task is never blocked and the static plan's
 deadlock freedom carries over; at slack 0 the order and memory are megatron-core's. With
-the split backward each W is a filler that runs when the planned F or B is not ready; among
-the pending W tasks the one whose B was shortest runs first (where the runner reports how
-long each B took), so that the longest fill the drain at the iteration's end.
+the split backward each W is a filler that runs when the planned F or B is not ready (with
+`StageConfig.weights_by_backward`, of the pending ones the one whose B was shortest, so that
+the longest fill the drain at the iteration's end).
 Given each microbatch's cost, the plan runs them in a cost order (`choose_cost_order`).
 
 Pure Python (no torch, no I/O) so the runtime schedule and the simulator run the same
@@ -227,8 +227,9 @@ class GreedyPolicy:
     `microbatch_order_for` gives DPP's from the microbatches' costs). The rule does not
     estimate durations ahead: deviating only when the substitute would finish before the
     planned input arrives never deviated in the simulator, because a lower bound on that
-    arrival is shorter than a backward. It uses the durations reported to `complete` only
-    to order the pending W tasks (`_cheapest_weight_first`).
+    arrival is shorter than a backward. With `StageConfig.weights_by_backward` it uses the
+    durations reported to `complete` to order the pending W tasks
+    (`_cheapest_weight_first`).
     """
 
     __slots__ = ("stage", "_order", "_forwards", "_backwards", "_weights", "_plan",
@@ -407,8 +408,9 @@ class GreedyPolicy:
                 substitute = self._past_weights(arrived)
                 if substitute is not None:
                     return substitute
-                self._cheapest_weight_first(task[1])
-                task = self._plan[pos]
+                if self.stage.weights_by_backward:
+                    self._cheapest_weight_first(task[1])
+                    task = self._plan[pos]
             ready = True
         if ready:
             self._running, self._running_pos = task, pos
@@ -436,7 +438,7 @@ class GreedyPolicy:
         it is then ready); None otherwise."""
         w = self._next_weight[chunk]
         if w < self._next_backward[chunk]:
-            if not self.static:
+            if self.stage.weights_by_backward and not self.static:
                 self._cheapest_weight_first(chunk)
             return self._weights[chunk][w], self._weight_position[chunk][w]
         return None

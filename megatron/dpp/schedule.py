@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -301,16 +300,13 @@ class _Iteration:
         with self.no_sync:
             for _ in range(self.policy.num_decisions):
                 task = self._next()
-                started = time.perf_counter()
                 if self._run(task, run):  # a W in parts is recorded once, at its last
                     self.executed.append(task)
-                # the host's time is the task's where no GPU runs it asynchronously
-                duration = time.perf_counter() - started if self.gpu_queue is None else None
                 if self.gpu_queue is not None:
                     self.gpu_queue.launched(1.0 / self.stage.weight_slices
                                             if task.kind == WEIGHT else 1.0)
                 if self.coordinator.deciding:
-                    self.policy.complete(task, duration)
+                    self.policy.complete(task)
         self.tracer.record_actions(self.rank, self.executed)
         with self.tracer.span("send"):
             self.transport.flush()

@@ -1,7 +1,7 @@
-"""The dynamic rule's choice among a stage's pending W tasks (megatron/dpp/policy.py,
-`GreedyPolicy._cheapest_weight_first`): the one whose B was shortest runs first, the
-longest are kept for the drain; the plan in order and a rule without B durations keep the
-microbatch order."""
+"""The dynamic rule's choice among a stage's pending W tasks with
+`StageConfig.weights_by_backward` (megatron/dpp/policy.py, `_cheapest_weight_first`): the one
+whose B was shortest runs first, the longest are kept for the drain; by default, in the plan
+in order and without B durations the W tasks keep the microbatch order."""
 
 from __future__ import annotations
 
@@ -41,8 +41,12 @@ def _weights(ran) -> list[int]:
     return [microbatch for kind, microbatch, _ in ran if kind == WEIGHT]
 
 
+def _stage(**options) -> StageConfig:
+    return StageConfig(0, 4, 1, M, slack=2, split_backward=True, **options)
+
+
 def test_the_rule_runs_the_pending_w_whose_b_was_shortest():
-    ran = _drive(GreedyPolicy(StageConfig(0, 4, 1, M, slack=2, split_backward=True)), True)
+    ran = _drive(GreedyPolicy(_stage(weights_by_backward=True)), True)
     choices = [(microbatch, pending) for kind, microbatch, pending in ran
                if kind == WEIGHT and len(pending) > 1]
     assert choices, "no W was chosen among several pending ones"
@@ -51,16 +55,16 @@ def test_the_rule_runs_the_pending_w_whose_b_was_shortest():
     assert _weights(ran) != sorted(_weights(ran))
 
 
-@pytest.mark.parametrize("static, report", [(True, True), (False, False)])
-def test_the_plan_in_order_and_a_rule_without_durations_keep_the_microbatch_order(
-        static, report):
-    policy = GreedyPolicy(StageConfig(0, 4, 1, M, slack=2, split_backward=True),
-                          static=static)
+@pytest.mark.parametrize("by_backward, static, report", [
+    (False, False, True), (True, True, True), (True, False, False)])
+def test_by_default_in_the_plan_in_order_and_without_durations_ws_keep_the_order(
+        by_backward, static, report):
+    policy = GreedyPolicy(_stage(weights_by_backward=by_backward), static=static)
     assert _weights(_drive(policy, report)) == list(range(M))
 
 
 def test_a_w_run_in_parts_finishes_before_another_starts():
-    stage = StageConfig(0, 4, 1, M, slack=2, split_backward=True, weight_slices=2)
+    stage = _stage(weight_slices=2, weights_by_backward=True)
     weights = _weights(_drive(GreedyPolicy(stage), True))
     assert weights[0::2] == weights[1::2]
     assert weights[0::2] != list(range(M))
@@ -96,8 +100,8 @@ def test_with_the_b_durations_the_rule_keeps_the_long_ws_for_the_drain():
         times = sample_durations(model, p, 1, m, seed, split_backward=True).by_kind(True)
 
         def policies():
-            return [GreedyPolicy(StageConfig(r, p, 1, m, slack=2, split_backward=True))
-                    for r in range(p)]
+            return [GreedyPolicy(StageConfig(r, p, 1, m, slack=2, split_backward=True,
+                                             weights_by_backward=True)) for r in range(p)]
 
         informed = run_pipeline(topology, policies(), times)
         blind = run_pipeline(topology, [_NoDurations(policy) for policy in policies()], times)

@@ -78,6 +78,7 @@ def _single_report(args, cost: CostModel) -> dict:
             split_backward=args.split_backward,
             weight_slices=args.weight_slices,
             defer_weights=args.defer_weights,
+            weights_by_backward=args.weights_by_backward,
             iteration=iteration,
             cores=args.cores,
         )
@@ -218,6 +219,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="with --split-backward: DPP defers each W as ZB-H1 does (every "
                              "stage holds up to stage 0's microbatches from F to W) instead "
                              "of running it after its B (each stage holds its 1F1B count)")
+    parser.add_argument("--weights-by-backward", action="store_true",
+                        help="with --split-backward: DPP's rule runs, of its pending W tasks, "
+                             "the one whose B was shortest first (the trainer keeps them in "
+                             "microbatch order, for bit-identical gradients run to run)")
     parser.add_argument(
         "--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES, metavar="NAME"
     )
@@ -255,6 +260,9 @@ def _check_args(parser, args):
         parser.error(f"--cores must be >= 1, got {args.cores}")
     if args.cores is not None and args.grid:
         parser.error("--grid gives each rank a processor: drop --cores")
+    if args.weights_by_backward and (args.grid or not args.split_backward):
+        parser.error("--weights-by-backward orders W tasks: it needs --split-backward and "
+                     "no --grid")
     if args.forward_ms is not None and args.forward_ms <= 0:
         parser.error(f"--forward-ms must be > 0, got {args.forward_ms}")
     if args.message_bytes < 0 or args.iteration < 0:

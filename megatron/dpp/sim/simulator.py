@@ -240,6 +240,7 @@ def simulate(
     weight_slices: int = DEFAULTS.weight_slices,
     defer_weights: bool = DEFAULTS.defer_weights,
     cores: float | None = None,
+    weights_by_backward: bool = False,
 ) -> SimResult:
     """Run one schedule to completion. `record` keeps each rank's task order and a trace.
     `microbatch_costs`: what is known of each microbatch's cost before the iteration (its
@@ -252,7 +253,8 @@ def simulate(
     `weight_slices` parts (the static schedules run each W whole), deferred as ZB-H1 defers
     them with `defer_weights` (zb-h1 always), else each right after its B. `latency`: a
     number, or a function of the edge and the message (`link_latency`). `cores`: the ranks
-    share this many processors (megatron/dpp/engine.py; default one a rank)."""
+    share this many processors (megatron/dpp/engine.py; default one a rank).
+    `weights_by_backward`: DPP runs its pending W tasks shortest B first (StageConfig)."""
     p, m, chunks = pp_size, num_microbatches, num_chunks
     if schedule == "1f1b" and chunks != 1:
         raise ValueError("schedule 1f1b has one chunk per rank; use interleaved or dpp")
@@ -267,7 +269,9 @@ def simulate(
     slices = weight_slices if dpp and split else 1
     defer = defer_weights or not dpp
     stages = [StageConfig(r, p, chunks, m, slack=slack, split_backward=split,
-                          defer_weights=defer, weight_slices=slices) for r in range(p)]
+                          defer_weights=defer, weight_slices=slices,
+                          weights_by_backward=weights_by_backward and dpp and split)
+              for r in range(p)]
     if dpp and microbatch_order is None:
         microbatch_order = microbatch_order_for(stages[0], microbatch_costs)
     runners = [_runner(schedule, s, topology, microbatch_order, microbatch_costs)
@@ -364,6 +368,7 @@ def compare(
     defer_weights: bool = DEFAULTS.defer_weights,
     iteration: int = 0,
     cores: float | None = None,
+    weights_by_backward: bool = False,
 ) -> dict[str, SimResult]:
     """Simulate several schedules on the same sampled durations and the same link. Single-
     chunk schedules (1f1b, gpipe, zb-h1) run the rank's work as one chunk; interleaved, dpp
@@ -408,5 +413,6 @@ def compare(
             weight_slices=weight_slices,
             defer_weights=defer_weights,
             cores=cores,
+            weights_by_backward=weights_by_backward,
         )
     return results
