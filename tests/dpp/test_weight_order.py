@@ -5,12 +5,17 @@ in order and without B durations the W tasks keep the microbatch order."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
+
 import pytest
 
 from megatron.dpp.actions import BACKWARD, WEIGHT
 from megatron.dpp.engine import run_pipeline
 from megatron.dpp.plan import StageConfig
 from megatron.dpp.policy import GreedyPolicy
+from megatron.dpp.sim import simulate as simulate_cli
 from megatron.dpp.sim.bounds import in_order_bound
 from megatron.dpp.sim.simulator import CostModel, sample_durations
 from megatron.dpp.topology import PipelineTopology
@@ -110,3 +115,26 @@ def test_with_the_b_durations_the_rule_keeps_the_long_ws_for_the_drain():
         bound = in_order_bound(times, p, m, informed.peak_in_flight)
         assert informed.makespan <= 1.005 * bound, (seed, informed.makespan, bound)
     assert gained
+
+
+def _simulated(extra: list[str]) -> dict:
+    argv = ["--pp", "4", "--microbatches", "16", "--split-backward", "--forward-ms", "5",
+            "--backward-ratio", "0.9", "--weight-share", "0.15", "--slow-stage", "3",
+            "--slow-factor", "1.5", "--emulate-straggler", "all:0.1:3", "--seed", "3",
+            "--slack", "2", "--schedules", "1f1b", "dpp", "dpp-static", "--json", *extra]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        simulate_cli.main(argv)
+    return json.loads(out.getvalue())["schedules"]
+
+
+def test_the_simulator_flag_moves_the_rule_only():
+    """`--weights-by-backward`: the rule ends earlier on this draw, 1F1B and the plan in order
+    take what they took without it; without --split-backward the flag is refused."""
+    plain, ordered = _simulated([]), _simulated(["--weights-by-backward"])
+    assert ordered["dpp"]["makespan"] < plain["dpp"]["makespan"]
+    for name in ("1f1b", "dpp-static"):
+        assert ordered[name]["makespan"] == plain[name]["makespan"]
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()) as err:
+        simulate_cli.main(["--pp", "4", "--weights-by-backward"])
+    assert "--split-backward" in err.getvalue()
