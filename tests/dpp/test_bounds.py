@@ -142,9 +142,10 @@ def test_the_in_order_tail_is_what_the_last_ranks_held_weights_leave_uncovered()
 
 def test_the_last_microbatchs_w_is_among_the_held_ones_that_cover_the_tail():
     """Two ranks, rank 1 holding one microbatch from F to W; its W(0) takes 6, each of its
-    other W tasks takes 2. When rank 1's last B ends, the W pending there is the last microbatch's (2), not
-    its longest (6): rank 0's B(last) and W(last) (3) leave 1 uncovered after rank 1's work (4
-    x 6 + 6 + 3 x 2) from F(0)'s end on rank 0 (1): 38, which DPP at slack 0 takes."""
+    other W tasks takes 2. When rank 1's last B ends, the W pending there is the last
+    microbatch's (2), not its longest (6): rank 0's B(last) and W(last) (3) leave 1
+    uncovered after rank 1's work (4 x 6 + 6 + 3 x 2) from F(0)'s end on rank 0 (1): 38,
+    which DPP at slack 0 takes."""
     durations = Durations(forward=[[1.0] * 4, [2.0] * 4], backward=[[2.0] * 4, [4.0] * 4],
                           microbatch_factor=[1.0] * 4,
                           weight=[[1.0] * 4, [6.0, 2.0, 2.0, 2.0]])

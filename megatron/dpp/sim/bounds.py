@@ -21,9 +21,10 @@ faster than a given schedule any schedule could be:
   from then on runs all its tasks of that and the later microbatches; its last B is the last
   microbatch's, which the B tasks of that microbatch on the ranks before it and then rank
   0's W of it follow, while rank r can run only the W tasks of the microbatches it holds (at
-  most held[r], the last microbatch among them: its W follows that last B). Where one rank's work dominates, every such schedule takes, for the worst
-  n, that arrival, that work and what of that tail its W tasks cannot cover. It is also no
-  less than `release_tail_bound`;
+  most held[r], the last microbatch among them: its W follows that last B). Where one
+  rank's work dominates, every such schedule takes, for the worst n, that arrival, that
+  work and what of that tail its W tasks cannot cover. It is also no less than
+  `release_tail_bound`;
 * `release_tail_bound`, valid for every schedule that runs each rank's forwards and
   backwards in one microbatch order, at any memory: each task of rank r is released no
   earlier than its inputs could reach it if the ranks ran only the chains it depends on
