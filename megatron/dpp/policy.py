@@ -239,7 +239,8 @@ class GreedyPolicy:
                  "_next_weight", "_in_flight", "_held", "_running", "_running_pos",
                  "_backward_ahead", "_local_forward_chunk", "_local_backward_chunk",
                  "_costs", "_cost_peak_from", "_cost_cap", "_held_cost", "_ahead_cost",
-                 "_weight_slices", "_weight_parts", "_backward_durations", "static")
+                 "_weight_slices", "_weight_parts", "_backward_durations", "_weights_by_backward",
+                 "static")
 
     def __init__(self, stage: StageConfig, extra_warmup: int | None = None,
                  microbatch_order: list[int] | None = None,
@@ -285,6 +286,8 @@ class GreedyPolicy:
         self._weight_slices = stage.weight_slices if self._split else 1
         # per chunk: parts run of its next W (each chunk runs its W tasks in turn)
         self._weight_parts = [0] * chunks
+        # the dynamic rule only: the plan in order keeps its W order
+        self._weights_by_backward = stage.weights_by_backward and not static
         # [chunk][microbatch]: how long its B took, where the runner reported it
         self._backward_durations: list[list[float | None]] = [
             [None] * m for _ in range(chunks)]
@@ -404,13 +407,12 @@ class GreedyPolicy:
         elif kind == BACKWARD:
             ready = task[1] == self._local_backward_chunk or arrived(task)
         else:  # a W (its B, earlier in the plan, ran): it fills, so a ready F or B goes first
-            if not self.static:
-                substitute = self._past_weights(arrived)
-                if substitute is not None:
-                    return substitute
-                if self.stage.weights_by_backward:
-                    self._cheapest_weight_first(task[1])
-                    task = self._plan[pos]
+            substitute = None if self.static else self._past_weights(arrived)
+            if substitute is not None:
+                return substitute
+            if self._weights_by_backward:
+                self._cheapest_weight_first(task[1])
+                task = self._plan[pos]
             ready = True
         if ready:
             self._running, self._running_pos = task, pos
@@ -438,7 +440,7 @@ class GreedyPolicy:
         it is then ready); None otherwise."""
         w = self._next_weight[chunk]
         if w < self._next_backward[chunk]:
-            if self.stage.weights_by_backward and not self.static:
+            if self._weights_by_backward:
                 self._cheapest_weight_first(chunk)
             return self._weights[chunk][w], self._weight_position[chunk][w]
         return None
