@@ -422,11 +422,19 @@ def run(name: str, flags: list[str], args, out: Path, model: list[str] | None = 
                                         ).returncode
         except subprocess.TimeoutExpired:
             returncode = "timeout"
-    text = log_path.read_text()
+    result = log_figures(name, log_path.read_text(), flags, args.warmup, returncode)
+    if "error" not in result:
+        result["wall_s"] = round(time.time() - started, 1)
+    return result
+
+
+def log_figures(name: str, text: str, flags: list[str], warmup: int,
+                returncode: int | str = 0) -> dict:
+    """A run's figures from its log: the medians over the iterations after `warmup`."""
     rows = [m.groups() for m in LINE.finditer(text)]
     if returncode != 0 or not rows:
         return {"name": name, "error": f"exit {returncode}", "tail": text[-3000:]}
-    measured = [r for r in rows if int(r[0]) > args.warmup]
+    measured = [r for r in rows if int(r[0]) > warmup]
     ms = statistics.median(float(r[1]) for r in measured)
     per_rank, first_step = peak_memory(text)
     tokens = statistics.median(float(r[4]) for r in measured)
@@ -438,8 +446,7 @@ def run(name: str, flags: list[str], args, out: Path, model: list[str] | None = 
         "mfu_percent": statistics.median(float(r[3]) for r in measured) if measured[0][3] else None,
         "peak_mb": max(per_rank) if per_rank else None, "peak_mb_per_rank": per_rank,
         "peak_in_first_step": first_step, "iterations": len(measured),
-        "wall_s": round(time.time() - started, 1),
-        **variable_length_figures(text, rows, args.warmup),
+        **variable_length_figures(text, rows, warmup),
     }
 
 

@@ -10,6 +10,10 @@ straggler emulation of a two-pod pipeline, for one.
         --extra "--emulate-straggler all:0.1:3" --dpp-extra=--dpp-split-backward
     python profiling/bench_two_pods.py --out runs/rule --pp 2 --slack 2 --repeat 20 \
         --extra "--emulate-straggler all:0.1:3"
+    python profiling/bench_two_pods.py --tabulate runs/a runs/b
+
+(`--tabulate`: no runs, the table of the whole rounds the folders' logs already hold, pooled:
+a benchmark stopped early, or several run side by side on disjoint cores.)
 
 Each run is profiling/bench_gpt.py's (`run`: torchrun, the log, the median iteration time
 after the warm-up; here iterations 3-10; with --repeat each schedule runs that many times,
@@ -248,6 +252,30 @@ def table(results: dict[str, dict], slack: int | None, reason: str,
     return lines
 
 
+def run_label(name: str, round_: int) -> str:
+    """A run's log name in the output folder: out/<label>.log."""
+    return name if round_ == 0 else f"{name}-{round_ + 1}"
+
+
+def logged_rounds(folders: list[Path], last_iteration: int) -> list[tuple[Path, int]]:
+    """(folder, round) of each whole round the folders' logs hold, in order: rounds whose
+    every schedule logged `last_iteration` (a benchmark stopped mid-round leaves that round
+    out; benchmarks run side by side each have a folder)."""
+    def whole(folder: Path, round_: int) -> bool:
+        logs = [folder / f"{run_label(name, round_)}.log" for name in SCHEDULES]
+        return all(log.exists() and any(int(m.group(1)) >= last_iteration
+                                        for m in bench_gpt.LINE.finditer(log.read_text()))
+                   for log in logs)
+
+    found = []
+    for folder in folders:
+        round_ = 0
+        while whole(folder, round_):
+            found.append((folder, round_))
+            round_ += 1
+    return found
+
+
 def run_schedules(repeat: int, run, forced: int | None = None
                   ) -> tuple[dict[str, list[dict]], int | None, str]:
     """Every schedule `repeat` times in turn, `run(name, round, slack)` giving a run's result
@@ -286,7 +314,12 @@ def run_schedules(repeat: int, run, forced: int | None = None
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", help="the logs and the table (required unless --tabulate)")
+    parser.add_argument("--tabulate", nargs="+", metavar="FOLDER",
+                        help="run nothing: the table of the whole rounds already logged in "
+                             "these --out folders (a benchmark stopped early, or several run "
+                             "side by side), pooled; give the --warmup, --iters and --slack "
+                             "they ran with")
     parser.add_argument("--extra", default="",
                         help="flags added to every run (write --extra='--flag value')")
     parser.add_argument("--simulate", action="store_true",
@@ -314,6 +347,12 @@ def main(argv=None) -> int:
             or args.pp not in (2, 4) or (args.slack is not None and args.slack < 0):
         parser.error("--microbatches, --iters and --repeat must be >= 1, --warmup and "
                      "--slack >= 0, --pp 2 or 4 (the model's 4 layers split evenly)")
+    if args.tabulate is not None:
+        if args.simulate:
+            parser.error("--tabulate reads logs only: --simulate needs the runs")
+        return tabulate([Path(f) for f in args.tabulate], args, parser)
+    if args.out is None:
+        parser.error("--out is required to run the benchmark")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     # what bench_gpt.run reads of its arguments: a CPU process a stage
@@ -327,7 +366,7 @@ def main(argv=None) -> int:
         flags = config_flags(name, slack, extra, dpp_extra, args.slack is not None)
         if args.simulate and repeat == 0:  # one traced run a schedule
             flags = flags + trace_flags(name, out, args.warmup + 1, args.warmup + args.iters)
-        label = name if repeat == 0 else f"{name}-{repeat + 1}"
+        label = run_label(name, repeat)
         result = bench_gpt.run(label, flags, settings, out, model=TINY_GPT)
         return result, (out / f"{label}.log").read_text()
 
@@ -338,13 +377,43 @@ def main(argv=None) -> int:
         predicted = predict(trace_dir(out, "1f1b"), slack, results["1f1b"]["ms_per_iter"],
                             emulation_of(extra), dpp_static=PLAN_CHOSEN in reason)
         predicted["in_order_gaps"] = in_order_gaps(out)
+    return report(results, slack, reason, predicted, out)
+
+
+def report(results: dict[str, dict], slack: int | None, reason: str, predicted: dict | None,
+           out: Path | None) -> int:
+    """Print the table (and write it with results.json to `out`); 1 where a row failed."""
     lines = table(results, slack, reason, predicted)
-    (out / "results.json").write_text(json.dumps(
-        {"results": results, "slack": slack, "reason": reason, "predicted": predicted},
-        indent=1))
-    (out / "table.txt").write_text("\n".join(lines) + "\n")
+    if out is not None:
+        (out / "results.json").write_text(json.dumps(
+            {"results": results, "slack": slack, "reason": reason, "predicted": predicted},
+            indent=1))
+        (out / "table.txt").write_text("\n".join(lines) + "\n")
     sys.stdout.write("\n".join(lines) + "\n")
     return 0 if all("error" not in r for r in results.values()) else 1
+
+
+def tabulate(folders: list[Path], args, parser) -> int:
+    """The table of the whole rounds logged in `folders`, pooled in folder order (the
+    rounds are numbered so in the slack line)."""
+    rounds = logged_rounds(folders, args.warmup + args.iters)
+    if not rounds:
+        parser.error(f"no whole round (every schedule's log reaching iteration "
+                     f"{args.warmup + args.iters}) in {' '.join(map(str, folders))}")
+
+    def read(name: str, index: int, slack: int | None) -> tuple[dict, str]:
+        folder, round_ = rounds[index]
+        label = run_label(name, round_)
+        text = (folder / f"{label}.log").read_text()
+        return bench_gpt.log_figures(label, text, [], args.warmup), text
+
+    runs, slack, reason = run_schedules(len(rounds), read, args.slack)
+    results = {name: median_of_runs(values) for name, values in runs.items()}
+    out = None
+    if args.out is not None:
+        out = Path(args.out).resolve()
+        out.mkdir(parents=True, exist_ok=True)
+    return report(results, slack, reason, None, out)
 
 
 if __name__ == "__main__":

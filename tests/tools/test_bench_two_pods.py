@@ -220,3 +220,53 @@ def test_a_given_slack_runs_the_dynamic_rule_against_the_plan_at_it():
     assert slack == 2 and "given" in reason
     assert [r["slack"] for r in runs["dpp"] + runs["dpp-static"]] == [2] * 4
     assert bench_two_pods.PLAN_CHOSEN not in reason
+
+
+def _write_run(folder, label, times, slack=None):
+    """A run's log as the trainer writes it: a slack line (dynamic runs), one line an
+    iteration with its time and loss, a memory line."""
+    lines = [] if slack is None else [f"[00:00:00 rank0] INFO x: DPP slack {slack}: chosen"]
+    lines += [f"[00:00:0{i} rank3] INFO megatron.trainer:  iteration {i + 1:8d}/{len(times):8d} "
+              f"| elapsed time per iteration (ms): {t} | tokens/s: 4453 | lm loss: 6.9E+00 |"
+              for i, t in enumerate(times)]
+    lines.append("[00:00:09 rank3] INFO megatron.trainer: memory per rank (max RSS, MB): "
+                 "0: 445.7 | 1: 440.0")
+    (folder / f"{label}.log").write_text("\n".join(lines) + "\n")
+
+
+def test_the_table_of_rounds_already_logged_pools_folders_and_leaves_partial_rounds_out(
+        tmp_path, capsys):
+    """Two folders of side-by-side benchmarks: the first holds two whole rounds and a third
+    stopped mid-run, the second one whole round. The table pools the three whole rounds
+    (medians of the measured iterations, each round's plan at its dynamic run's slack) and
+    names a folder with none."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    for folder, rounds in ((first, [(500, 450, 460, 2), (520, 470, 480, 1)]),
+                           (second, [(540, 490, 500, 2)])):
+        for round_, (one_f_one_b, dpp, plan, slack) in enumerate(rounds):
+            suffix = "" if round_ == 0 else f"-{round_ + 1}"
+            # iteration 1 is the warm-up left out: its time must not count
+            _write_run(folder, f"1f1b{suffix}", [9999, one_f_one_b, one_f_one_b + 2])
+            _write_run(folder, f"dpp{suffix}", [9999, dpp, dpp + 2], slack)
+            _write_run(folder, f"dpp-static{suffix}", [9999, plan, plan + 2])
+    _write_run(first, "1f1b-3", [9999, 100, 100])
+    _write_run(first, "dpp-3", [9999, 100], 2)  # stopped before its last iteration
+    assert bench_two_pods.logged_rounds([first, second], 3) == [(first, 0), (first, 1),
+                                                                 (second, 0)]
+    out = tmp_path / "pooled"
+    code = bench_two_pods.main(["--tabulate", str(first), str(second), "--warmup", "1",
+                                "--iters", "2", "--out", str(out)])
+    lines = capsys.readouterr().out.splitlines()
+    assert code == 0 and (out / "table.txt").read_text().splitlines() == lines
+    rows = {line.split()[0]: line for line in lines[1:4]}
+    assert rows["1f1b"].split()[1] == "521.0"
+    assert rows["1f1b"].endswith("runs: 501.0 521.0 541.0")
+    assert rows["dpp"].split()[1:4] == ["471.0", "1.106x", "1-2"]
+    assert rows["dpp-static"].endswith("runs: 461.0 481.0 501.0")
+    assert lines[4] == "dpp / dpp-static at slack 1-2: 1.021x"
+    assert lines[5].endswith("; run 2 chose slack 1")
+    with pytest.raises(SystemExit):
+        bench_two_pods.main(["--tabulate", str(tmp_path / "empty")])
+    assert "no whole round" in capsys.readouterr().err
