@@ -70,6 +70,8 @@ SLACK = re.compile(r"DPP slack (\d+): (.*)")
 PLAN_CHOSEN = "the plan in order runs"  # the slack line's words when that rule was chosen
 LOSS = re.compile(r"iteration\s+(\d+)/.*\| lm loss: ([-+.\dE]+)")
 SCHEDULES = ("1f1b", "dpp", "dpp-static")
+# the options that shape runs, which --tabulate (reading logs) refuses
+RUN_ONLY = ("extra", "simulate", "dpp_extra", "repeat", "pp", "microbatches", "port", "timeout")
 # one activation or gradient of TINY_GPT: seq-length x micro-batch x hidden, fp32 on CPU
 MESSAGE_BYTES = 128 * 2 * 128 * 4
 TRAINER_SEED = 1234  # the trainer's --seed default
@@ -348,8 +350,10 @@ def main(argv=None) -> int:
         parser.error("--microbatches, --iters and --repeat must be >= 1, --warmup and "
                      "--slack >= 0, --pp 2 or 4 (the model's 4 layers split evenly)")
     if args.tabulate is not None:
-        if args.simulate:
-            parser.error("--tabulate reads logs only: --simulate needs the runs")
+        given = [f"--{name.replace('_', '-')}" for name in RUN_ONLY
+                 if getattr(args, name) != parser.get_default(name)]
+        if given:
+            parser.error(f"--tabulate runs nothing: {' '.join(given)} would not apply")
         return tabulate([Path(f) for f in args.tabulate], args, parser)
     if args.out is None:
         parser.error("--out is required to run the benchmark")

@@ -270,3 +270,8 @@ def test_the_table_of_rounds_already_logged_pools_folders_and_leaves_partial_rou
     with pytest.raises(SystemExit):
         bench_two_pods.main(["--tabulate", str(tmp_path / "empty")])
     assert "no whole round" in capsys.readouterr().err
+    # options that shape runs would be ignored: refused by name
+    with pytest.raises(SystemExit):
+        bench_two_pods.main(["--tabulate", str(first), "--repeat", "3", "--simulate"])
+    assert "--tabulate runs nothing: --simulate --repeat would not apply" in (
+        capsys.readouterr().err)
