@@ -43,6 +43,10 @@ def test_repeated_runs_give_their_median_and_a_failure_fails_the_row():
     assert merged["ms_per_iter"] == 500.0 and merged["runs_ms"] == [500.0, 420.0, 610.0]
     failed = {"name": "dpp", "error": "exit 1"}
     assert bench_two_pods.median_of_runs([runs[0], failed]) == failed
+    # the memory a row held: each rank's highest over the runs, not the first run's
+    highs = ([450.0, 440.0], [460.0, 430.0], [455.0, 435.0])
+    peaks = [{**run, "peak_mb_per_rank": high} for run, high in zip(runs, highs, strict=True)]
+    assert bench_two_pods.median_of_runs(peaks)["peak_mb_per_rank"] == [460.0, 440.0]
     lines = bench_two_pods.table({"1f1b": {**merged, "name": "1f1b", "peak_mb_per_rank": []}},
                                  None, "", None)
     assert lines[1].endswith("runs: 500.0 420.0 610.0")
