@@ -235,6 +235,9 @@ def table(results: dict[str, dict], slack: int | None, reason: str,
     if dynamic and static and "error" not in dynamic and "error" not in static:
         lines.append(f"dpp / dpp-static at slack {static.get('slack', slack)}: "
                      f"{static['ms_per_iter'] / dynamic['ms_per_iter']:.3f}x")
+        rounds = per_round_line(results)
+        if rounds:
+            lines.append(rounds)
     if reason:
         lines.append(reason)
     if predicted:
@@ -255,6 +258,22 @@ def table(results: dict[str, dict], slack: int | None, reason: str,
                          "slack's memory is shorter; median of the iterations): "
                          + ", ".join(f"{name} {gap:.3f}x" for name, gap in gaps.items()))
     return lines
+
+
+def per_round_line(results: dict[str, dict]) -> str | None:
+    """Where every schedule ran more than one round: `--use-dpp`'s speedup over 1F1B and over
+    the plan in order within each round (a round's runs follow one another, so a slow spell
+    of the machine, minutes long, weighs on both sides of a round's ratio more often than on
+    both rows' medians), their median and mean, and the spread of the one over the plan."""
+    runs = {name: results[name].get("runs_ms", ()) for name in SCHEDULES if name in results}
+    if len(runs) < len(SCHEDULES) or min(len(r) for r in runs.values()) < 2:
+        return None
+    over_1f1b = [b / d for b, d in zip(runs["1f1b"], runs["dpp"], strict=True)]
+    over_plan = [p / d for p, d in zip(runs["dpp-static"], runs["dpp"], strict=True)]
+    return (f"dpp per round: over 1f1b median {statistics.median(over_1f1b):.3f}x mean "
+            f"{statistics.mean(over_1f1b):.3f}x; over dpp-static median "
+            f"{statistics.median(over_plan):.3f}x mean {statistics.mean(over_plan):.3f}x "
+            f"sd {statistics.stdev(over_plan):.3f}")
 
 
 def run_label(name: str, round_: int) -> str:

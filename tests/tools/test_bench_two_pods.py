@@ -270,7 +270,10 @@ def test_the_table_of_rounds_already_logged_pools_folders_and_leaves_partial_rou
     assert rows["dpp"].split()[1:4] == ["471.0", "1.106x", "1-2"]
     assert rows["dpp-static"].endswith("runs: 461.0 481.0 501.0")
     assert lines[4] == "dpp / dpp-static at slack 1-2: 1.021x"
-    assert lines[5].endswith("; run 2 chose slack 1")
+    # within each round: 501/451, 521/471, 541/491 over 1F1B; 461/451, ... over the plan
+    assert lines[5] == ("dpp per round: over 1f1b median 1.106x mean 1.106x; over dpp-static "
+                        "median 1.021x mean 1.021x sd 0.001")
+    assert lines[6].endswith("; run 2 chose slack 1")
     with pytest.raises(SystemExit):
         bench_two_pods.main(["--tabulate", str(tmp_path / "empty")])
     assert "no whole round" in capsys.readouterr().err
