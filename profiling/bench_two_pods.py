@@ -20,22 +20,23 @@ the warm-up; here iterations 3-10; with --repeat each schedule runs that many ti
 with the others, and its row gives the median of the runs; each round's static plan runs at the
 slack that round's dynamic run chose, so the two always hold the same memory, and a slack column
 such as 1-2 says the rounds chose differently). The table gives each schedule's median, its
-speedup over 1F1B and DPP's over the static plan at the same slack (`--dpp-extra`: flags of both
-DPP runs, such as the split backward), every rank's peak memory (the trainer's memory line: max
-RSS on CPU; the highest of the runs), the slack, and whether the losses equal 1F1B's
-(`same_losses`). With --simulate every run traces its measured iterations (each schedule pays
-the same small tracing cost), and the simulator is fed, per traced iteration of the 1F1B run,
-its task times and message time (consumer start minus producer end where the consumer waited:
-profiling/sim_compare.py): it predicts each schedule's iteration time (the median simulated
-makespan plus the 1F1B run's median time outside the pipeline) beside the measured one, and the
-lower bound on any schedule of those tasks (megatron/dpp/sim/bounds.py) beside the plan in
-order's; and for each traced DPP run (the dynamic rule's and the plan in order's) the in-order
-bound of its own measured tasks (profiling/sim_compare.py: no schedule that runs each stage's
-microbatches in order within that slack's memory is shorter), the most an in-order schedule
-could gain on them. Under --emulate-link-ms each message's hop is the link's own draw for that
-message in that iteration (megatron/dpp/variability.py, the one the runs applied) plus what the
-measured hop leaves beyond the link's mean; stragglers are in the measured task times already,
-and straggle the same tasks under every schedule.
+speedup over 1F1B and DPP's over the static plan at the same slack (with --repeat, also within
+each round: `per_round_line`; `--dpp-extra`: flags of both DPP runs, such as the split
+backward), every rank's peak memory (the trainer's memory line: max RSS on CPU; the highest of
+the runs), the slack, and whether the losses equal 1F1B's (`same_losses`). With --simulate every
+run traces its measured iterations (each schedule pays the same small tracing cost), and the
+simulator is fed, per traced iteration of the 1F1B run, its task times and message time
+(consumer start minus producer end where the consumer waited: profiling/sim_compare.py): it
+predicts each schedule's iteration time (the median simulated makespan plus the 1F1B run's
+median time outside the pipeline) beside the measured one, and the lower bound on any schedule
+of those tasks (megatron/dpp/sim/bounds.py) beside the plan in order's; and for each traced DPP
+run (the dynamic rule's and the plan in order's) the in-order bound of its own measured tasks
+(profiling/sim_compare.py: no schedule that runs each stage's microbatches in order within that
+slack's memory is shorter), the most an in-order schedule could gain on them. Under
+--emulate-link-ms each message's hop is the link's own draw for that message in that iteration
+(megatron/dpp/variability.py, the one the runs applied) plus what the measured hop leaves beyond
+the link's mean; stragglers are in the measured task times already, and straggle the same tasks
+under every schedule.
 """
 
 from __future__ import annotations
