@@ -288,7 +288,8 @@ class GreedyPolicy:
         self._weight_parts = [0] * chunks
         # the dynamic rule only: the plan in order keeps its W order
         self._weights_by_backward = stage.weights_by_backward and not static
-        # [chunk][microbatch]: how long its B took, where the runner reported it
+        # [chunk][microbatch]: how long its B took, where the runner reported it (kept only
+        # where the W order follows it)
         self._backward_durations: list[list[float | None]] = [
             [None] * m for _ in range(chunks)]
         self._running: Task | None = None
@@ -551,7 +552,8 @@ class GreedyPolicy:
             self._held_cost += cost
         elif kind == BACKWARD:
             self._next_backward[task[1]] += 1
-            self._backward_durations[task[1]][task[2]] = duration
+            if self._weights_by_backward:  # nothing else reads a B's duration
+                self._backward_durations[task[1]][task[2]] = duration
             self._in_flight -= 1
             if not self._split:
                 self._held_cost -= cost
