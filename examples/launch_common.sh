@@ -251,11 +251,15 @@ dpp_worker_command() {
 
 # torchrun (the command after $1, the log) in the background, so that a SIGTERM of this
 # script (docker stop, Kubernetes) reaches it at once: bash runs a trap only after the
-# foreground command ends. torchrun passes the signal on to the ranks, which end at a step
-# boundary under --exit-signal-handler; Ctrl-C is passed on too (dpp_interrupt). The
-# terminal gets the ranks' output without torchrun's traceback (the log keeps it); tee and
-# the filter ignore Ctrl-C so that the log keeps the ranks' last lines. Returns torchrun's
-# status; DPP_STOP_SIGNAL names a signal received.
+# foreground command ends. torchrun runs in a process group of its own (setsid): a signal to
+# this script's group (a terminal's Ctrl-C) reaches it only as this script passes it on,
+# once; torch elastic's handler raises again on a second one while it stops the ranks.
+# torchrun passes SIGTERM and SIGINT on to the ranks, which end at a step boundary under
+# --exit-signal-handler (dpp_interrupt for Ctrl-C); they also stop when this script is gone
+# (DPP_LAUNCH_SCRIPT_PID, megatron/trainer/run/exit_signals.py). The terminal gets the ranks'
+# output without torchrun's traceback (the log keeps it); tee and the filter ignore Ctrl-C so
+# that the log keeps the ranks' last lines. Returns torchrun's status; DPP_STOP_SIGNAL names
+# a signal received.
 dpp_run_torchrun() {
     local logfile=$1 output trainer status
     shift
@@ -268,16 +272,18 @@ dpp_run_torchrun() {
     # the traps come first: a signal between the start and `trainer=$!` would otherwise end
     # this script at once; one that comes before the pid is known is passed on after it
     trainer=
-    trap 'DPP_STOP_SIGNAL=TERM; [[ -z $trainer ]] || kill -TERM "$trainer" 2>/dev/null' TERM
+    trap 'dpp_pass_on TERM "$trainer"' TERM
+    trap 'dpp_pass_on HUP "$trainer"' HUP
+    trap 'dpp_pass_on QUIT "$trainer"' QUIT
     trap 'dpp_interrupt "$trainer"' INT
     # a background command starts with Ctrl-C ignored: torchrun takes it only once it has
     # set its handlers, just before it starts the ranks (dpp_interrupt)
-    "$@" >&"$output" 2>&1 &
+    DPP_LAUNCH_SCRIPT_PID=$$ setsid "$@" >&"$output" 2>&1 &
     trainer=$!
     exec {output}>&-
     case $DPP_STOP_SIGNAL in
         INT) dpp_interrupt "$trainer" ;;
-        TERM) kill -TERM "$trainer" 2>/dev/null ;;
+        ?*) dpp_pass_on "$DPP_STOP_SIGNAL" "$trainer" ;;
     esac
     while true; do
         status=0
@@ -285,9 +291,15 @@ dpp_run_torchrun() {
         # a trapped signal ends `wait` early: wait again while torchrun still runs
         kill -0 "$trainer" 2>/dev/null || break
     done
-    trap - TERM INT
+    trap - TERM HUP QUIT INT
     wait "$filter" 2>/dev/null || true
     return "$status"
+}
+
+# SIGTERM, SIGHUP, SIGQUIT: passed on to torchrun ($2, once started) as they came
+dpp_pass_on() {
+    DPP_STOP_SIGNAL=$1
+    [[ -z $2 ]] || kill -"$1" "$2" 2>/dev/null
 }
 
 # Ctrl-C: SIGINT to a torchrun that runs its ranks; one that has not started them yet
@@ -355,6 +367,8 @@ dpp_launch() {
     local logfile=$RUN_DIR/train.log
     local launcher=(torchrun)
     if ! command -v torchrun >/dev/null; then launcher=("$PYTHON" -m torch.distributed.run); fi
+    command -v setsid >/dev/null ||
+        dpp_die "setsid not found: install util-linux (it starts torchrun in a process group of its own)"
     local cmd=("${launcher[@]}" --nnodes "$NNODES" --node_rank "$NODE_RANK"
         --nproc_per_node "$GPUS_PER_NODE" --master_addr "$MASTER_ADDR"
         --master_port "$MASTER_PORT" --rdzv-conf "timeout=${RDZV_TIMEOUT:-300}"

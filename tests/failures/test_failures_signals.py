@@ -7,12 +7,14 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
 from megatron.trainer import launch
-from megatron.trainer.run.exit_signals import ExitSignals
+from megatron.trainer.run.exit_signals import LAUNCH_SCRIPT_PID, ExitSignals, launch_script_pid
 from megatron.trainer.run.settings_agreement import mismatch_message
 from tests.job import TINY_GPT, Job
 from tests.node_runs import Node
@@ -21,6 +23,8 @@ START_S = 240
 ITERS = 20
 STOPPED = re.compile(r"ERROR megatron\.trainer\.run\.failures: stopped by (SIG\w+) after "
                      rf"iteration (\d+) of {ITERS}; (.*)$", re.MULTILINE)
+# torchrun passing a signal on to a rank (its words before torch 2.12 and from it)
+CLOSING = re.compile(r"Closing process \d+ via signal|Sending process \d+ closing signal")
 
 
 def _stop_script(tmp_path, signum: int, whole_group: bool, **settings) -> tuple[Node, int]:
@@ -87,18 +91,65 @@ def test_ctrl_c_on_the_launch_script_ends_with_130_and_the_log_keeps_the_last_li
     assert lines[0][2] == "no checkpoint saved (no --save)"
     assert "Traceback" not in out
     # tee ignored the Ctrl-C: train.log has both ranks' last line
-    assert len(STOPPED.findall(node.log())) == 2, node.log()[-3000:]
+    log = node.log()
+    assert len(STOPPED.findall(log)) == 2, log[-3000:]
+    # torchrun got the Ctrl-C once (from the script, not also from the terminal): it passed
+    # it on once to each rank
+    assert len(CLOSING.findall(log)) == 2, log[-3000:]
 
 
-def _running(node: Node, word: bytes, unless: bytes | None = None) -> bool:
-    """Whether a process of the node has `word` in its command line (and not `unless`)."""
+@pytest.mark.slow
+def test_ranks_save_and_stop_when_the_launch_script_is_killed(tmp_path):
+    """The script killed (SIGKILL: the kernel's out-of-memory killer, a batch system): every
+    rank sees it gone, stops after the same iteration, saves, and torchrun ends with them."""
+    checkpoints = tmp_path / "checkpoints"
+    node = Node.script("run_single_gpt.sh", tmp_path, TRAIN_ITERS=ITERS, LOG_INTERVAL=1,
+                       CHECKPOINT_DIR=checkpoints)
+    try:
+        node.wait_for(" iteration        2/", START_S)
+        node.process.kill()
+        left = node.wait_until_gone(60)
+    finally:
+        node.kill()
+    log = node.log()
+    assert left == [], log[-3000:]
+    seen = re.findall(r"ERROR megatron\.trainer\.run\.exit_signals: the launch script "
+                      rf"\(pid {node.process.pid}\) ended; stopping this rank", log)
+    assert len(seen) == 2, log[-3000:]
+    lines = STOPPED.findall(log)
+    assert len(lines) == 2 and len(set(lines)) == 1, log[-3000:]
+    name, iteration, saved = lines[0]
+    assert name == "SIGTERM" and saved == f"saved iteration {iteration} to {checkpoints}"
+    assert 2 <= int(iteration) < ITERS
+    assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == iteration
+
+
+def test_a_rank_follows_the_launch_script_only_where_it_started_torchrun(tmp_path):
+    assert launch_script_pid({}) is None
+    assert launch_script_pid({LAUNCH_SCRIPT_PID: "not a pid"}) is None
+    # a live process that is not this process's grandparent: another job's script
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as other:
+        try:
+            assert launch_script_pid({LAUNCH_SCRIPT_PID: str(other.pid)}) is None
+        finally:
+            other.kill()
+    # gone before this rank started: followed, so that the rank stops at once
+    assert launch_script_pid({LAUNCH_SCRIPT_PID: str(other.pid)}) == other.pid
+    grandparent = int(open(f"/proc/{os.getppid()}/stat").read().rsplit(")", 1)[1].split()[1])
+    assert launch_script_pid({LAUNCH_SCRIPT_PID: str(grandparent)}) == grandparent
+
+
+def _running(node: Node, name: bytes, unless: bytes | None = None) -> bool:
+    """Whether a process of the node has a word named `name` in its command line (and none
+    named `unless`): the last part of a path, so that a file in the test's directory, whose
+    name holds the test's, does not count."""
     for pid in node.processes():
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-                words = cmdline.read()
+                words = {os.path.basename(word) for word in cmdline.read().split(b"\0")}
         except OSError:  # ended meanwhile
             continue
-        if word in words and (unless is None or unless not in words):
+        if name in words and (unless is None or unless not in words):
             return True
     return False
 

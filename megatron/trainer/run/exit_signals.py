@@ -6,10 +6,11 @@ at each step boundary the ranks all-reduce what they received, so every rank sto
 the same iteration, saves a checkpoint when --save is given and exits with 128 + the
 signal's number (143 for SIGTERM, 130 for SIGINT), as a shell reports a signal.
 
-`LauncherWatch`: a rank that torchrun started stops when torchrun is gone (killed with
-SIGKILL, say), instead of training on as an orphan nobody waits for: it sends itself
-SIGTERM (with --exit-signal-handler: save at the next step boundary and exit), and SIGKILL
-if it is still alive a grace period later (blocked on a peer that is gone too).
+`LauncherWatch`: a rank that torchrun started stops when torchrun, or the launch script that
+started torchrun, is gone (killed with SIGKILL, say), instead of training on as an orphan
+nobody waits for: it sends itself SIGTERM (with --exit-signal-handler: save at the next step
+boundary and exit), and SIGKILL if it is still alive a grace period later (blocked on a peer
+that is gone too).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch.distributed as dist
 log = logging.getLogger("megatron.trainer.run.exit_signals")
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+LAUNCH_SCRIPT_PID = "DPP_LAUNCH_SCRIPT_PID"
 
 
 class StoppedBySignal(Exception):
@@ -77,23 +79,41 @@ def launched_by_torchrun(env=os.environ) -> bool:
     return "TORCHELASTIC_RUN_ID" in env
 
 
-def follow_torchrun() -> None:
+def follow_torchrun(env=os.environ) -> None:
     """In a rank torchrun started, from the start: Ctrl-C, which torchrun passes on, ends
     the rank (a torchrun started in the background by a script gives its ranks an ignored
-    SIGINT), and the rank stops when torchrun is gone (LauncherWatch)."""
+    SIGINT), and the rank stops when torchrun or the launch script that started it is gone
+    (LauncherWatch)."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    LauncherWatch().start()
+    LauncherWatch(launch_script=launch_script_pid(env)).start()
+
+
+def launch_script_pid(env=os.environ) -> int | None:
+    """The launch script that started torchrun (examples/launch_common.sh gives torchrun its pid
+    in DPP_LAUNCH_SCRIPT_PID), where it is torchrun's parent or has already ended; else None."""
+    value = env.get(LAUNCH_SCRIPT_PID, "")
+    if not value.isdigit():
+        return None
+    pid = int(value)
+    if _parent_of(os.getppid()) == pid or not os.path.exists(f"/proc/{pid}"):
+        return pid
+    return None  # a live process that did not start torchrun: not ours to follow
 
 
 class LauncherWatch:
-    """A daemon thread that waits for this process's parent (the launcher) to end; see the
-    module's docstring. `grace_s`: how long after its SIGTERM the rank may still run."""
+    """A daemon thread that waits for this process's parent (the launcher) and, given its
+    pid, the launch script that started the launcher to end; see the module's docstring.
+    `grace_s`: how long after its SIGTERM the rank may still run."""
 
     GRACE_S = 60.0
 
-    def __init__(self, grace_s: float = GRACE_S):
+    def __init__(self, grace_s: float = GRACE_S, launch_script: int | None = None):
         self.grace_s = grace_s
         self.parent = os.getppid()
+        # (pid, the pid of its child on this process's line of ancestors, what it is)
+        self.watched = [(self.parent, os.getpid(), "the launcher")]
+        if launch_script is not None:
+            self.watched.append((launch_script, self.parent, "the launch script"))
         self._thread = threading.Thread(target=self._watch, name="launcher watch", daemon=True)
 
     def start(self) -> LauncherWatch:
@@ -101,32 +121,59 @@ class LauncherWatch:
         return self
 
     def _watch(self) -> None:
-        _wait_for_exit(self.parent)
-        log.error("the launcher (pid %d) ended; stopping this rank (SIGTERM to itself, SIGKILL "
-                  "after %.0f s)", self.parent, self.grace_s)
+        pid, _, name = self.watched[_wait_for_first_exit(self.watched)]
+        log.error("%s (pid %d) ended; stopping this rank (SIGTERM to itself, SIGKILL after "
+                  "%.0f s)", name, pid, self.grace_s)
         os.kill(os.getpid(), signal.SIGTERM)
         threading.Event().wait(self.grace_s)
-        log.error("still running %.0f s after the launcher ended: killing this rank",
-                  self.grace_s)
+        log.error("still running %.0f s after %s ended: killing this rank", self.grace_s, name)
         logging.shutdown()
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _wait_for_exit(pid: int) -> None:
-    """Blocks until process `pid`, this process's parent, has ended: on a pidfd where the
-    kernel has them (Linux 5.3), else by looking whether this process was re-parented."""
+def _wait_for_first_exit(watched: list[tuple[int, int, str]]) -> int:
+    """Blocks until one of the `watched` processes has ended (as LauncherWatch.watched) and
+    returns its index: on pidfds where the kernel has them (Linux 5.3), else by looking each
+    second whether its child was re-parented."""
+    pidfds: list[int] = []
     try:
-        pidfd = os.pidfd_open(pid)
+        for pid, _, _ in watched:
+            pidfds.append(os.pidfd_open(pid))
+    except ProcessLookupError:  # already gone
+        ended = len(pidfds)
+        _closed(pidfds)
+        return ended
     except (AttributeError, OSError):
-        pidfd = None
-    if pidfd is not None:
-        try:
-            # opened after the parent ended (and its pid reused): the re-parenting shows it
-            if os.getppid() == pid:
-                select.select([pidfd], [], [])
-        finally:
-            os.close(pidfd)
-        return
-    gone = threading.Event()
-    while os.getppid() == pid:
-        gone.wait(1.0)
+        pidfds = _closed(pidfds)
+    try:
+        gone = threading.Event()
+        while True:
+            # a pidfd opened after its process ended (and its pid reused): the re-parenting
+            # of the child shows it
+            for index, (pid, child, _) in enumerate(watched):
+                if _parent_of(child) != pid:
+                    return index
+            if pidfds:
+                ready, _, _ = select.select(pidfds, [], [])
+                return pidfds.index(ready[0])
+            gone.wait(1.0)
+    finally:
+        _closed(pidfds)
+
+
+def _closed(fds: list[int]) -> list[int]:
+    for fd in fds:
+        os.close(fd)
+    return []
+
+
+def _parent_of(pid: int) -> int | None:
+    """The parent of process `pid` (None once it is gone)."""
+    if pid == os.getpid():
+        return os.getppid()
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            # pid (comm) state ppid ...: comm may hold spaces and parentheses
+            return int(stat.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
