@@ -34,6 +34,9 @@
 #   RUN_NAME        <model>-<role>;  RUN_DIR <checkout>/runs/RUN_NAME/<N>, N numbering the runs
 #                   (runs/RUN_NAME/latest: the last); log: RUN_DIR/train.log, kept as
 #                   train.log.<k> when a later run is given the same RUN_DIR
+#   STOP_GRACE      seconds torchrun gives its ranks, once it passed a stop signal on, to end
+#                   the step and save before it kills them: 120 (torch 2.12 and later; older
+#                   torchruns wait 30 whatever it says)
 #   PYTHON          python3;  SKIP_PREREQ  auto: run prerequisite.sh when imports fail, 1 never,
 #                   0 always
 
@@ -257,16 +260,17 @@ dpp_worker_command() {
 # torchrun passes SIGTERM and SIGINT on to the ranks, which end at a step boundary under
 # --exit-signal-handler (dpp_interrupt for Ctrl-C); they also stop when this script is gone
 # (DPP_LAUNCH_SCRIPT_PID, megatron/trainer/run/exit_signals.py). The terminal gets the ranks'
-# output without torchrun's traceback (the log keeps it); tee and the filter ignore Ctrl-C so
-# that the log keeps the ranks' last lines. Returns torchrun's status; DPP_STOP_SIGNAL names
+# output without torchrun's traceback (the log keeps it); tee and the filter ignore Ctrl-C and
+# SIGHUP so that the log keeps the ranks' last lines. Returns torchrun's status; DPP_STOP_SIGNAL names
 # a signal received.
 dpp_run_torchrun() {
     local logfile=$1 output trainer status
     shift
     DPP_STOP_SIGNAL=
-    # the filter ignores Ctrl-C from its start: Python would end with a traceback of the
-    # imports it was in
-    exec {output}> >(trap '' INT; tee -i "$logfile" |
+    # the filter ignores Ctrl-C and a closed terminal from its start (Python would end with
+    # a traceback of the imports it was in); tee -p keeps writing the log should the filter
+    # end (its terminal gone)
+    exec {output}> >(trap '' INT HUP; tee -i -p "$logfile" |
         PYTHONPATH="$DPP_REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m megatron.trainer.launch console)
     local filter=$!
     # the traps come first: a signal between the start and `trainer=$!` would otherwise end
@@ -278,7 +282,8 @@ dpp_run_torchrun() {
     trap 'dpp_interrupt "$trainer"' INT
     # a background command starts with Ctrl-C ignored: torchrun takes it only once it has
     # set its handlers, just before it starts the ranks (dpp_interrupt)
-    DPP_LAUNCH_SCRIPT_PID=$$ setsid "$@" >&"$output" 2>&1 &
+    TORCH_ELASTIC_SHUTDOWN_TIMEOUT=$STOP_GRACE DPP_LAUNCH_SCRIPT_PID=$$ \
+        setsid "$@" >&"$output" 2>&1 &
     trainer=$!
     exec {output}>&-
     case $DPP_STOP_SIGNAL in
@@ -296,10 +301,11 @@ dpp_run_torchrun() {
     return "$status"
 }
 
-# SIGTERM, SIGHUP, SIGQUIT: passed on to torchrun ($2, once started) as they came
+# SIGTERM, SIGHUP, SIGQUIT: passed on to torchrun ($2, once started); SIGHUP (the terminal
+# closed) as SIGTERM, so that the ranks save and stop as for docker stop
 dpp_pass_on() {
     DPP_STOP_SIGNAL=$1
-    [[ -z $2 ]] || kill -"$1" "$2" 2>/dev/null
+    [[ -z $2 ]] || kill -"${1/HUP/TERM}" "$2" 2>/dev/null
 }
 
 # Ctrl-C: SIGINT to a torchrun that runs its ranks; one that has not started them yet
@@ -343,6 +349,8 @@ dpp_launch() {
         : "${GPUS_PER_NODE:=$(( on_gpu ? gpus : 1 ))}"
     fi
     dpp_integer GPUS_PER_NODE
+    : "${STOP_GRACE:=120}"
+    dpp_integer STOP_GRACE
     if (( on_gpu && GPUS_PER_NODE > gpus )); then
         dpp_die "GPUS_PER_NODE=$GPUS_PER_NODE but this node has $gpus GPUs"
     fi
@@ -409,6 +417,9 @@ dpp_launch() {
         # the ranks saved (with CHECKPOINT_DIR) and logged their line; the job's status is
         # the signal's, as a shell reports it
         status=$(( 128 + $(kill -l "$DPP_STOP_SIGNAL") ))
+        if grep -q "forcefully exiting via" "$logfile"; then
+            dpp_say "torchrun killed ranks that had not stopped $STOP_GRACE s after it passed the signal on (STOP_GRACE; torch before 2.12 waits 30 s): their step and any checkpoint they were saving are lost, a new run resumes from the last checkpoint saved"
+        fi
         dpp_say "stopped by SIG$DPP_STOP_SIGNAL (exit $status); full log: $logfile"
         exit "$status"
     fi

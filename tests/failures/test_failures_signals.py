@@ -99,6 +99,36 @@ def test_ctrl_c_on_the_launch_script_ends_with_130_and_the_log_keeps_the_last_li
 
 
 @pytest.mark.slow
+def test_a_closed_terminal_saves_and_stops_as_sigterm_does(tmp_path):
+    """SIGHUP to the script's group (the terminal closed, an ssh session dropped): the
+    script passes it on as SIGTERM, so the ranks save and stop; the job's status is SIGHUP's."""
+    checkpoints = tmp_path / "checkpoints"
+    node, status = _stop_script(tmp_path, signal.SIGHUP, whole_group=True,
+                                CHECKPOINT_DIR=checkpoints)
+    out = node.output()
+    assert status == 129, out[-3000:]
+    lines = STOPPED.findall(node.log())
+    assert len(lines) == 2 and len(set(lines)) == 1, node.log()[-3000:]
+    name, iteration, saved = lines[0]
+    assert name == "SIGTERM" and saved == f"saved iteration {iteration} to {checkpoints}"
+    assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == iteration
+    assert "[run_single_gpt.sh] stopped by SIGHUP (exit 129)" in out
+
+
+@pytest.mark.slow
+def test_ranks_killed_before_they_stopped_are_named(tmp_path):
+    """No grace (STOP_GRACE=0): torchrun kills the ranks as soon as it passed SIGTERM on,
+    before they end their step and save; the script says that the save is lost."""
+    node, status = _stop_script(tmp_path, signal.SIGTERM, whole_group=False, STOP_GRACE=0,
+                                CHECKPOINT_DIR=tmp_path / "checkpoints")
+    out = node.output()
+    assert status == 143, out[-3000:]
+    assert "[run_single_gpt.sh] torchrun killed ranks that had not stopped 0 s after it " \
+        "passed the signal on (STOP_GRACE" in out, out[-3000:]
+    assert not STOPPED.findall(node.log()), node.log()[-3000:]
+
+
+@pytest.mark.slow
 def test_ranks_save_and_stop_when_the_launch_script_is_killed(tmp_path):
     """The script killed (SIGKILL: the kernel's out-of-memory killer, a batch system): every
     rank sees it gone, stops after the same iteration, saves, and torchrun ends with them."""
