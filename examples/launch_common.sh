@@ -259,10 +259,10 @@ dpp_worker_command() {
 # once; torch elastic's handler raises again on a second one while it stops the ranks.
 # torchrun passes SIGTERM and SIGINT on to the ranks, which end at a step boundary under
 # --exit-signal-handler (dpp_interrupt for Ctrl-C); they also stop when this script is gone
-# (DPP_LAUNCH_SCRIPT_PID, megatron/trainer/run/exit_signals.py). The terminal gets the ranks'
-# output without torchrun's traceback (the log keeps it); tee and the filter ignore Ctrl-C and
-# SIGHUP so that the log keeps the ranks' last lines. Returns torchrun's status; DPP_STOP_SIGNAL names
-# a signal received.
+# (DPP_LAUNCH_SCRIPT_PID, megatron/trainer/run/exit_signals.py). The terminal gets the
+# ranks' output without torchrun's traceback (the log keeps it); tee and the filter ignore
+# Ctrl-C and SIGHUP so that the log keeps the ranks' last lines. Returns torchrun's status;
+# DPP_STOP_SIGNAL names a signal received.
 dpp_run_torchrun() {
     local logfile=$1 output trainer status
     shift
