@@ -429,6 +429,10 @@ dpp_launch() {
         trainer_status=$(PYTHONPATH="$DPP_REPO${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m \
             megatron.trainer.launch exit-status "$logfile") || trainer_status=
         status=${trainer_status:-$status}
+        if (( status == 130 || status == 143 )) && grep -q "stopped by SIG" "$logfile"; then
+            dpp_say "stopped by SIG$(kill -l $(( status - 128 ))), which reached the ranks but not this script (another node's, or sent to the ranks) (exit $status); full log: $logfile"
+            exit "$status"
+        fi
         dpp_say "training failed (exit $status); full log: $logfile"
         if grep -q "waiting for clients" "$logfile"; then
             dpp_say "no worker joined within RDZV_TIMEOUT=${RDZV_TIMEOUT:-300} s: start the worker command printed above on each other node"

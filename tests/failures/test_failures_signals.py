@@ -169,10 +169,34 @@ def test_a_rank_follows_the_launch_script_only_where_it_started_torchrun(tmp_pat
     assert launch_script_pid({LAUNCH_SCRIPT_PID: str(grandparent)}) == grandparent
 
 
-def _running(node: Node, name: bytes, unless: bytes | None = None) -> bool:
-    """Whether a process of the node has a word named `name` in its command line (and none
-    named `unless`): the last part of a path, so that a file in the test's directory, whose
-    name holds the test's, does not count."""
+@pytest.mark.slow
+def test_a_signal_that_reached_a_rank_only_is_named_as_a_stop(tmp_path):
+    """scancel, or another node's Ctrl-C: the ranks stop and save, and the script, which
+    received nothing, says what stopped them instead of "training failed"."""
+    checkpoints = tmp_path / "checkpoints"
+    node = Node.script("run_single_gpt.sh", tmp_path, TRAIN_ITERS=ITERS, LOG_INTERVAL=1,
+                       CHECKPOINT_DIR=checkpoints)
+    try:
+        node.wait_for(" iteration        2/", START_S)
+        os.kill(_pids(node, b"pretrain_gpt.py", b"torchrun")[0], signal.SIGTERM)
+        status = node.wait(60)
+        assert node.wait_until_gone(10) == [], "processes left after the script ended"
+    finally:
+        node.kill()
+    out = node.output()
+    assert status == 143, out[-3000:]
+    lines = STOPPED.findall(node.log())
+    assert len(lines) == 2 and len(set(lines)) == 1 and lines[0][0] == "SIGTERM", out[-3000:]
+    assert "[run_single_gpt.sh] stopped by SIGTERM, which reached the ranks but not this " \
+        "script" in out, out[-3000:]
+    assert "training failed" not in out
+
+
+def _pids(node: Node, name: bytes, unless: bytes | None = None) -> list[int]:
+    """The node's processes with a word named `name` in their command line (and none named
+    `unless`): the last part of a path, so that a file in the test's directory, whose name
+    holds the test's, does not count."""
+    found = []
     for pid in node.processes():
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
@@ -180,8 +204,12 @@ def _running(node: Node, name: bytes, unless: bytes | None = None) -> bool:
         except OSError:  # ended meanwhile
             continue
         if name in words and (unless is None or unless not in words):
-            return True
-    return False
+            found.append(pid)
+    return found
+
+
+def _running(node: Node, name: bytes, unless: bytes | None = None) -> bool:
+    return bool(_pids(node, name, unless))
 
 
 def _ctrl_c_once(node: Node, ready, settle_s: float = 0.0) -> tuple[int | None, list[int]]:
