@@ -1,6 +1,7 @@
 """megatron-core's 1F1B, `--use-dpp` and `--use-dpp --dpp-static` at the slack the dynamic run
-chose, on a tiny GPT at PP=4 (`--pp`) on CPU (gloo), all under the same extra flags: the link and
-straggler emulation of a two-pod pipeline, for one.
+chose (and with `--interleaved V` megatron-core's interleaved 1F1B, V model chunks a stage), on a
+tiny GPT at PP=4 (`--pp`) on CPU (gloo), all under the same extra flags: the link and straggler
+emulation of a two-pod pipeline, for one.
 
     python profiling/bench_two_pods.py --out runs/pods
     python profiling/bench_two_pods.py --out runs/link \\
@@ -10,6 +11,8 @@ straggler emulation of a two-pod pipeline, for one.
         --extra "--emulate-straggler all:0.1:3" --dpp-extra=--dpp-split-backward
     python profiling/bench_two_pods.py --out runs/rule --pp 2 --slack 2 --repeat 20 \
         --extra "--emulate-straggler all:0.1:3"
+    python profiling/bench_two_pods.py --out runs/interleaved --pp 2 --interleaved 2 \
+        --repeat 10 --extra "--emulate-straggler all:0.1:3"
     python profiling/bench_two_pods.py --tabulate runs/a runs/b
 
 (`--tabulate`: no runs, the table of the whole rounds the folders' logs already hold, pooled:
@@ -60,8 +63,9 @@ from profiling.aggregate import load_spans, load_trace  # noqa: E402
 from profiling.report import COMPUTE_KINDS, iteration_reports  # noqa: E402
 from profiling.sim_compare import estimate_latency, measured_durations  # noqa: E402
 
+MODEL_LAYERS = 4
 TINY_GPT = [
-    "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
+    "--num-layers", str(MODEL_LAYERS), "--hidden-size", "128", "--num-attention-heads", "4",
     "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "2",
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024", "--lr", "1e-4",
     "--log-interval", "1", "--eval-iters", "0", "--log-throughput",
@@ -70,21 +74,31 @@ SLACK = re.compile(r"DPP slack (\d+): (.*)")
 PLAN_CHOSEN = "the plan in order runs"  # the slack line's words when that rule was chosen
 LOSS = re.compile(r"iteration\s+(\d+)/.*\| lm loss: ([-+.\dE]+)")
 SCHEDULES = ("1f1b", "dpp", "dpp-static")
+INTERLEAVED = "interleaved"  # megatron-core's interleaved 1F1B, with --interleaved
 # the options that shape runs, which --tabulate (reading logs) refuses
-RUN_ONLY = ("extra", "simulate", "dpp_extra", "repeat", "pp", "microbatches", "port", "timeout")
+RUN_ONLY = ("extra", "simulate", "dpp_extra", "repeat", "pp", "microbatches", "port", "timeout",
+            "interleaved")
 # one activation or gradient of TINY_GPT: seq-length x micro-batch x hidden, fp32 on CPU
 MESSAGE_BYTES = 128 * 2 * 128 * 4
 TRAINER_SEED = 1234  # the trainer's --seed default
 LOSS_RTOL = 1e-5  # losses "equal" to within this, as the tests compare them
 
 
+def schedules(interleaved: bool) -> tuple[str, ...]:
+    """The schedules a benchmark runs, in the order of each round."""
+    return SCHEDULES + ((INTERLEAVED,) if interleaved else ())
+
+
 def config_flags(name: str, slack: int | None, extra: list[str],
-                 dpp_extra: tuple[str, ...] = (), forced: bool = False) -> list[str]:
+                 dpp_extra: tuple[str, ...] = (), forced: bool = False,
+                 interleaved: int | None = None) -> list[str]:
     """A schedule's flags: the static plan gets the slack the dynamic run chose (`forced`:
     both DPP runs get `slack`, the dynamic one the dynamic rule); `dpp_extra` goes to both
-    DPP runs only."""
+    DPP runs only; megatron-core's interleaved schedule gets `interleaved` chunks a stage."""
     if name == "1f1b":
         return list(extra)
+    if name == INTERLEAVED:
+        return ["--virtual-pipeline-model-parallel-size", str(interleaved), *extra]
     if name == "dpp" and not forced:
         return ["--use-dpp", *dpp_extra, *extra]
     rule = "--dpp-static" if name == "dpp-static" else "--no-dpp-static"
@@ -212,21 +226,18 @@ def table(results: dict[str, dict], slack: int | None, reason: str,
     lines = [f"{'schedule':12s} {'ms/iter':>9s} {'vs 1F1B':>8s} {'slack':>6s} "
              f"{'peak MB per rank':>26s} {'losses = 1F1B':>14s}"
              + (f" {'predicted ms':>13s} {'error':>7s}" if predicted else "")]
-    for name in SCHEDULES:
-        r = results.get(name)
-        if r is None:
-            continue
+    for name, r in results.items():
         if "error" in r:
             lines.append(f"{name:12s} FAILED ({r['error']})")
             continue
         ratio = f"{base / r['ms_per_iter']:.3f}x" if base else "-"
         peaks = "/".join(f"{p:.0f}" for p in r["peak_mb_per_rank"] or [])
-        same = "-" if reference is None or name == "1f1b" else same_losses(r["losses"],
-                                                                           reference)
-        row_slack = "-" if name == "1f1b" else r.get("slack", slack)
+        same = ("-" if reference is None or name in ("1f1b", INTERLEAVED)
+                else same_losses(r["losses"], reference))
+        row_slack = "-" if name in ("1f1b", INTERLEAVED) else r.get("slack", slack)
         row = (f"{name:12s} {r['ms_per_iter']:9.1f} {ratio:>8s} "
                f"{row_slack:>6} {peaks:>26s} {same:>14s}")
-        if predicted:
+        if predicted and name in predicted:
             guess = predicted[name]["iteration_ms"]
             row += f" {guess:13.1f} {100 * (guess / r['ms_per_iter'] - 1):+6.1f}%"
         if len(r.get("runs_ms", ())) > 1:
@@ -239,6 +250,9 @@ def table(results: dict[str, dict], slack: int | None, reason: str,
         rounds = per_round_line(results)
         if rounds:
             lines.append(rounds)
+    if INTERLEAVED in results:
+        lines.append(f"{INTERLEAVED}: each stage holds other layers (every other chunk), "
+                     "initialized from other random streams: its losses are its own")
     if reason:
         lines.append(reason)
     if predicted:
@@ -282,12 +296,13 @@ def run_label(name: str, round_: int) -> str:
     return name if round_ == 0 else f"{name}-{round_ + 1}"
 
 
-def logged_rounds(folders: list[Path], last_iteration: int) -> list[tuple[Path, int]]:
+def logged_rounds(folders: list[Path], last_iteration: int,
+                  names: tuple[str, ...] = SCHEDULES) -> list[tuple[Path, int]]:
     """(folder, round) of each whole round the folders' logs hold, in order: rounds whose
-    every schedule logged `last_iteration` (a benchmark stopped mid-round leaves that round
-    out; benchmarks run side by side each have a folder)."""
+    every schedule of `names` logged `last_iteration` (a benchmark stopped mid-round leaves
+    that round out; benchmarks run side by side each have a folder)."""
     def whole(folder: Path, round_: int) -> bool:
-        logs = [folder / f"{run_label(name, round_)}.log" for name in SCHEDULES]
+        logs = [folder / f"{run_label(name, round_)}.log" for name in names]
         return all(log.exists() and any(int(m.group(1)) >= last_iteration
                                         for m in bench_gpt.LINE.finditer(log.read_text()))
                    for log in logs)
@@ -301,20 +316,22 @@ def logged_rounds(folders: list[Path], last_iteration: int) -> list[tuple[Path, 
     return found
 
 
-def run_schedules(repeat: int, run, forced: int | None = None
+def run_schedules(repeat: int, run, forced: int | None = None,
+                  names: tuple[str, ...] = SCHEDULES
                   ) -> tuple[dict[str, list[dict]], int | None, str]:
-    """Every schedule `repeat` times in turn, `run(name, round, slack)` giving a run's result
+    """Every schedule of `names` `repeat` times in turn, `run(name, round, slack)` giving a
+    run's result
     and log; each round's static plan runs at the slack that round's dynamic run chose (or
     both at `forced`), so the two hold the same memory in every round. Returns each
     schedule's runs, the first round's slack, and its reason plus the rounds that chose
     another."""
-    runs: dict[str, list[dict]] = {name: [] for name in SCHEDULES}
+    runs: dict[str, list[dict]] = {name: [] for name in names}
     slack, reason = forced, ""
     if forced is not None:
         reason = f"slack {forced} given: the dynamic rule against the plan in order"
     for round_ in range(repeat):
         chosen = forced
-        for name in SCHEDULES:
+        for name in names:
             if name == "dpp-static" and chosen is None:
                 runs[name].append({"name": name, "error": "the dynamic run logged no slack"})
                 continue
@@ -363,6 +380,9 @@ def main(argv=None) -> int:
                         help="pipeline stages, a process each (2 on a 2-core machine gives "
                              "each its own core)")
     parser.add_argument("--microbatches", type=int, default=16)
+    parser.add_argument("--interleaved", type=int, default=None, metavar="V",
+                        help="also megatron-core's interleaved 1F1B, V model chunks a stage "
+                             "(the model's 4 layers must split into PP x V chunks)")
     parser.add_argument("--warmup", type=int, default=2, help="iterations left out")
     parser.add_argument("--iters", type=int, default=8, help="iterations measured")
     parser.add_argument("--port", type=int, default=29541)
@@ -372,6 +392,11 @@ def main(argv=None) -> int:
             or args.pp not in (2, 4) or (args.slack is not None and args.slack < 0):
         parser.error("--microbatches, --iters and --repeat must be >= 1, --warmup and "
                      "--slack >= 0, --pp 2 or 4 (the model's 4 layers split evenly)")
+    if args.interleaved is not None and (args.interleaved < 2
+                                         or MODEL_LAYERS % (args.pp * args.interleaved)):
+        parser.error(f"--interleaved {args.interleaved} at --pp {args.pp}: the model's "
+                     f"{MODEL_LAYERS} layers do not split into {args.pp} x {args.interleaved} "
+                     "chunks of whole layers (give 2 or more chunks a stage)")
     if args.tabulate is not None:
         given = [f"--{name.replace('_', '-')}" for name in RUN_ONLY
                  if getattr(args, name) != parser.get_default(name)]
@@ -390,14 +415,16 @@ def main(argv=None) -> int:
     extra, dpp_extra = args.extra.split(), tuple(args.dpp_extra.split())
 
     def run(name: str, repeat: int, slack: int | None) -> tuple[dict, str]:
-        flags = config_flags(name, slack, extra, dpp_extra, args.slack is not None)
+        flags = config_flags(name, slack, extra, dpp_extra, args.slack is not None,
+                             args.interleaved)
         if args.simulate and repeat == 0:  # one traced run a schedule
             flags = flags + trace_flags(name, out, args.warmup + 1, args.warmup + args.iters)
         label = run_label(name, repeat)
         result = bench_gpt.run(label, flags, settings, out, model=TINY_GPT)
         return result, (out / f"{label}.log").read_text()
 
-    runs, slack, reason = run_schedules(args.repeat, run, args.slack)
+    runs, slack, reason = run_schedules(args.repeat, run, args.slack,
+                                        schedules(args.interleaved is not None))
     results = {name: median_of_runs(values) for name, values in runs.items()}
     predicted = None
     if args.simulate and slack is not None and "error" not in results["1f1b"]:
@@ -423,7 +450,9 @@ def report(results: dict[str, dict], slack: int | None, reason: str, predicted: 
 def tabulate(folders: list[Path], args, parser) -> int:
     """The table of the whole rounds logged in `folders`, pooled in folder order (the
     rounds are numbered so in the slack line)."""
-    rounds = logged_rounds(folders, args.warmup + args.iters)
+    # the folders ran megatron-core's interleaved schedule where the first one logged it
+    names = schedules((folders[0] / f"{run_label(INTERLEAVED, 0)}.log").exists())
+    rounds = logged_rounds(folders, args.warmup + args.iters, names)
     if not rounds:
         parser.error(f"no whole round (every schedule's log reaching iteration "
                      f"{args.warmup + args.iters}) in {' '.join(map(str, folders))}")
@@ -434,7 +463,7 @@ def tabulate(folders: list[Path], args, parser) -> int:
         text = (folder / f"{label}.log").read_text()
         return bench_gpt.log_figures(label, text, [], args.warmup), text
 
-    runs, slack, reason = run_schedules(len(rounds), read, args.slack)
+    runs, slack, reason = run_schedules(len(rounds), read, args.slack, names)
     results = {name: median_of_runs(values) for name, values in runs.items()}
     out = None
     if args.out is not None:

@@ -37,6 +37,31 @@ def test_dpp_flags_go_to_both_dpp_runs_only():
         "--use-dpp", "--dpp-static", "--dpp-max-inflight", "1", "--dpp-split-backward", *extra]
 
 
+def test_megatron_cores_interleaved_schedule_runs_beside_the_others_when_asked(capsys):
+    extra = ["--emulate-straggler", "all:0.1:3"]
+    assert bench_two_pods.schedules(False) == ("1f1b", "dpp", "dpp-static")
+    assert bench_two_pods.schedules(True)[-1] == "interleaved"
+    assert bench_two_pods.config_flags("interleaved", 2, extra, ("--dpp-split-backward",),
+                                       interleaved=2) == [
+        "--virtual-pipeline-model-parallel-size", "2", *extra]
+
+    def run(name, round_, slack):
+        text = LOG if name == "dpp" else LOG.splitlines()[1]
+        return {"name": name, "ms_per_iter": 500.0 - 10 * len(name),
+                "peak_mb_per_rank": [500.0, 490.0]}, text
+
+    runs, slack, _ = bench_two_pods.run_schedules(2, run, names=bench_two_pods.schedules(True))
+    assert [len(r) for r in runs.values()] == [2, 2, 2, 2]
+    results = {name: bench_two_pods.median_of_runs(values) for name, values in runs.items()}
+    lines = bench_two_pods.table(results, slack, "", None)
+    assert lines[4].split()[:6] == ["interleaved", "390.0", "1.179x", "-", "500/490", "-"]
+    assert any(line.startswith("interleaved: each stage holds other layers") for line in lines)
+    # the tiny GPT's 4 layers do not split into 4 stages x 2 chunks
+    with pytest.raises(SystemExit):
+        bench_two_pods.main(["--out", "unused", "--pp", "4", "--interleaved", "2"])
+    assert "do not split into 4 x 2 chunks of whole layers" in capsys.readouterr().err
+
+
 def test_repeated_runs_give_their_median_and_a_failure_fails_the_row():
     runs = [{"name": "dpp", "ms_per_iter": t, "losses": {1: 6.9}} for t in (500.0, 420.0, 610.0)]
     merged = bench_two_pods.median_of_runs(runs)
