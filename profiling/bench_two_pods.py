@@ -320,9 +320,8 @@ def run_schedules(repeat: int, run, forced: int | None = None,
                   names: tuple[str, ...] = SCHEDULES
                   ) -> tuple[dict[str, list[dict]], int | None, str]:
     """Every schedule of `names` `repeat` times in turn, `run(name, round, slack)` giving a
-    run's result
-    and log; each round's static plan runs at the slack that round's dynamic run chose (or
-    both at `forced`), so the two hold the same memory in every round. Returns each
+    run's result and log; each round's static plan runs at the slack that round's dynamic run
+    chose (or both at `forced`), so the two hold the same memory in every round. Returns each
     schedule's runs, the first round's slack, and its reason plus the rounds that chose
     another."""
     runs: dict[str, list[dict]] = {name: [] for name in names}
