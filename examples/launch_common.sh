@@ -266,7 +266,7 @@ dpp_worker_command() {
 dpp_run_torchrun() {
     local logfile=$1 output trainer status
     shift
-    DPP_STOP_SIGNAL=
+    DPP_STOP_SIGNAL= DPP_INTERRUPTED=
     # the filter ignores Ctrl-C and a closed terminal from its start (Python would end with
     # a traceback of the imports it was in); tee -p keeps writing the log should the filter
     # end (its terminal gone)
@@ -309,16 +309,22 @@ dpp_pass_on() {
 }
 
 # Ctrl-C: SIGINT to a torchrun that runs its ranks; one that has not started them yet
-# ignores SIGINT, and SIGTERM ends it at once (no rank to stop, nothing to save)
+# ignores SIGINT, and SIGTERM ends it at once (no rank to stop, nothing to save). A second
+# Ctrl-C goes to the ranks themselves, which then end without waiting for the step (torchrun,
+# already stopping them, would raise again and pass SIGTERM on, which waits)
 dpp_interrupt() {
     DPP_STOP_SIGNAL=INT
     [[ -n $1 ]] || return 0  # torchrun not started yet: dpp_run_torchrun passes it on
     local children
     children=$(cat /proc/"$1"/task/*/children 2>/dev/null || ps -o pid= --ppid "$1" 2>/dev/null)
-    if [[ -n ${children// /} ]]; then
-        kill -INT "$1" 2>/dev/null
-    else
+    if [[ -z ${children// /} ]]; then
         kill -TERM "$1" 2>/dev/null
+    elif [[ -n ${DPP_INTERRUPTED:-} ]]; then
+        # shellcheck disable=SC2086  # one pid a word
+        kill -INT $children 2>/dev/null
+    else
+        DPP_INTERRUPTED=1
+        kill -INT "$1" 2>/dev/null
     fi
 }
 

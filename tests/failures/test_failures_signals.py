@@ -17,7 +17,7 @@ from megatron.trainer import launch
 from megatron.trainer.run.exit_signals import LAUNCH_SCRIPT_PID, ExitSignals, launch_script_pid
 from megatron.trainer.run.settings_agreement import mismatch_message
 from tests.job import TINY_GPT, Job
-from tests.node_runs import Node
+from tests.node_runs import REPO, Node, script_env
 
 START_S = 240
 ITERS = 20
@@ -96,6 +96,31 @@ def test_ctrl_c_on_the_launch_script_ends_with_130_and_the_log_keeps_the_last_li
     # torchrun got the Ctrl-C once (from the script, not also from the terminal): it passed
     # it on once to each rank
     assert len(CLOSING.findall(log)) == 2, log[-3000:]
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_on_the_launch_script_ends_the_ranks_without_the_step(tmp_path):
+    """Every task 30x as long, so a step lasts seconds: the first Ctrl-C asks the ranks to
+    stop after it, the second ends them at once (no line of a finished step)."""
+    node = Node(["bash", str(REPO / "run_single_gpt.sh"), "--emulate-straggler", "all:1:30"],
+                script_env(tmp_path, TRAIN_ITERS=ITERS, LOG_INTERVAL=1), tmp_path)
+    try:
+        node.wait_for(" iteration        1/", START_S)
+        os.killpg(node.process.pid, signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while node.log().count("received SIGINT: stopping after this iteration") < 2:
+            assert time.monotonic() < deadline and node.process.poll() is None, node.log()[-3000:]
+            time.sleep(0.05)
+        os.killpg(node.process.pid, signal.SIGINT)
+        status = node.wait(30)
+        assert node.wait_until_gone(10) == [], "processes left after the script ended"
+    finally:
+        node.kill()
+    log, out = node.log(), node.output()
+    assert status == 130, out[-3000:]
+    assert log.count("ERROR megatron.trainer.run.failures: interrupted (SIGINT)") == 2, log[-3000:]
+    assert not STOPPED.findall(log), log[-3000:]
+    assert "[run_single_gpt.sh] stopped by SIGINT (exit 130)" in out
 
 
 @pytest.mark.slow
