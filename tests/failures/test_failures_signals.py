@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+from torch.distributed.launcher.api import LaunchConfig
 
 from megatron.trainer import launch
 from megatron.trainer.run.exit_signals import LAUNCH_SCRIPT_PID, ExitSignals, launch_script_pid
@@ -23,6 +24,7 @@ START_S = 240
 ITERS = 20
 STOPPED = re.compile(r"ERROR megatron\.trainer\.run\.failures: stopped by (SIG\w+) after "
                      rf"iteration (\d+) of {ITERS}; (.*)$", re.MULTILINE)
+RECEIVED = re.compile(r"received (SIG\w+): stopping after this iteration")
 # torchrun passing a signal on to a rank (its words before torch 2.12 and from it)
 CLOSING = re.compile(r"Closing process \d+ via signal|Sending process \d+ closing signal")
 
@@ -108,7 +110,7 @@ def test_a_second_ctrl_c_on_the_launch_script_ends_the_ranks_without_the_step(tm
         node.wait_for(" iteration        1/", START_S)
         os.killpg(node.process.pid, signal.SIGINT)
         deadline = time.monotonic() + 30
-        while node.log().count("received SIGINT: stopping after this iteration") < 2:
+        while len(RECEIVED.findall(node.log())) < 2:
             assert time.monotonic() < deadline and node.process.poll() is None, node.log()[-3000:]
             time.sleep(0.05)
         os.killpg(node.process.pid, signal.SIGINT)
@@ -118,9 +120,14 @@ def test_a_second_ctrl_c_on_the_launch_script_ends_the_ranks_without_the_step(tm
         node.kill()
     log, out = node.log(), node.output()
     assert status == 130, out[-3000:]
+    assert "[run_single_gpt.sh] stopped by SIGINT (exit 130)" in out
+    if set(RECEIVED.findall(log)) == {"SIGTERM"}:
+        # torchrun before torch 2.12 passed the first Ctrl-C on as SIGTERM: ranks stopping on
+        # SIGTERM take a SIGINT as another signal and finish their step
+        assert [name for name, _, _ in STOPPED.findall(log)] == ["SIGTERM"] * 2, log[-3000:]
+        return
     assert log.count("ERROR megatron.trainer.run.failures: interrupted (SIGINT)") == 2, log[-3000:]
     assert not STOPPED.findall(log), log[-3000:]
-    assert "[run_single_gpt.sh] stopped by SIGINT (exit 130)" in out
 
 
 @pytest.mark.slow
@@ -144,6 +151,8 @@ def test_a_closed_terminal_saves_and_stops_as_sigterm_does(tmp_path):
 def test_ranks_killed_before_they_stopped_are_named(tmp_path):
     """No grace (STOP_GRACE=0): torchrun kills the ranks as soon as it passed SIGTERM on,
     before they end their step and save; the script says that the save is lost."""
+    if "shutdown_timeout" not in LaunchConfig.__dataclass_fields__:
+        pytest.skip("torchrun before torch 2.12 gives its ranks 30 s whatever STOP_GRACE says")
     node, status = _stop_script(tmp_path, signal.SIGTERM, whole_group=False, STOP_GRACE=0,
                                 CHECKPOINT_DIR=tmp_path / "checkpoints")
     out = node.output()
