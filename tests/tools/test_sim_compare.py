@@ -185,7 +185,10 @@ def test_dpp_trace_replays_the_executed_order(real_runs, tmp_path):
     durations = sim_compare.measured_durations(compute, 2, 1)
     expected = replay([late, recorded[2][1]], durations, latency=first["latency_ms"])
     assert first["simulated_makespan_ms"] == expected.makespan
-    assert first["simulated_makespan_ms"] > original[0]["simulated_makespan_ms"]
+    # each replays its own order (GPipe's may be shorter or longer on measured times)
+    executed = replay([recorded[2][0], recorded[2][1]], durations,
+                      latency=original[0]["latency_ms"])
+    assert original[0]["simulated_makespan_ms"] == executed.makespan
     assert second == original[1]
 
     stuck = list(recorded[3][0])
