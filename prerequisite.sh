@@ -75,7 +75,8 @@ if [ -n "$missing" ]; then
   say "installing" $missing
   # shellcheck disable=SC2086  # one requirement per word
   "$PY" -m pip install -q "${pip_local[@]}" -c constraints.txt $missing ||
-    { echo "prerequisite.sh: could not install: $missing (offline? put their wheels in .whl/)" >&2; exit 1; }
+    { echo "prerequisite.sh: could not install" $missing "(pip says why above; offline, put" \
+        "their wheels in .whl/ with those of their dependencies this machine lacks)" >&2; exit 1; }
 fi
 # (re)build the native extensions when missing or older than their sources; on a GPU machine
 # the cuBLASLt GEMMs (csrc/gemm) as well
