@@ -16,6 +16,7 @@ from megatron.dpp.sim.bounds import (
     memory_free_bound,
     rank0_bound,
     release_tail_bound,
+    sums_in_order,
 )
 from megatron.dpp.sim.simulator import CostModel, Durations, sample_durations, simulate
 from megatron.dpp.topology import PipelineTopology
@@ -100,31 +101,63 @@ STRAGGLERS = StragglerProfile.parse("all:0.1:3")
 ])
 def test_no_in_order_schedule_beats_the_in_order_bound_at_its_memory(model):
     """1F1B, ZB-H1, and DPP's rule and plan in order at slack 0-2 (each W after its B, and
-    deferred), each against the bound at the microbatches it held from F to W on each rank:
-    none finishes before it; DPP comes within 1 % of it where the last stage is the slowest
-    and the bound then lies above the memory-free one."""
+    deferred; the rule also with its W tasks shortest B first), each against the bound at
+    the microbatches it held from F to W on each rank: none finishes before it; those that
+    ran their W tasks in the microbatch order (all but the rule by B) none before the bound
+    for such schedules either, which is no lower. DPP comes within 1 % of the first where the
+    last stage is the slowest and the bound then lies above the memory-free one, and its rule
+    within 0.5 % of the second."""
     p, m = 4, 16
-    closest, tighter = float("inf"), 0
+    closest, closest_in_order, tighter, reordered = float("inf"), float("inf"), 0, 0
     for seed in range(3):
         durations = sample_durations(model, p, 1, m, seed, split_backward=True)
         times = durations.by_kind(split_backward=True)
         order = microbatch_order_for(StageConfig(0, p, 1, m, split_backward=True),
                                      durations.microbatch_factor)
-        runs = [simulate(name, p, m, durations, microbatch_order=order)
+        runs = [simulate(name, p, m, durations, microbatch_order=order, record=True)
                 for name in ("1f1b", "zb-h1")]
         runs += [simulate(name, p, m, durations, slack=slack, split_backward=True,
                           microbatch_costs=durations.microbatch_factor,
-                          microbatch_order=order, defer_weights=defer)
+                          microbatch_order=order, defer_weights=defer, record=True,
+                          weights_by_backward=by_backward)
                  for name in ("dpp", "dpp-static") for slack in (0, 1, 2)
-                 for defer in (False, True)]
+                 for defer in (False, True) for by_backward in (False, True)
+                 if not (by_backward and (defer or name == "dpp-static"))]
         for run in runs:
             bound = in_order_bound(times, p, m, run.peak_in_flight, order)
             assert run.makespan >= bound - 1e-9, (seed, run.schedule, run.makespan, bound)
+            weights_bound = in_order_bound(times, p, m, run.peak_in_flight, order,
+                                           weights_in_order=True)
+            assert weights_bound >= bound - 1e-9
+            if sums_in_order(run.orders, order):
+                assert run.makespan >= weights_bound - 1e-9, (seed, run.schedule)
+                if run.schedule == "dpp":
+                    closest_in_order = min(closest_in_order, run.makespan / weights_bound)
+            else:
+                reordered += 1
             if run.schedule == "dpp":
                 closest = min(closest, run.makespan / bound)
                 tighter += bound > memory_free_bound(times, p, m) + 1e-9
+    assert reordered <= 9  # only the rule by B may take the W tasks out of order
     if model.slow_stage is not None:
-        assert closest < 1.01 and tighter
+        assert closest < 1.01 and tighter and closest_in_order < 1.005
+
+
+def test_with_the_w_tasks_in_order_the_ones_left_for_the_tail_are_the_last():
+    """Two ranks, rank 1 holding two microbatches from F to W; its W(0) takes 6, each of its
+    other W tasks takes 2, and rank 0's last B and W take 5 + 1. In any W order rank 1 can keep W(0) and
+    W(3) (8) for the tail: its work (4 x 2 + 4 x 4 + 12 = 36) after F(0) on rank 0 (1),
+    37. Summing its weight gradients in the microbatch order it can keep only W(2) and W(3)
+    (4), which leave 2 of the tail: 39, which DPP's rule takes."""
+    durations = Durations(forward=[[1.0] * 4, [2.0] * 4], backward=[[5.0] * 4, [4.0] * 4],
+                          microbatch_factor=[1.0] * 4,
+                          weight=[[1.0] * 4, [6.0, 2.0, 2.0, 2.0]])
+    times = durations.by_kind(split_backward=True)
+    assert in_order_bound(times, 2, 4, [3, 2]) == pytest.approx(1 + 36)
+    assert in_order_bound(times, 2, 4, [3, 2], weights_in_order=True) == pytest.approx(1 + 36 + 2)
+    run = simulate("dpp", 2, 4, durations, slack=1, split_backward=True, record=True)
+    assert run.peak_in_flight == [3, 2] and sums_in_order(run.orders, [0, 1, 2, 3])
+    assert run.makespan == pytest.approx(39)
 
 
 def test_the_in_order_tail_is_what_the_last_ranks_held_weights_leave_uncovered():

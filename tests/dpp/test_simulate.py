@@ -146,10 +146,12 @@ def test_cli_lower_bound_is_the_mean_bound_of_each_iterations_tasks(capsys):
     assert len(set(bounds)) > 1  # each iteration's own draws
     for entry in report["schedules"].values():
         assert entry["makespan"] > report["lower_bound"]
-        # in the microbatch order at the memory the schedule held: tighter, still below
+        # in the microbatch order at the memory the schedule held: tighter, still below;
+        # with the W tasks in that order too (as both ran them) tighter again
         assert report["lower_bound"] <= entry["in_order_bound"] <= entry["makespan"]
+        assert entry["in_order_bound"] <= entry["weights_in_order_bound"] <= entry["makespan"]
     main(flags)
-    memory_free, in_order = capsys.readouterr().out.splitlines()[-2:]
+    memory_free, in_order, weights_in_order = capsys.readouterr().out.splitlines()[-3:]
     dpp = report["schedules"]["dpp"]
     ratio = dpp["makespan"] / report["lower_bound"]
     assert memory_free.startswith(f"no schedule of these tasks, at any memory, takes less than "
@@ -157,6 +159,11 @@ def test_cli_lower_bound_is_the_mean_bound_of_each_iterations_tasks(capsys):
     assert memory_free.endswith(f"dpp {ratio:.3f}x")
     assert in_order.endswith(f"dpp {dpp['in_order_bound']:.2f} (it took "
                              f"{dpp['makespan'] / dpp['in_order_bound']:.3f}x)")
+    assert weights_in_order.startswith("no such schedule that runs each stage's W tasks in "
+                                       "that order too")
+    assert weights_in_order.endswith(
+        f"dpp {dpp['weights_in_order_bound']:.2f} (it took "
+        f"{dpp['makespan'] / dpp['weights_in_order_bound']:.3f}x)")
 
 
 def test_cli_grid_small(capsys):
@@ -324,13 +331,13 @@ def test_cli_split_backward_report_and_grid(capsys):
     main(["--pp", "4", "--microbatches", "16", "--split-backward", "--slack", "0",
           "--defer-weights"])
     lines = capsys.readouterr().out.splitlines()
-    assert "speedup: 1f1b 1.118x, zb-h1 1.000x" in lines[-5]
-    assert lines[-3].endswith("peak in flight per stage: 4 4 4 4 (F to W; F to B: 4 3 2 1)")
+    assert "speedup: 1f1b 1.118x, zb-h1 1.000x" in lines[-6]
+    assert lines[-4].endswith("peak in flight per stage: 4 4 4 4 (F to W; F to B: 4 3 2 1)")
     # the default: each W after its B, 1F1B's memory on every stage (57 / 54, 51 / 54)
     main(["--pp", "4", "--microbatches", "16", "--split-backward", "--slack", "0"])
     lines = capsys.readouterr().out.splitlines()
-    assert "speedup: 1f1b 1.056x, zb-h1 0.944x" in lines[-5]
-    assert lines[-3].endswith("peak in flight per stage: 4 3 2 1")
+    assert "speedup: 1f1b 1.056x, zb-h1 0.944x" in lines[-6]
+    assert lines[-4].endswith("peak in flight per stage: 4 3 2 1")
     main(["--grid", "--split-backward", "--defer-weights", "--grid-pp", "2", "--seeds", "2",
           "--jobs", "1"])
     out = capsys.readouterr().out

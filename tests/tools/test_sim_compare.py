@@ -282,7 +282,9 @@ def test_the_gap_splits_into_hops_and_the_runtime(tmp_path, capsys):
 def test_the_in_order_bound_counts_what_the_run_held(tmp_path, capsys):
     """DPP's rule on a slow last stage with stragglers, the split backward: each stage's
     held count read from the trace is what the simulator counted (at least the slack's cap),
-    and the in-order bound at it lies between the memory-free bound and the makespan."""
+    and the in-order bound at it lies between the memory-free bound and the makespan; the
+    rule ran its W tasks in the microbatch order, whose bound lies between that one and the
+    makespan. With the W tasks shortest B first, that bound is left out."""
     path = str(tmp_path / "split.json")
     simulate_main(["--pp", "4", "--microbatches", "12", "--slack", "2", "--split-backward",
                    "--weight-share", "0.2", "--slow-stage", "3", "--slow-factor", "1.5",
@@ -295,6 +297,18 @@ def test_the_in_order_bound_counts_what_the_run_held(tmp_path, capsys):
     peaks = report["schedules"]["dpp"]["peak_in_flight_per_stage"]
     assert row["held"] == [max(peak, cap) for peak, cap in zip(peaks, caps, strict=True)]
     assert row["lower_bound_ms"] <= row["in_order_bound_ms"] <= row["measured_makespan_ms"]
+    assert (row["in_order_bound_ms"] <= row["weights_in_order_bound_ms"]
+            <= row["measured_makespan_ms"])
     assert sim_compare.main([path, "--schedule", "dpp", "--slack", "2"]) == 0
+    out = capsys.readouterr().out
     assert (f"holding at most {'/'.join(map(str, row['held']))} from F to W per stage takes "
-            f"less than {row['in_order_bound_ms']:.2f} ms") in capsys.readouterr().out
+            f"less than {row['in_order_bound_ms']:.2f} ms") in out
+    assert (f"nor with its W tasks in that order too (its weight gradients summed as the run "
+            f"summed them) less than {row['weights_in_order_bound_ms']:.2f} ms") in out
+    simulate_main(["--pp", "4", "--microbatches", "12", "--slack", "2", "--split-backward",
+                   "--weight-share", "0.2", "--slow-stage", "3", "--slow-factor", "1.5",
+                   "--emulate-straggler", "all:0.2:3", "--schedules", "dpp", "--trace", path,
+                   "--weights-by-backward"])
+    capsys.readouterr()
+    (row,) = sim_compare.compare(path, "dpp", 2)["iterations"]
+    assert "in_order_bound_ms" in row and "weights_in_order_bound_ms" not in row

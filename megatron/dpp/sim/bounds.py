@@ -24,7 +24,10 @@ faster than a given schedule any schedule could be:
   most held[r], the last microbatch among them: its W follows that last B). Where one
   rank's work dominates, every such schedule takes, for the worst n, that arrival, that
   work and what of that tail its W tasks cannot cover. It is also no less than
-  `release_tail_bound`;
+  `release_tail_bound`. With `weights_in_order` it holds for the schedules that run each
+  rank's W tasks in that order too, which sum the weight gradients in one order whatever the
+  timing (megatron-core's, ZB-H1, DPP's plan and rule; not `StageConfig.weights_by_backward`):
+  the W tasks pending at the last B are then the last ones of the order;
 * `release_tail_bound`, valid for every schedule that runs each rank's forwards and
   backwards in one microbatch order, at any memory: each task of rank r is released no
   earlier than its inputs could reach it if the ranks ran only the chains it depends on
@@ -41,7 +44,7 @@ from __future__ import annotations
 
 import heapq
 
-from megatron.dpp.actions import BACKWARD, FORWARD, WEIGHT
+from megatron.dpp.actions import BACKWARD, FORWARD, WEIGHT, Task
 from megatron.dpp.topology import PipelineTopology
 
 
@@ -90,15 +93,16 @@ def rank0_bound(times: dict[str, list[list[float]]], p: int, m: int,
 
 
 def in_order_bound(times: dict[str, list[list[float]]], p: int, m: int, held: list[int],
-                   order: list[int] | None = None) -> float:
+                   order: list[int] | None = None, weights_in_order: bool = False) -> float:
     """The module docstring's third bound, one chunk a rank; `order`: the microbatch order
     (default 0..m-1). Without W in `times` (a backward run whole) the tail is the B tasks'."""
     order = list(range(m)) if order is None else order
-    return max(_arrival_bound(times, p, m, held, order), release_tail_bound(times, p, m, order))
+    return max(_arrival_bound(times, p, m, held, order, weights_in_order),
+               release_tail_bound(times, p, m, order))
 
 
 def _arrival_bound(times: dict[str, list[list[float]]], p: int, m: int, held: list[int],
-                   order: list[int]) -> float:
+                   order: list[int], weights_in_order: bool = False) -> float:
     """`in_order_bound` from the arrival of each rank's n-th forward and what follows it."""
     last = order[-1]
     forward, backward = times[FORWARD], times[BACKWARD]
@@ -113,12 +117,14 @@ def _arrival_bound(times: dict[str, list[list[float]]], p: int, m: int, held: li
         remaining = covered = 0.0
         # the W tasks that can cover the tail: the last microbatch's (held from its F until
         # its W, so pending when its B ends) and the held[r] - 1 longest of the others from
-        # n on (a min-heap)
+        # n on (a min-heap); W in order: the last held[r] of the order from n on
         longest: list[float] = []
         for n in range(m - 1, -1, -1):
             k = order[n]
             remaining += sum(times[kind][r][k] for kind in times)
-            if weight is not None and held[r] > 0:
+            if weight is not None and weights_in_order:
+                covered += weight[r][k] if n >= m - held[r] else 0.0
+            elif weight is not None and held[r] > 0:
                 if k == last:
                     covered += weight[r][k]
                 elif len(longest) < held[r] - 1:
@@ -132,6 +138,15 @@ def _arrival_bound(times: dict[str, list[list[float]]], p: int, m: int, held: li
             done = max(done, arrival[n]) + forward[r][k]
             arrival[n] = done
     return bound
+
+
+def sums_in_order(orders: list[list[Task]], order: list[int]) -> bool:
+    """Whether every rank of a recorded run (one chunk a rank) summed its weight gradients
+    in `order`: its W tasks, or where it ran each backward whole its B tasks, in that order
+    (`in_order_bound`'s `weights_in_order`)."""
+    return all(([task.microbatch for task in tasks if task.kind == WEIGHT]
+                or [task.microbatch for task in tasks if task.kind == BACKWARD]) == order
+               for tasks in orders)
 
 
 def release_tail_bound(times: dict[str, list[list[float]]], p: int, m: int,

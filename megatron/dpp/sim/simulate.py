@@ -28,7 +28,12 @@ from dataclasses import asdict
 
 from megatron.dpp.actions import FORWARD
 from megatron.dpp.config import DEFAULTS
-from megatron.dpp.sim.bounds import in_order_bound, memory_free_bound, shared_cores_bound
+from megatron.dpp.sim.bounds import (
+    in_order_bound,
+    memory_free_bound,
+    shared_cores_bound,
+    sums_in_order,
+)
 from megatron.dpp.sim.simulate_grid import (
     GRID_EXTRA_MODELS,
     GRID_MODELS,
@@ -52,9 +57,11 @@ def _single_report(args, cost: CostModel) -> dict:
     """Each schedule's result; over several --iterations the mean makespan (the speedups
     divide means) and the last iteration's other figures; and the mean lower bound on any
     schedule of the same tasks (megatron/dpp/sim/bounds.py), one chunk a rank; with one chunk
-    also each schedule's mean in-order bound at the microbatches it held."""
+    also each schedule's mean in-order bound at the microbatches it held, and where it summed
+    its weight gradients in that order in every iteration, the bound for such schedules."""
     makespans: dict[str, list[float]] = {}
     in_order: dict[str, list[float]] = {}
+    weights_in_order: dict[str, list[float]] = {}
     bounds = []
     for iteration in range(args.iteration, args.iteration + args.iterations):
         durations = sample_durations(cost, args.pp, 1, args.microbatches, args.seed,
@@ -88,6 +95,10 @@ def _single_report(args, cost: CostModel) -> dict:
                 order = [task.microbatch for task in result.orders[0] if task.kind == FORWARD]
                 in_order.setdefault(name, []).append(in_order_bound(
                     times, args.pp, args.microbatches, result.peak_in_flight, order))
+                if args.split_backward and sums_in_order(result.orders, order):
+                    weights_in_order.setdefault(name, []).append(in_order_bound(
+                        times, args.pp, args.microbatches, result.peak_in_flight, order,
+                        weights_in_order=True))
     mean = {name: sum(values) / len(values) for name, values in makespans.items()}
     report = {"config": {**vars(args), "cost": _plain(asdict(cost))}, "schedules": {},
               "lower_bound": sum(bounds) / len(bounds)}
@@ -101,6 +112,9 @@ def _single_report(args, cost: CostModel) -> dict:
         }
         if name in in_order:
             entry["in_order_bound"] = sum(in_order[name]) / len(in_order[name])
+        if len(weights_in_order.get(name, ())) == args.iterations:
+            entry["weights_in_order_bound"] = (sum(weights_in_order[name])
+                                               / len(weights_in_order[name]))
         for base in ("1f1b", "interleaved", "zb-h1", "dpp-static"):
             if base in results and base != name:
                 entry[f"speedup_vs_{base}"] = mean[base] / mean[name]
@@ -159,6 +173,15 @@ def _format_single(report: dict) -> str:
                      "takes less than: " + ", ".join(
                          f"{name} {entry['in_order_bound']:.2f} (it took "
                          f"{entry['makespan'] / entry['in_order_bound']:.3f}x)"
+                         for name, entry in bounded.items()))
+    bounded = {name: entry for name, entry in report["schedules"].items()
+               if "weights_in_order_bound" in entry}
+    if bounded:
+        lines.append("no such schedule that runs each stage's W tasks in that order too (its "
+                     "weight gradients summed in one order, as equal gradients need) takes "
+                     "less than: " + ", ".join(
+                         f"{name} {entry['weights_in_order_bound']:.2f} (it took "
+                         f"{entry['makespan'] / entry['weights_in_order_bound']:.3f}x)"
                          for name, entry in bounded.items()))
     return "\n".join(lines)
 
