@@ -165,24 +165,17 @@ def _format_single(report: dict) -> str:
                  + "); each over it: "
                  + ", ".join(f"{name} {entry['makespan'] / bound:.3f}x"
                              for name, entry in report["schedules"].items()))
-    bounded = {name: entry for name, entry in report["schedules"].items()
-               if "in_order_bound" in entry}
-    if bounded:
-        lines.append("no schedule that runs each stage's forwards and backwards in the same "
-                     "microbatch order and holds what the row held from F to W on each stage "
-                     "takes less than: " + ", ".join(
-                         f"{name} {entry['in_order_bound']:.2f} (it took "
-                         f"{entry['makespan'] / entry['in_order_bound']:.3f}x)"
-                         for name, entry in bounded.items()))
-    bounded = {name: entry for name, entry in report["schedules"].items()
-               if "weights_in_order_bound" in entry}
-    if bounded:
-        lines.append("no such schedule that runs each stage's W tasks in that order too (its "
-                     "weight gradients summed in one order, as equal gradients need) takes "
-                     "less than: " + ", ".join(
-                         f"{name} {entry['weights_in_order_bound']:.2f} (it took "
-                         f"{entry['makespan'] / entry['weights_in_order_bound']:.3f}x)"
-                         for name, entry in bounded.items()))
+    for key, said in (
+            ("in_order_bound", "no schedule that runs each stage's forwards and backwards in "
+             "the same microbatch order and holds what the row held from F to W on each stage"),
+            ("weights_in_order_bound", "no such schedule that runs each stage's W tasks in "
+             "that order too (its weight gradients summed in one order, as equal gradients "
+             "need)")):
+        bounded = {name: entry for name, entry in report["schedules"].items() if key in entry}
+        if bounded:
+            lines.append(f"{said} takes less than: " + ", ".join(
+                f"{name} {entry[key]:.2f} (it took {entry['makespan'] / entry[key]:.3f}x)"
+                for name, entry in bounded.items()))
     return "\n".join(lines)
 
 
