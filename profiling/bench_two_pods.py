@@ -34,12 +34,12 @@ predicts each schedule's iteration time (the median simulated makespan plus the 
 median time outside the pipeline) beside the measured one, and the lower bound on any schedule
 of those tasks (megatron/dpp/sim/bounds.py) beside the plan in order's; and for each traced DPP
 run (the dynamic rule's and the plan in order's) the in-order bound of its own measured tasks
-(profiling/sim_compare.py: no schedule that runs each stage's microbatches, W tasks included, in
-order within that slack's memory is shorter), the most an in-order schedule could gain on them. Under
---emulate-link-ms each message's hop is the link's own draw for that message in that iteration
-(megatron/dpp/variability.py, the one the runs applied) plus what the measured hop leaves beyond
-the link's mean; stragglers are in the measured task times already, and straggle the same tasks
-under every schedule.
+(profiling/sim_compare.py: no schedule that runs each stage's microbatches, W tasks included,
+in order within that slack's memory is shorter), the most an in-order schedule could gain on
+them. Under --emulate-link-ms each message's hop is the link's own draw for that message in
+that iteration (megatron/dpp/variability.py, the one the runs applied) plus what the measured
+hop leaves beyond the link's mean; stragglers are in the measured task times already, and
+straggle the same tasks under every schedule.
 """
 
 from __future__ import annotations
