@@ -34,6 +34,7 @@ from megatron.dpp.sim.bounds import (
     shared_cores_bound,
     sums_in_order,
 )
+from megatron.dpp.sim.exact import ExactResult, shortest_in_order
 from megatron.dpp.sim.simulate_grid import (
     GRID_EXTRA_MODELS,
     GRID_MODELS,
@@ -62,6 +63,7 @@ def _single_report(args, cost: CostModel) -> dict:
     makespans: dict[str, list[float]] = {}
     in_order: dict[str, list[float]] = {}
     weights_in_order: dict[str, list[float]] = {}
+    exact: dict[str, list[ExactResult]] = {}
     bounds = []
     for iteration in range(args.iteration, args.iteration + args.iterations):
         durations = sample_durations(cost, args.pp, 1, args.microbatches, args.seed,
@@ -99,6 +101,10 @@ def _single_report(args, cost: CostModel) -> dict:
                     weights_in_order.setdefault(name, []).append(in_order_bound(
                         times, args.pp, args.microbatches, result.peak_in_flight, order,
                         weights_in_order=True))
+                    if args.exact is not None:
+                        exact.setdefault(name, []).append(shortest_in_order(
+                            times, args.pp, args.microbatches, result.peak_in_flight, order,
+                            args.exact))
     mean = {name: sum(values) / len(values) for name, values in makespans.items()}
     report = {"config": {**vars(args), "cost": _plain(asdict(cost))}, "schedules": {},
               "lower_bound": sum(bounds) / len(bounds)}
@@ -115,6 +121,9 @@ def _single_report(args, cost: CostModel) -> dict:
         if len(weights_in_order.get(name, ())) == args.iterations:
             entry["weights_in_order_bound"] = (sum(weights_in_order[name])
                                                / len(weights_in_order[name]))
+            if name in exact:
+                entry["exact_in_order"] = sum(r.makespan for r in exact[name]) / len(exact[name])
+                entry["exact_proven"] = sum(r.proven for r in exact[name])
         for base in ("1f1b", "interleaved", "zb-h1", "dpp-static"):
             if base in results and base != name:
                 entry[f"speedup_vs_{base}"] = mean[base] / mean[name]
@@ -176,6 +185,21 @@ def _format_single(report: dict) -> str:
             lines.append(f"{said} takes less than: " + ", ".join(
                 f"{name} {entry[key]:.2f} (it took {entry['makespan'] / entry[key]:.3f}x)"
                 for name, entry in bounded.items()))
+    solved = {name: entry for name, entry in report["schedules"].items()
+              if "exact_in_order" in entry}
+    if solved:
+        iterations = report["config"]["iterations"]
+
+        def unproven(entry):
+            proven = entry["exact_proven"]
+            return "" if proven == iterations else (f"; the best found, proven shortest in "
+                                                    f"{proven} of {iterations} iterations")
+
+        lines.append("the shortest of them at the row's memory, knowing every task time "
+                     "(CP-SAT): " + ", ".join(
+                         f"{name} {entry['exact_in_order']:.2f} (it took "
+                         f"{entry['makespan'] / entry['exact_in_order']:.3f}x{unproven(entry)})"
+                         for name, entry in solved.items()))
     return "\n".join(lines)
 
 
@@ -239,6 +263,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="with --split-backward: DPP's rule runs, of its pending W tasks, "
                              "the one whose B was shortest first (the trainer keeps them in "
                              "microbatch order, for bit-identical gradients run to run)")
+    parser.add_argument("--exact", type=float, metavar="SECONDS",
+                        help="with --split-backward: also the shortest schedule, knowing every "
+                             "task time, that keeps each stage's F, B and W tasks in the "
+                             "microbatch order at each row's memory (OR-tools' CP-SAT, "
+                             "installed apart; SECONDS a solve)")
     parser.add_argument(
         "--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES, metavar="NAME"
     )
@@ -279,6 +308,19 @@ def _check_args(parser, args):
     if args.weights_by_backward and (args.grid or not args.split_backward):
         parser.error("--weights-by-backward orders W tasks: it needs --split-backward and "
                      "no --grid")
+    if args.exact is not None:
+        if args.exact <= 0:
+            parser.error(f"--exact must be > 0 seconds, got {args.exact}")
+        if (args.grid or not args.split_backward or args.chunks != 1 or args.cores is not None
+                or args.latency or args.emulate_link_ms is not None):
+            parser.error("--exact schedules one chunk a rank with the split backward, a "
+                         "processor a rank and no message time: it needs --split-backward "
+                         "and no --grid, --chunks, --cores, --latency or --emulate-link-ms")
+        try:
+            import ortools  # noqa: F401
+        except ImportError:
+            parser.error("--exact needs OR-tools (pip install ortools; not a requirement of "
+                         "this project)")
     if args.forward_ms is not None and args.forward_ms <= 0:
         parser.error(f"--forward-ms must be > 0, got {args.forward_ms}")
     if args.message_bytes < 0 or args.iteration < 0:
