@@ -11,11 +11,15 @@ replays; megatron/dpp/sim/simulate_grid.py: the comparison grid).
         --iterations 20 --schedules 1f1b dpp-static dpp
     python -m megatron.dpp.sim.simulate --forward-ms 5 --emulate-straggler all:0.1:3 \
         --cores 2 --schedules 1f1b dpp-static dpp
+    python -m megatron.dpp.sim.simulate --forward-ms 10 --emulate-straggler all:0.1:3 \
+        --split-backward --slack 2 --schedules 1f1b dpp-static dpp --exact 60
 
 The --emulate-* flags are the trainer's: the same link and straggler draws for the same
 --seed (megatron/dpp/variability.py); with them every time is in milliseconds. --cores N
 models N processors shared by all ranks (CPU processes on a small host: the task times are
 then each task's own compute time, a straggler's added time a sleep that takes no core).
+--exact (OR-tools, installed apart) solves for the shortest schedule that keeps each stage's
+F, B and W tasks in the microbatch order at each row's memory, knowing every task time.
 """
 
 from __future__ import annotations
