@@ -33,7 +33,7 @@ def shortest_in_order(times: dict[str, list[list[float]]], p: int, m: int, held:
                       resolution: float = 1e-4) -> ExactResult:
     """`times`: kind -> [rank][microbatch] with W (`Durations.by_kind(split_backward=True)`);
     durations are rounded to `resolution` (the solver works in integers); `seconds`: the
-    solver's time limit."""
+    solver's time limit (ValueError where it finds no schedule in it)."""
     try:
         from ortools.sat.python import cp_model
     except ImportError:
@@ -76,5 +76,6 @@ def shortest_in_order(times: dict[str, list[list[float]]], p: int, m: int, held:
     solver.parameters.max_time_in_seconds = seconds
     status = solver.Solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        raise RuntimeError(f"CP-SAT found no schedule in {seconds} s ({solver.StatusName(status)})")
+        raise ValueError(f"CP-SAT found no schedule in {seconds} s "
+                         f"({solver.StatusName(status)}): give it more time")
     return ExactResult(solver.ObjectiveValue() * resolution, status == cp_model.OPTIMAL)
