@@ -49,8 +49,8 @@ class StageConfig:
     its own 1F1B count: 1F1B's memory). `weight_slices`: the DPP policy runs each W in
     this many parts, each one a decision of its own (the plans hold each W once).
     `weights_by_backward`: the DPP rule runs, of its pending W tasks, the one whose B was
-    shortest first (the simulator's option: it needs each B's time, and on a real run it
-    would make the order of the gradient sums, so their last bits, depend on timing).
+    shortest first (it needs each B's time: the trainer's where the host times tasks, CPU,
+    with a WeightGradStore that sums in B order whatever the W order).
     """
 
     rank: int

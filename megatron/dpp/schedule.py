@@ -9,7 +9,9 @@ data (`executed`) and, under --trace, written beside the trace.
 
 With a WeightGradStore (--dpp-split-backward) every backward is a B, run with the linear
 layers' weight-gradient GEMMs deferred, and a W task that runs them
-(megatron/dpp/weight_grad.py); the policy places the W tasks.
+(megatron/dpp/weight_grad.py); the policy places the W tasks. Where no GPU runs the tasks
+later (CPU) the host times each B and the rule runs the pending W whose B was shortest; the
+store then sums the weight gradients in B order, so that order leaves no trace in them.
 
 With `DppOptions.adaptive` the first training calls run at slack 0 and measure the task
 times, the message times and the activations (megatron/dpp/slack_measurement.py); every
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -163,6 +166,10 @@ class DppSchedule:
         elif simulated_ms > 0:
             self._gpu_queue = GpuQueue(SimulatedDevice(simulated_ms / 1000.0).marker,
                                        self._transport.inbox.notify)
+        if self._gpu_queue is None and self.weight_grads is not None:
+            # the host times each B: the rule runs the pending W whose B was shortest, and
+            # the store keeps the gradient sums in B order whatever order that gives
+            self.weight_grads.allow_any_weight_order()
 
     def __call__(
         self,
@@ -244,6 +251,8 @@ class _Iteration:
             forward_only=forward_only, split_backward=self.weight_grads is not None,
             defer_weights=schedule.options.defer_weights,
             weight_slices=schedule.options.weight_slices,
+            weights_by_backward=(self.weight_grads is not None and self.gpu_queue is None
+                                 and self.weight_grads.any_weight_order),
         )
         order = microbatch_order_for(self.stage, costs) if cost_order else None
         self.policy = GreedyPolicy(self.stage, microbatch_order=order, costs=costs,
@@ -300,13 +309,18 @@ class _Iteration:
         with self.no_sync:
             for _ in range(self.policy.num_decisions):
                 task = self._next()
+                started = time.perf_counter()
                 if self._run(task, run):  # a W in parts is recorded once, at its last
                     self.executed.append(task)
+                # a B's host time orders the pending W tasks where no GPU runs it later
+                duration = (time.perf_counter() - started
+                            if task.kind == BACKWARD and self.stage.weights_by_backward
+                            else None)
                 if self.gpu_queue is not None:
                     self.gpu_queue.launched(1.0 / self.stage.weight_slices
                                             if task.kind == WEIGHT else 1.0)
                 if self.coordinator.deciding:
-                    self.policy.complete(task)
+                    self.policy.complete(task, duration)
         self.tracer.record_actions(self.rank, self.executed)
         with self.tracer.span("send"):
             self.transport.flush()

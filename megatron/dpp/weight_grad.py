@@ -38,10 +38,20 @@ schedule's hooks from the TransformerConfig: every B runs under the chunk's
 `config.no_sync_func`, and after the chunk's last W the store calls its
 `config.grad_sync_func` (set only with --overlap-grad-reduce; without it
 finalize_model_grads reduces synchronously, after every W).
+
+The order of the sums: a W's GEMM accumulates into main_grad in place, so W tasks run in
+another order sum the same gradients in another order, and their last bits differ. A
+store made with `any_weight_order=True` lets the W tasks run in any order and still sums in
+one: each GEMM writes into a zeroed buffer of its own, and the buffers are added to
+main_grad in the order the chunk's B tasks ran (which the schedule keeps whatever the W
+order), each as soon as every earlier one is in. It costs a weight-sized buffer per deferred
+linear for each W that runs ahead of an earlier one, and an addition per GEMM: the DPP rule
+uses it where the host times each B (CPU), to order the W tasks by it.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -69,6 +79,12 @@ class _Accumulation:
 
     def __call__(self) -> None:
         self.kernel(self.total_input, self.grad_output, self.main_grad)
+
+    def into_buffer(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The GEMM into a zeroed buffer of main_grad's shape: (main_grad, buffer)."""
+        buffer = torch.zeros_like(self.main_grad)
+        self.kernel(self.total_input, self.grad_output, buffer)
+        return self.main_grad, buffer
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.total_input, self.grad_output
@@ -128,6 +144,11 @@ class _Iteration:
     no_sync: list[Callable] | None
     grad_sync: list[Callable] | None
     weight_grads_run: list[int]
+    # any_weight_order: per chunk the keys whose sums are not all in, in B order, and the
+    # (main_grad, buffer) pairs of each key waiting to be added
+    unsummed: list[collections.deque] = dataclasses.field(default_factory=list)
+    buffers: dict[Hashable, list[tuple[torch.Tensor, torch.Tensor]]] = dataclasses.field(
+        default_factory=dict)
 
 
 def _per_chunk(funcs, num_chunks: int, name: str) -> list[Callable] | None:
@@ -146,10 +167,12 @@ class WeightGradStore:
     Per iteration: `begin_iteration`; per microbatch a B (`with store.deferring(key):` around
     the backward) and later its W (`store.run(key)`, or in parts: `store.run(key, parts)`
     that many times); `end_iteration` before the gradient reduction is finished and the
-    optimizer steps.
+    optimizer steps. `any_weight_order`: main_grad's sums follow the B order whatever order
+    the W tasks run in (the module docstring).
     """
 
-    def __init__(self):
+    def __init__(self, any_weight_order: bool = False):
+        self.any_weight_order = any_weight_order
         self._work: dict[Hashable, list[Callable[[], None] | None]] = {}
         self._parts_run: dict[Hashable, int] = {}  # keys whose W ran in part
         self._done: set[Hashable] = set()
@@ -172,7 +195,7 @@ class WeightGradStore:
             num_chunks, num_microbatches,
             _per_chunk(config.no_sync_func, num_chunks, "no_sync_func"),
             _per_chunk(config.grad_sync_func, num_chunks, "grad_sync_func"),
-            [0] * num_chunks)
+            [0] * num_chunks, [collections.deque() for _ in range(num_chunks)])
 
     @contextlib.contextmanager
     def deferring(self, key: tuple[int, int]) -> Iterator[None]:
@@ -193,12 +216,23 @@ class WeightGradStore:
         work: list[Callable[[], None]] = []
         self._work[key] = work
         self._active = key
+        if self.any_weight_order:
+            iteration.unsummed[chunk].append(key)
+            iteration.buffers[key] = []
         no_sync = iteration.no_sync[chunk]() if iteration.no_sync else contextlib.nullcontext()
         try:
             with no_sync, weight_grads_deferred(work.append):
                 yield
         finally:
             self._active = None
+
+    def allow_any_weight_order(self) -> None:
+        """From the next iteration on, sum main_grad in B order whatever order the W tasks
+        run in (the module docstring)."""
+        if self._iteration is not None:
+            raise WeightGradError("the order of the weight-gradient sums changes between "
+                                  "iterations only")
+        self.any_weight_order = True
 
     @property
     def is_deferring(self) -> bool:
@@ -209,6 +243,9 @@ class WeightGradStore:
         replay)."""
         if self._active is None:
             raise WeightGradError("defer() outside a deferring() backward")
+        if self.any_weight_order:
+            raise WeightGradError("a store that sums in B order whatever the W order takes the "
+                                  "linear layers' GEMMs only, not graphed W work")
         self._work[self._active].append(work)
 
     def run(self, key: tuple[int, int], parts: int = 1) -> bool:
@@ -227,23 +264,45 @@ class WeightGradStore:
             raise WeightGradError(f"W of {key} in {parts} parts")
         part = self._parts_run.get(key, 0)
         first, end = len(work) * part // parts, len(work) * (part + 1) // parts
-        with torch.no_grad():  # as inside backward: the saved inputs may require grad
-            for index in range(first, end):
-                work[index]()
-                work[index] = None
-        if part + 1 < parts:
-            self._parts_run[key] = part + 1
-            return False
-        self._parts_run.pop(key, None)
-        del self._work[key]
-        self._done.add(key)
         iteration = self._iteration
         chunk = key[0]
+        with torch.no_grad():  # as inside backward: the saved inputs may require grad
+            for index in range(first, end):
+                if self.any_weight_order:
+                    iteration.buffers[key].append(work[index].into_buffer())
+                else:
+                    work[index]()
+                work[index] = None
+        complete = part + 1 == parts
+        if complete:
+            self._parts_run.pop(key, None)
+            del self._work[key]
+            self._done.add(key)
+        else:
+            self._parts_run[key] = part + 1
+        if self.any_weight_order:
+            self._add_buffers(iteration.unsummed[chunk], iteration.buffers)
+        if not complete:
+            return False
         iteration.weight_grads_run[chunk] += 1
         if (iteration.weight_grads_run[chunk] == iteration.num_microbatches
                 and iteration.grad_sync is not None):
             iteration.grad_sync[chunk]()
         return True
+
+    def _add_buffers(self, unsummed: collections.deque, buffers: dict) -> None:
+        """Adds the waiting buffers to main_grad in B order: the first key's as they come,
+        a later key's once every earlier key's W is complete."""
+        while unsummed:
+            first = unsummed[0]
+            with torch.no_grad():
+                for main_grad, buffer in buffers[first]:
+                    main_grad.add_(buffer)
+            buffers[first].clear()
+            if first not in self._done:
+                return
+            unsummed.popleft()
+            del buffers[first]
 
     def pending(self) -> list[tuple[int, int]]:
         """Keys whose B ran and whose W has not."""
@@ -251,8 +310,9 @@ class WeightGradStore:
 
     def held_bytes(self, key: tuple[int, int] | None = None) -> int:
         """Bytes of the tensors the deferred linear layers keep for W (of `key`, or of all
-        pending keys); each storage counted once. A CUDA-graph block's W holds its slot's
-        memory pool instead, which is not counted here."""
+        pending keys), and the buffers of W tasks that ran ahead of an earlier one
+        (`any_weight_order`); each storage counted once. A CUDA-graph block's W holds its
+        slot's memory pool instead, which is not counted here."""
         keys = [key] if key is not None else list(self._work)
         storages = {}
         for item in itertools.chain.from_iterable(self._work.get(k, ()) for k in keys):
@@ -260,6 +320,11 @@ class WeightGradStore:
                 for tensor in item.tensors():
                     storage = tensor.untyped_storage()
                     storages[storage.data_ptr()] = storage.nbytes()
+        waiting = {} if self._iteration is None else self._iteration.buffers
+        for k in (waiting if key is None else [key]):  # W buffers not yet added
+            for _, buffer in waiting.get(k, ()):
+                storage = buffer.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
         return sum(storages.values())
 
     def end_iteration(self) -> None:

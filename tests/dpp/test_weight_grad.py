@@ -111,6 +111,70 @@ def test_w_in_parts_runs_each_deferred_gemm_once_and_frees_as_it_goes(store):
         store.run((0, 0), parts=2)
 
 
+def _sums_after_ws_in(order, any_weight_order, parts=1):
+    """main_grad of two linears after four microbatches' B in microbatch order and their W
+    tasks in `order` (each in `parts` parts), and the bytes held
+    right after the first W task ran whole."""
+    generator = torch.Generator().manual_seed(11)
+    layers = [_linear(generator) for _ in range(2)]
+    store = WeightGradStore(any_weight_order=any_weight_order)
+    store.begin_iteration(PLAIN_CONFIG, num_chunks=1, num_microbatches=4)
+    for microbatch in range(4):
+        inputs = [torch.randn(8, 16, generator=generator) for _ in layers]
+        upstream = [torch.randn(8, 24, generator=generator) * 10 ** microbatch for _ in layers]
+        with store.deferring((0, microbatch)):
+            torch.autograd.backward(
+                [biased_linear(x, weight, bias, True)
+                 for x, (weight, bias) in zip(inputs, layers, strict=True)], upstream)
+    held_after_first = None
+    for microbatch in order:
+        for _ in range(parts):
+            store.run((0, microbatch), parts)
+        if held_after_first is None:
+            held_after_first = store.held_bytes()
+    store.end_iteration()
+    return [weight.main_grad for weight, _ in layers], held_after_first
+
+
+def test_any_weight_order_sums_in_b_order_whatever_order_the_ws_run():
+    """Gradients of four magnitudes: summed in another order their last bits differ; with
+    `any_weight_order` every W order gives main_grad to the bit, and a W that ran ahead of
+    an earlier one holds its buffers until that one is in."""
+    with weight_grad_accumulation_fusion():
+        in_order, held_in_order = _sums_after_ws_in([0, 1, 2, 3], any_weight_order=True)
+        inputs_of_three = _sums_after_ws_in([0, 1, 2, 3], any_weight_order=False)[1]
+        for order, parts in (([3, 1, 0, 2], 1), ([2, 3, 1, 0], 2), ([1, 0, 3, 2], 3)):
+            sums, held = _sums_after_ws_in(order, any_weight_order=True, parts=parts)
+            assert all(torch.equal(a, b) for a, b in zip(sums, in_order, strict=True)), order
+            # the first W ran ahead of microbatch 0's: its two buffers wait beside the inputs
+            # the three other W tasks hold
+            assert held == inputs_of_three + 2 * 24 * 16 * 4
+        assert held_in_order == inputs_of_three
+        accumulated = _sums_after_ws_in([0, 1, 2, 3], any_weight_order=False)[0]
+        reordered = _sums_after_ws_in([3, 1, 0, 2], any_weight_order=False)[0]
+        for a, b, c in zip(accumulated, reordered, in_order, strict=True):
+            torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-3)
+            torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-3)
+        assert not all(torch.equal(a, b) for a, b in zip(accumulated, reordered, strict=True))
+
+
+def test_the_sum_order_changes_between_iterations_only(store):
+    with pytest.raises(WeightGradError, match="between iterations only"):
+        store.allow_any_weight_order()
+    with store.deferring((0, 0)):
+        pass
+    store.run((0, 0))
+    with store.deferring((0, 1)):
+        pass
+    store.run((0, 1))
+    store.end_iteration()
+    store.allow_any_weight_order()
+    store.begin_iteration(PLAIN_CONFIG, num_chunks=1, num_microbatches=1)
+    with store.deferring((0, 0)):
+        with pytest.raises(WeightGradError, match="not graphed W work"):
+            store.defer(lambda: None)
+
+
 def test_backward_outside_deferring_is_unchanged(store):
     generator = torch.Generator().manual_seed(3)
     weight, bias = _linear(generator)

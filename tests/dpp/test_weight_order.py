@@ -1,7 +1,8 @@
 """The dynamic rule's choice among a stage's pending W tasks with
 `StageConfig.weights_by_backward` (megatron/dpp/policy.py, `_cheapest_weight_first`): the one
 whose B was shortest runs first, the longest are kept for the drain; by default, in the plan
-in order and without B durations the W tasks keep the microbatch order."""
+in order and without B durations the W tasks keep the microbatch order. The trainer on CPU
+orders them so, and its gradients do not depend on that order."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import json
 
 import pytest
 
-from megatron.dpp.actions import BACKWARD, WEIGHT
+from megatron.dpp.actions import BACKWARD, WEIGHT, read_actions
 from megatron.dpp.engine import run_pipeline
 from megatron.dpp.plan import StageConfig
 from megatron.dpp.policy import GreedyPolicy
@@ -20,6 +21,9 @@ from megatron.dpp.sim.bounds import in_order_bound
 from megatron.dpp.sim.simulator import CostModel, sample_durations
 from megatron.dpp.topology import PipelineTopology
 from megatron.dpp.variability import StragglerProfile
+from tests.distributed import run_ranks
+from tests.pipeline_runs import TINY_GPT
+from tests.trainer_runs import train_runs, with_flags
 
 M = 8
 B_DURATIONS = [1.0, 6.0, 4.0, 2.0, 7.0, 5.0, 3.0, 1.0]
@@ -123,3 +127,34 @@ def test_the_simulator_flag_moves_the_rule_only():
     with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()) as err:
         simulate_cli.main(["--pp", "4", "--weights-by-backward"])
     assert "--split-backward" in err.getvalue()
+
+
+def test_on_cpu_the_trainer_orders_ws_by_b_time_and_the_gradients_keep_their_bits(tmp_path):
+    """The trainer at PP=2 on CPU, the dynamic rule at slack 2: calm, with stage 0's and
+    with stage 1's tasks straggling (time only), each stage runs its W tasks in the order
+    its B times give, which differ between the runs; the losses and gradient norms are the
+    same to the bit, since the store sums in B order whatever the W order."""
+    flags = with_flags(TINY_GPT, pipeline_model_parallel_size=2, global_batch_size=16,
+                       train_iters=2, use_dpp=True, dpp_max_inflight=2, no_dpp_static=True,
+                       dpp_transport="torch", trace=True, trace_iters=[2])
+    stragglers = [None, "0:0.4:6", "1:0.4:6"]
+    runs = [with_flags(flags, trace_dir=tmp_path / str(k), emulate_straggler=straggler)
+            for k, straggler in enumerate(stragglers)]
+    results = run_ranks(2, train_runs, runs, 2)
+    w_orders = []
+    for k in range(len(runs)):
+        ranks = {}
+        for path in (tmp_path / str(k)).glob("*actions*"):
+            for tasks in read_actions(str(path)).values():
+                for rank, ran in tasks.items():
+                    ranks[rank] = [t.microbatch for t in ran if t.kind == WEIGHT]
+        assert sorted(ranks) == [0, 1], f"no actions traced in run {k}"
+        w_orders.append(ranks)
+    assert any(order != sorted(order) for ranks in w_orders for order in ranks.values()), \
+        "no stage ran its W tasks out of microbatch order"
+    assert len({repr(ranks) for ranks in w_orders}) > 1, "every run ran one W order"
+    for rank_results in results:
+        calm, *straggling = rank_results
+        for run in straggling:
+            assert run["losses"] == calm["losses"]
+            assert run["grad_norms"] == calm["grad_norms"]

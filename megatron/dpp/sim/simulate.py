@@ -265,8 +265,9 @@ def _parser() -> argparse.ArgumentParser:
                              "of running it after its B (each stage holds its 1F1B count)")
     parser.add_argument("--weights-by-backward", action="store_true",
                         help="with --split-backward: DPP's rule runs, of its pending W tasks, "
-                             "the one whose B was shortest first (the trainer keeps them in "
-                             "microbatch order, for bit-identical gradients run to run)")
+                             "the one whose B was shortest first (as the trainer does on CPU, "
+                             "where the host times each B; on GPUs it keeps them in "
+                             "microbatch order)")
     parser.add_argument("--exact", type=float, metavar="SECONDS",
                         help="with --split-backward: also the shortest schedule, knowing every "
                              "task time, that keeps each stage's F, B and W tasks in the "
