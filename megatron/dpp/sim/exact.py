@@ -1,6 +1,6 @@
 """The shortest schedule of given task times that runs each rank's forwards, backwards and W
-tasks in one microbatch order (the weight gradients summed in one order, as equal gradients
-need) and holds at most held[r] microbatches from F to W on rank r, found by OR-tools' CP-SAT
+tasks in one microbatch order (as the trainer runs its W tasks on GPUs, where it cannot time
+a B) and holds at most held[r] microbatches from F to W on rank r, found by OR-tools' CP-SAT
 solver: what `bounds.in_order_bound(..., weights_in_order=True)` bounds from below, and what a
 schedule that knew every task's time in advance could reach. One chunk a rank, the split
 backward, no message time.

@@ -182,8 +182,7 @@ def _format_single(report: dict) -> str:
             ("in_order_bound", "no schedule that runs each stage's forwards and backwards in "
              "the same microbatch order and holds what the row held from F to W on each stage"),
             ("weights_in_order_bound", "no such schedule that runs each stage's W tasks in "
-             "that order too (its weight gradients summed in one order, as equal gradients "
-             "need)")):
+             "that order too (as the trainer does where it cannot time a B: on GPUs)")):
         bounded = {name: entry for name, entry in report["schedules"].items() if key in entry}
         if bounded:
             lines.append(f"{said} takes less than: " + ", ".join(
