@@ -31,11 +31,9 @@ CLOSING = re.compile(r"Closing process \d+ via signal|Sending process \d+ closin
 
 def _stop_script(tmp_path, signum: int, whole_group: bool, **settings) -> tuple[Node, int]:
     """run_single_gpt.sh stopped by `signum` once it logged iteration 2: sent to the script
-    alone (docker stop, Kubernetes) or to its whole process group (a terminal's Ctrl-C).
-    Every task runs 4x as long (emulated: time only, the losses are the calm run's), so the
-    steps left after iteration 2 outlast the signal's way to the ranks on a loaded machine."""
-    node = Node(["bash", str(REPO / "run_single_gpt.sh"), "--emulate-straggler", "all:1:4"],
-                script_env(tmp_path, TRAIN_ITERS=ITERS, LOG_INTERVAL=1, **settings), tmp_path)
+    alone (docker stop, Kubernetes) or to its whole process group (a terminal's Ctrl-C)."""
+    node = Node.script("run_single_gpt.sh", tmp_path, TRAIN_ITERS=ITERS, LOG_INTERVAL=1,
+                       **settings)
     try:
         node.wait_for(" iteration        2/", START_S)
         if whole_group:
