@@ -32,8 +32,14 @@ CLOSING = re.compile(r"Closing process \d+ via signal|Sending process \d+ closin
 def _stop_script(tmp_path, signum: int, whole_group: bool, **settings) -> tuple[Node, int]:
     """run_single_gpt.sh stopped by `signum` once it logged iteration 2: sent to the script
     alone (docker stop, Kubernetes) or to its whole process group (a terminal's Ctrl-C)."""
-    node = Node.script("run_single_gpt.sh", tmp_path, TRAIN_ITERS=ITERS, LOG_INTERVAL=1,
-                       **settings)
+    # started as from a terminal, SIGHUP not ignored: a shell cannot trap a signal that was
+    # ignored when it started, and a test runner may have inherited that (nohup)
+    hangup = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        node = Node.script("run_single_gpt.sh", tmp_path, TRAIN_ITERS=ITERS, LOG_INTERVAL=1,
+                           **settings)
+    finally:
+        signal.signal(signal.SIGHUP, hangup)
     try:
         node.wait_for(" iteration        2/", START_S)
         if whole_group:
