@@ -25,9 +25,9 @@ faster than a given schedule any schedule could be:
   rank's work dominates, every such schedule takes, for the worst n, that arrival, that
   work and what of that tail its W tasks cannot cover. It is also no less than
   `release_tail_bound`. With `weights_in_order` it holds for the schedules that run each
-  rank's W tasks in that order too, which sum the weight gradients in one order whatever the
-  timing (megatron-core's, ZB-H1, DPP's plan and rule; not `StageConfig.weights_by_backward`):
-  the W tasks pending at the last B are then the last ones of the order;
+  rank's W tasks in that order too (megatron-core's, ZB-H1, DPP's plan, and DPP's rule
+  without `StageConfig.weights_by_backward`, as the trainer runs it on GPUs): the W tasks
+  pending at the last B are then the last ones of the order;
 * `release_tail_bound`, valid for every schedule that runs each rank's forwards and
   backwards in one microbatch order, at any memory: each task of rank r is released no
   earlier than its inputs could reach it if the ranks ran only the chains it depends on
@@ -141,9 +141,9 @@ def _arrival_bound(times: dict[str, list[list[float]]], p: int, m: int, held: li
 
 
 def sums_in_order(orders: list[list[Task]], order: list[int]) -> bool:
-    """Whether every rank of a recorded run (one chunk a rank) summed its weight gradients
-    in `order`: its W tasks, or where it ran each backward whole its B tasks, in that order
-    (`in_order_bound`'s `weights_in_order`)."""
+    """Whether every rank of a recorded run (one chunk a rank) ran its W tasks, or where it
+    ran each backward whole its B tasks, in `order` (`in_order_bound`'s
+    `weights_in_order`)."""
     return all(([task.microbatch for task in tasks if task.kind == WEIGHT]
                 or [task.microbatch for task in tasks if task.kind == BACKWARD]) == order
                for tasks in orders)
