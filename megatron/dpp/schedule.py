@@ -288,7 +288,7 @@ class _Iteration:
         return PipelineShape(tuple(self.pipeline), self.rank, self.num_chunks,
                              self.num_microbatches, self.stage.split_backward,
                              self.stage.defer_weights, self.stage.weight_slices,
-                             self.device.type == "cpu")
+                             self.device.type == "cpu", self.stage.weights_by_backward)
 
     def _run(self, task: Task, run) -> bool:
         """Runs the task (timed while measuring); False for a W part that was not its last."""

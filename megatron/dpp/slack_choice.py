@@ -14,7 +14,8 @@ microbatches plus s (`GreedyPolicy.cap`), and every rank must stay within the bu
 Where CPU ranks outnumber their cores (`Measured.shared_cores`) the simulator shares that
 many cores among the pipeline's ranks, and a task's time beyond its median is a wait that
 takes none (a straggler's sleep): what one rank fills in its bubble, the rank beside it on
-the same core loses.
+the same core loses. With the split backward a W straggles with its B, and the dynamic rule
+orders its pending W tasks as the runtime does (`weights_by_backward`).
 
 With the rule left open (`static=None`) it simulates the plan in order at each slack too
 and takes the first of (slack 0, the plan in order), (slack 0, the dynamic rule), (slack 1,
@@ -81,6 +82,7 @@ class SlackChoice:
     # rule left open: the plan in order's simulated iteration per slack (simulated_ms is
     # then the dynamic rule's; None: the rule was given)
     plan_ms: dict[int, float] | None = None
+    weights_by_backward: bool = False  # the dynamic rule runs pending W shortest B first
 
     @property
     def rule_gain(self) -> float | None:
@@ -98,12 +100,14 @@ class SlackChoice:
         def speedups(times: dict[int, float]) -> str:
             return "/".join(f"{base / times[s]:.2f}" for s in slacks)
 
+        dynamic = "the dynamic rule" + (" (W tasks shortest B first)"
+                                        if self.weights_by_backward else "")
         if self.plan_ms is None:
-            rule = "the dynamic rule" if not self.static else "the plan in order"
+            rule = dynamic if not self.static else "the plan in order"
             simulated = f"{rule} {speedups(self.simulated_ms)}"
             smallest = "the smallest slack"
         else:
-            simulated = (f"the dynamic rule {speedups(self.simulated_ms)}, "
+            simulated = (f"{dynamic} {speedups(self.simulated_ms)}, "
                          f"the plan in order {speedups(self.plan_ms)}")
             smallest = "the smallest slack, and there the plan in order before the dynamic rule,"
         forwards = (f"{self.hop_ms / self.forward_ms:.1f}" if self.forward_ms > 0
@@ -159,10 +163,11 @@ def busiest_1f1b_bytes(measured: Measured, pp_size: int, num_microbatches: int,
 def choose_slack(measured: Measured, pp_size: int, num_microbatches: int, *,
                  num_chunks: int = 1, split_backward: bool = False,
                  defer_weights: bool = False, weight_slices: int = 1,
-                 static: bool | None = False, max_slack: int = 2,
-                 budget: MemoryBudget | None = None) -> SlackChoice:
+                 weights_by_backward: bool = False, static: bool | None = False,
+                 max_slack: int = 2, budget: MemoryBudget | None = None) -> SlackChoice:
     """The slack to run, with the rule `static` says (None: the rule as well; the module
-    docstring)."""
+    docstring). `weights_by_backward`: the dynamic rule runs its pending W tasks shortest B
+    first, as the runtime does where no GPU runs them later (StageConfig)."""
     p, m, chunks = pp_size, num_microbatches, num_chunks
     stages = p * chunks
     if len(measured.forward_ms) != stages or len(measured.backward_ms) != stages:
@@ -191,7 +196,8 @@ def choose_slack(measured: Measured, pp_size: int, num_microbatches: int, *,
         return statistics.fmean(simulate(
             schedule, p, m, durations, num_chunks=chunks, slack=slack, latency=latency,
             split_backward=split_backward, weight_slices=weight_slices if split_backward else 1,
-            defer_weights=defer_weights, cores=measured.shared_cores).makespan
+            defer_weights=defer_weights, cores=measured.shared_cores,
+            weights_by_backward=weights_by_backward and split_backward).makespan
             for durations in trials)
 
     simulated = {slack: simulated_ms("dpp-static" if static else "dpp", slack)
@@ -212,7 +218,7 @@ def choose_slack(measured: Measured, pp_size: int, num_microbatches: int, *,
         if measured_bytes else None,
         busiest if measured_bytes else None, budget, max_slack, static,
         _percentile(measured.cost_spread, 0.95) if measured.cost_spread else None,
-        measured.shared_cores, plans)
+        measured.shared_cores, plans, weights_by_backward and split_backward)
 
 
 def _percentile(values: tuple[float, ...], share: float) -> float:
@@ -222,22 +228,26 @@ def _percentile(values: tuple[float, ...], share: float) -> float:
 
 def _durations(measured: Measured, m: int, rng: random.Random | None) -> Durations:
     """Every task at its stage's median, each F and B scaled by a draw from the measured
-    spread where `rng` is given; what a draw adds beyond the median is the task's stretch
-    (a wait where the cores are shared)."""
-    stretch = {FORWARD: [], BACKWARD: []}
+    spread where `rng` is given, and each W by its B's draw (the same work straggles, as
+    megatron/dpp/variability.py draws it); what a draw adds beyond the median is the task's
+    stretch (a wait where the cores are shared)."""
+    stretch: dict[str, list[list[float]]] = {}
 
-    def row(kind: str, median: float) -> list[float]:
-        factors = [1.0] * m if rng is None else [rng.choice(measured.cost_spread)
-                                                 for _ in range(m)]
-        stretch[kind].append([median * max(0.0, f - 1) for f in factors])
+    def draws() -> list[float]:
+        return [1.0] * m if rng is None else [rng.choice(measured.cost_spread)
+                                              for _ in range(m)]
+
+    def row(kind: str, median: float, factors: list[float]) -> list[float]:
+        stretch.setdefault(kind, []).append([median * max(0.0, f - 1) for f in factors])
         return [median * f for f in factors]
 
-    forward = [row(FORWARD, t) for t in measured.forward_ms]
-    backward = [row(BACKWARD, t) for t in measured.backward_ms]
-    weight = None
-    if measured.weight_ms is not None:
-        weight = [[t] * m for t in measured.weight_ms]
-        stretch[WEIGHT] = [[0.0] * m for _ in weight]
+    forward = [row(FORWARD, t, draws()) for t in measured.forward_ms]
+    backward_draws = [draws() for _ in measured.backward_ms]
+    backward = [row(BACKWARD, t, factors)
+                for t, factors in zip(measured.backward_ms, backward_draws, strict=True)]
+    weight = None if measured.weight_ms is None else [
+        row(WEIGHT, t, factors)
+        for t, factors in zip(measured.weight_ms, backward_draws, strict=True)]
     return Durations(forward, backward, [1.0] * m, weight, stretch)
 
 

@@ -222,6 +222,7 @@ class PipelineShape:
     defer_weights: bool
     weight_slices: int
     cpu: bool = False  # the ranks compute on the host (their cores may be shared)
+    weights_by_backward: bool = False  # the dynamic rule's W order (StageConfig's)
 
 
 class SlackAdapter:
@@ -288,7 +289,8 @@ class SlackAdapter:
         return choose_slack(measured, len(shape.ranks), shape.num_microbatches,
                             num_chunks=shape.num_chunks, split_backward=shape.split_backward,
                             defer_weights=shape.defer_weights,
-                            weight_slices=shape.weight_slices, static=self.static,
+                            weight_slices=shape.weight_slices,
+                            weights_by_backward=shape.weights_by_backward, static=self.static,
                             max_slack=self.max_slack, budget=self.budget)
 
 

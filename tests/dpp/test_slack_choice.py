@@ -252,6 +252,29 @@ def test_ranks_that_share_cores_are_simulated_so():
     assert "shared" not in alone.line()
 
 
+def test_with_the_split_a_w_straggles_with_its_b_and_the_rule_orders_ws_as_the_runtime():
+    """The choice simulates the straggler model the emulation applies: each W takes its B's
+    draw (one stage, every task 3x: the iteration 3x the calm one, W included), and the
+    dynamic rule runs its pending W tasks shortest B first where the runtime does, which
+    the plan in order never does."""
+    calm = Measured((10.0,), (7.0,), (0.0,), weight_ms=(3.0,))
+    slow = Measured((10.0,), (7.0,), (0.0,), weight_ms=(3.0,), cost_spread=(3.0,) * 10)
+    calm_ms = choose_slack(calm, 1, 8, split_backward=True, max_slack=0).simulated_ms[0]
+    slow_ms = choose_slack(slow, 1, 8, split_backward=True, max_slack=0).simulated_ms[0]
+    assert calm_ms == pytest.approx(8 * 20.0) and slow_ms == pytest.approx(3 * calm_ms)
+
+    forward = (4.8, 4.8, 4.8, 7.3)
+    costs = Measured(forward, tuple(0.73 * f for f in forward), (0.7,) * 4,
+                     weight_ms=tuple(0.13 * f for f in forward),
+                     cost_spread=(1.0,) * 90 + (3.0,) * 10)
+    in_order, by_backward = (choose_slack(costs, 4, 16, split_backward=True, static=None,
+                                          weights_by_backward=by_b) for by_b in (False, True))
+    assert by_backward.plan_ms == in_order.plan_ms
+    assert by_backward.simulated_ms[2] < in_order.simulated_ms[2]
+    assert "the dynamic rule (W tasks shortest B first) 1.00/" in by_backward.line()
+    assert "shortest B first" not in in_order.line()
+
+
 def _cpu_summary(host: str, cpus: list[int] | None, threads: int = 1) -> dict:
     return {"host": host, "cpus": cpus, "threads": threads}
 
