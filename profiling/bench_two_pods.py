@@ -29,7 +29,9 @@ backward), every rank's peak memory (the trainer's memory line: max RSS on CPU; 
 the runs), the slack, and whether the losses equal 1F1B's (`same_losses`). With --simulate every
 run traces its measured iterations (each schedule pays the same small tracing cost), and the
 simulator is fed, per traced iteration of the 1F1B run, its task times and message time
-(consumer start minus producer end where the consumer waited: profiling/sim_compare.py): it
+(consumer start minus producer end where the consumer waited: profiling/sim_compare.py;
+each backward split into B and W at the traced DPP run's W share of its stage, where that
+run split it, its dynamic rule ordering the W tasks by B time as on CPU): it
 predicts each schedule's iteration time (the median simulated makespan plus the 1F1B run's
 median time outside the pipeline) beside the measured one, and the lower bound on any schedule
 of those tasks (megatron/dpp/sim/bounds.py) beside the plan in order's; and for each traced DPP
@@ -49,13 +51,14 @@ import json
 import re
 import statistics
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the `profiling` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron.dpp.sim.bounds import memory_free_bound  # noqa: E402
-from megatron.dpp.sim.simulator import link_latency, simulate  # noqa: E402
+from megatron.dpp.sim.simulator import Durations, link_latency, simulate  # noqa: E402
 from megatron.dpp.variability import Emulation  # noqa: E402
 from megatron.trainer.config.configs import EmulationConfig  # noqa: E402
 from profiling import bench_gpt, sim_compare  # noqa: E402
@@ -166,13 +169,47 @@ def emulation_of(extra: list[str]) -> Emulation:
     return EmulationConfig(**vars(known)).emulation()
 
 
+def weight_shares(directory: Path) -> list[float] | None:
+    """Per pipeline stage of a traced run with the split backward: the median over its
+    microbatches and iterations of W's share of B + W (a W run in parts: their sum); None
+    where the run kept each backward whole."""
+    spans, _ = load_spans(load_trace(str(directory)))
+    times: dict[tuple[int, int, int, int], dict[str, float]] = defaultdict(
+        lambda: defaultdict(float))
+    for span in spans:
+        if span.kind in ("backward", "weight"):
+            key = (span.stage, span.iteration, span.rank, span.microbatch)
+            times[key][span.kind] += span.duration
+    if not any("weight" in pair for pair in times.values()):
+        return None
+    shares: dict[int, list[float]] = defaultdict(list)
+    for (stage, *_), pair in times.items():
+        if pair["backward"] + pair["weight"] > 0:
+            shares[stage].append(pair["weight"] / (pair["backward"] + pair["weight"]))
+    return [statistics.median(shares[stage]) for stage in range(1 + max(shares))]
+
+
+def split_backwards(durations: Durations, shares: list[float]) -> Durations:
+    """Each whole backward as a B and a W, W taking its stage's share (a W straggles with
+    its B, as the emulation draws it)."""
+    backward = [[t * (1 - share) for t in row]
+                for row, share in zip(durations.backward, shares, strict=True)]
+    weight = [[t * share for t in row]
+              for row, share in zip(durations.backward, shares, strict=True)]
+    return Durations(durations.forward, backward, durations.microbatch_factor, weight)
+
+
 def predict(directory: Path, slack: int, iteration_ms: float,
             emulation: Emulation | None = None,
-            message_bytes: int = MESSAGE_BYTES, dpp_static: bool = False) -> dict[str, dict]:
+            message_bytes: int = MESSAGE_BYTES, dpp_static: bool = False,
+            shares: list[float] | None = None) -> dict[str, dict]:
     """The simulator on each traced iteration's task times and message time: per schedule
     the median makespan and that plus the traced run's median time outside the pipeline.
     With an emulated link each message's hop is its draw (the module docstring).
-    `dpp_static`: the `dpp` run chose the plan in order, which its row then simulates."""
+    `dpp_static`: the `dpp` run chose the plan in order, which its row then simulates.
+    `shares`: the DPP runs split the backward, W taking these shares of it per stage
+    (`weight_shares`); the dynamic rule then runs the pending W shortest B first, as the
+    trainer does on CPU."""
     spans, iterations = load_spans(load_trace(str(directory)))
     reports = iteration_reports(spans, iterations)
     outside = iteration_ms - statistics.median(r["makespan_ms"] for r in reports)
@@ -192,14 +229,18 @@ def predict(directory: Path, slack: int, iteration_ms: float,
                                    max(0.0, hop_ms - link.mean_ms(message_bytes)))
         m = len(durations.microbatch_factor)
         bounds.append(memory_free_bound(durations.by_kind(False), pp, m))
+        split = shares is not None
+        if split:
+            durations = split_backwards(durations, shares)
         for name in SCHEDULES:
             rule = "dpp-static" if name == "dpp" and dpp_static else name
             makespans[name].append(simulate(rule, pp, m, durations,
                                             slack=0 if name == "1f1b" else slack,
-                                            latency=latency).makespan)
+                                            latency=latency, split_backward=split,
+                                            weights_by_backward=split).makespan)
     predicted = {"hop_ms": statistics.median(hops), "iterations": len(reports),
                  "outside_ms": outside, "bound_ms": statistics.median(bounds),
-                 "link": None if link is None else link.describe()}
+                 "link": None if link is None else link.describe(), "weight_shares": shares}
     for name, values in makespans.items():
         makespan = statistics.median(values)
         predicted[name] = {"makespan_ms": makespan, "iteration_ms": makespan + outside}
@@ -262,7 +303,10 @@ def table(results: dict[str, dict], slack: int | None, reason: str,
                      f"hop {predicted['hop_ms']:.1f} ms (median"
                      + (f"; each message's own draw of the {predicted['link']}"
                         if predicted.get("link") else "") + "), "
-                     f"{predicted['outside_ms']:.1f} ms an iteration outside the pipeline")
+                     f"{predicted['outside_ms']:.1f} ms an iteration outside the pipeline"
+                     + ("; each backward split into B and W at the DPP run's W share, "
+                        + "/".join(f"{100 * share:.0f}" for share in predicted["weight_shares"])
+                        + " % by stage" if predicted.get("weight_shares") else ""))
         static = predicted["dpp-static"]["makespan_ms"]
         lines.append(f"no schedule of those tasks, at any memory, takes less than "
                      f"{predicted['bound_ms']:.1f} ms a pipeline (median; the busiest rank's "
@@ -431,7 +475,8 @@ def main(argv=None) -> int:
     predicted = None
     if args.simulate and slack is not None and "error" not in results["1f1b"]:
         predicted = predict(trace_dir(out, "1f1b"), slack, results["1f1b"]["ms_per_iter"],
-                            emulation_of(extra), dpp_static=PLAN_CHOSEN in reason)
+                            emulation_of(extra), dpp_static=PLAN_CHOSEN in reason,
+                            shares=weight_shares(trace_dir(out, "dpp")))
         predicted["in_order_gaps"] = in_order_gaps(out)
     return report(results, slack, reason, predicted, out)
 

@@ -7,7 +7,7 @@ import pytest
 
 from megatron.dpp.sim.bounds import memory_free_bound
 from megatron.dpp.sim.simulate import main as simulate_main
-from megatron.dpp.sim.simulator import CostModel, compare, sample_durations
+from megatron.dpp.sim.simulator import CostModel, compare, sample_durations, simulate
 from profiling import bench_two_pods, sim_compare
 
 LOG = """\
@@ -116,6 +116,38 @@ def test_the_prediction_from_a_1f1b_trace(tmp_path, capsys):
     # a run that chose the plan in order: its row simulates that rule
     chosen = bench_two_pods.predict(path, 2, iteration_ms=makespan + 5.0, dpp_static=True)
     assert chosen["dpp"] == chosen["dpp-static"] == predicted["dpp-static"]
+
+
+def test_the_prediction_splits_the_backward_as_the_dpp_run_did(tmp_path, capsys):
+    """The W share of a traced DPP run with the split backward (the simulator's, W 30 % of
+    each backward), per stage; a run without the split has none. With it the prediction
+    splits each traced 1F1B backward so and simulates the DPP rows with the split, the
+    dynamic rule running its pending W tasks shortest B first: exactly what the simulator
+    gives on the split durations; 1F1B's row stays the traced one."""
+    cost = ["--cv", "0.3", "--seed", "4", "--latency", "1", "--weight-share", "0.3",
+            "--split-backward"]
+    for name in ("1f1b", "dpp"):
+        simulate_main(["--pp", "4", "--microbatches", "16", *cost, "--schedules", name,
+                       "--trace", str(tmp_path / f"{name}.json"), "--trace-schedule", name,
+                       "--json"])
+    capsys.readouterr()
+    shares = bench_two_pods.weight_shares(tmp_path / "dpp.json")
+    assert shares == pytest.approx([0.3] * 4)
+    assert bench_two_pods.weight_shares(tmp_path / "1f1b.json") is None
+    model = CostModel(cv=0.3, latency=1.0, weight_share=0.3)
+    durations = sample_durations(model, 4, 1, 16, seed=4, split_backward=True)
+    whole = bench_two_pods.predict(tmp_path / "1f1b.json", 2, iteration_ms=0.0)
+    split = bench_two_pods.predict(tmp_path / "1f1b.json", 2, iteration_ms=0.0, shares=shares)
+    assert split["1f1b"] == whole["1f1b"]
+    for name in ("dpp", "dpp-static"):
+        expected = simulate(name, 4, 16, durations, slack=2, latency=1.0, split_backward=True,
+                            weights_by_backward=True).makespan
+        assert split[name]["makespan_ms"] == pytest.approx(expected)
+        assert whole[name]["makespan_ms"] != pytest.approx(expected)
+    results = {name: {"ms_per_iter": 1.0, "peak_mb_per_rank": [], "losses": {}}
+               for name in bench_two_pods.SCHEDULES}
+    assert ("each backward split into B and W at the DPP run's W share, 30/30/30/30 % by "
+            "stage") in "\n".join(bench_two_pods.table(results, 2, "", split))
     from megatron.dpp.slack_choice import SlackChoice
 
     def slack_line(static: bool) -> str:
