@@ -1,11 +1,14 @@
 """Bubble report of a traced or simulated pipeline run: per iteration and stage, busy time,
 bubble fraction, receive-wait time, peak in-flight microbatches, peak memory, and the
 iteration's first forward against the median forward (a first forward that waits for the
-host, reading the iteration's data say, stands out).
+host, reading the iteration's data say, stands out). With --costs, each stage's task times
+over all iterations instead (a W run in parts counts as one task, the sum of its parts) and
+the simulator's cost flags fitted to their 10th percentiles and to their medians.
 
     python profiling/report.py traces                 # a --trace directory
     python profiling/report.py traces/trace.json      # profiling/aggregate.py's output
     python profiling/report.py /tmp/dpp.json --json   # python -m megatron.dpp.sim.simulate --trace
+    python profiling/report.py traces --costs
 
 Definitions are the simulator's (megatron/dpp/sim/simulator.py), so simulated and measured
 runs compare directly: the iteration's makespan runs from its first forward/backward start
@@ -136,6 +139,74 @@ def report_of(path: str) -> list[dict]:
     return iteration_reports(*load_spans(load_trace(path)))
 
 
+# the quantiles --costs fits the simulator's flags to
+COST_QUANTILES = {"10th percentile": 0.1, "median": 0.5}
+# a stage whose work is this much above the others' median is the model's slow stage
+SLOW_STAGE_MIN_FACTOR = 1.05
+
+
+def task_costs(spans: list[Span]) -> dict[int, dict[str, list[float]]]:
+    """Per stage and task kind, every task's time (ms) over all iterations and the stage's
+    ranks; a W run in parts is one task, the sum of its parts."""
+    totals: dict[tuple, float] = defaultdict(float)
+    for span in spans:
+        if span.kind in COMPUTE_KINDS:
+            key = (span.stage, span.kind, span.rank, span.iteration, span.chunk, span.microbatch)
+            totals[key] += span.duration
+    costs: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for (stage, kind, *_), duration in totals.items():
+        costs[stage][kind].append(duration)
+    return costs
+
+
+def quantile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+
+
+def cost_flags(costs: dict[int, dict[str, list[float]]], share: float) -> str:
+    """The simulator's cost model (`python -m megatron.dpp.sim.simulate`) fitted to each
+    stage's `share` quantile of its F, B and W times: the forward, B + W over F and W's
+    share of B + W are the medians over the stages; the stage with the most work is the
+    slow stage where it does 5 % more than the others' median."""
+    split = all("weight" in kinds for kinds in costs.values())
+    stage = {s: {kind: quantile(times, share) for kind, times in kinds.items()}
+             for s, kinds in costs.items()}
+    work = {s: sum(times.values()) for s, times in stage.items()}
+    slow = max(work, key=work.get)
+    others = [s for s in stage if s != slow] or [slow]
+    factor = work[slow] / statistics.median(work[s] for s in others)
+    if factor < SLOW_STAGE_MIN_FACTOR:
+        others = list(stage)
+
+    def backward(s: int) -> float:
+        return stage[s]["backward"] + (stage[s]["weight"] if split else 0.0)
+
+    flags = [f"--forward-ms {statistics.median(stage[s]['forward'] for s in others):.2f}",
+             f"--backward-ratio "
+             f"{statistics.median(backward(s) / stage[s]['forward'] for s in others):.2f}"]
+    if split:
+        flags += ["--split-backward", "--weight-share "
+                  f"{statistics.median(stage[s]['weight'] / backward(s) for s in others):.2f}"]
+    if factor >= SLOW_STAGE_MIN_FACTOR:
+        flags += [f"--slow-stage {slow}", f"--slow-factor {factor:.2f}"]
+    return " ".join(flags)
+
+
+def format_costs(costs: dict[int, dict[str, list[float]]]) -> str:
+    kinds = [k for k in COMPUTE_KINDS if any(k in stage for stage in costs.values())]
+    lines = ["task times, ms (10th percentile / median / 90th percentile; a W in parts: "
+             "their sum)", "  stage  " + "".join(f"{kind:>24s}" for kind in kinds)]
+    for stage in sorted(costs):
+        cells = ["/".join(f"{quantile(costs[stage][kind], q):.2f}" for q in (0.1, 0.5, 0.9))
+                 if kind in costs[stage] else "-" for kind in kinds]
+        lines.append(f"  {stage:5d}  " + "".join(f"{cell:>24s}" for cell in cells))
+    for name, share in COST_QUANTILES.items():
+        lines.append(f"the simulator's cost flags at each stage's {name}: "
+                     f"{cost_flags(costs, share)}")
+    return "\n".join(lines)
+
+
 def trace_tool_parser(doc: str) -> argparse.ArgumentParser:
     """The command line the trace tools share: a trace, and --json."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
@@ -156,13 +227,26 @@ def write_result(as_json: bool, result, text: str) -> int:
 
 def main(argv=None) -> int:
     parser = trace_tool_parser(__doc__)
+    parser.add_argument("--costs", action="store_true",
+                        help="each stage's task times and the simulator's cost flags fitted "
+                             "to them, instead of the per-iteration report")
     args = parser.parse_args(argv)
     try:
-        reports = report_of(args.trace)
+        spans, iterations = load_spans(load_trace(args.trace))
     except TraceError as error:
         parser.exit(2, f"{parser.prog}: {error}\n")
+    reports = iteration_reports(spans, iterations)
     if not reports:
         parser.exit(2, f"{parser.prog}: {args.trace}: no forward/backward spans\n")
+    if args.costs:
+        costs = task_costs(spans)
+        if any(span.chunk for span in spans):
+            parser.exit(2, f"{parser.prog}: {args.trace}: several model chunks a stage; "
+                           "--costs fits the model of one chunk a stage\n")
+        return write_result(args.json, {
+            "task_ms": {stage: dict(kinds) for stage, kinds in costs.items()},
+            "flags": {name: cost_flags(costs, share) for name, share in COST_QUANTILES.items()},
+        }, format_costs(costs))
     return write_result(args.json, {"iterations": reports}, format_reports(reports))
 
 
