@@ -51,7 +51,6 @@ import json
 import re
 import statistics
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the `profiling` package importable
@@ -63,7 +62,7 @@ from megatron.dpp.variability import Emulation  # noqa: E402
 from megatron.trainer.config.configs import EmulationConfig  # noqa: E402
 from profiling import bench_gpt, sim_compare  # noqa: E402
 from profiling.aggregate import load_spans, load_trace  # noqa: E402
-from profiling.report import COMPUTE_KINDS, iteration_reports  # noqa: E402
+from profiling.report import COMPUTE_KINDS, iteration_reports, task_costs  # noqa: E402
 from profiling.sim_compare import estimate_latency, measured_durations  # noqa: E402
 
 MODEL_LAYERS = 4
@@ -170,23 +169,15 @@ def emulation_of(extra: list[str]) -> Emulation:
 
 
 def weight_shares(directory: Path) -> list[float] | None:
-    """Per pipeline stage of a traced run with the split backward: the median over its
-    microbatches and iterations of W's share of B + W (a W run in parts: their sum); None
-    where the run kept each backward whole."""
-    spans, _ = load_spans(load_trace(str(directory)))
-    times: dict[tuple[int, int, int, int], dict[str, float]] = defaultdict(
-        lambda: defaultdict(float))
-    for span in spans:
-        if span.kind in ("backward", "weight"):
-            key = (span.stage, span.iteration, span.rank, span.microbatch)
-            times[key][span.kind] += span.duration
-    if not any("weight" in pair for pair in times.values()):
+    """Per pipeline stage of a traced run with the split backward: its median W over its
+    median B plus that (a W run in parts: their sum); None where the run kept each backward
+    whole."""
+    costs = task_costs(load_spans(load_trace(str(directory)))[0])
+    if not all("weight" in kinds for kinds in costs.values()):
         return None
-    shares: dict[int, list[float]] = defaultdict(list)
-    for (stage, *_), pair in times.items():
-        if pair["backward"] + pair["weight"] > 0:
-            shares[stage].append(pair["weight"] / (pair["backward"] + pair["weight"]))
-    return [statistics.median(shares[stage]) for stage in range(1 + max(shares))]
+    medians = [{kind: statistics.median(costs[stage][kind]) for kind in ("backward", "weight")}
+               for stage in sorted(costs)]
+    return [stage["weight"] / (stage["backward"] + stage["weight"]) for stage in medians]
 
 
 def split_backwards(durations: Durations, shares: list[float]) -> Durations:
