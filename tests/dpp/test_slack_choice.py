@@ -232,8 +232,8 @@ def test_a_size_budget_without_measured_activations_is_named():
 
 
 def test_ranks_that_share_cores_are_simulated_so():
-    """The straggler model's costs (the last stage 1.53x the others, W 15 % of a backward,
-    one task in ten 3x its median): with a processor a rank slack pays; on one core shared
+    """Straggler costs (the last stage 1.53x the others, W 15 % of a backward, one task in
+    ten 3x its median): with a processor a rank slack pays; on one core shared
     by the four ranks every task runs back to back whatever the order, and slack buys
     nothing."""
     forward = (4.8, 4.8, 4.8, 7.3)
