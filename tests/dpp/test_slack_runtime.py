@@ -1,7 +1,8 @@
 """DPP's slack chosen at run time (megatron/dpp/slack_measurement.py) on a real PP=2 gloo
 pipeline: the first two training calls measure at slack 0, then every rank runs the one
 slack rank 0 chose and logged; slow arrivals get slack, a memory budget caps it, and the
-losses stay megatron-core's."""
+losses stay megatron-core's; the trainer's own schedule on CPU, its backward split, has the
+choice simulate its W order."""
 
 from __future__ import annotations
 
@@ -102,3 +103,36 @@ def test_slow_arrivals_get_slack_a_budget_caps_it_and_losses_stay():
     cores = f"{shared:g} core" + ("" if shared == 1 else "s")
     assert f"on {cores} shared by the ranks" in one_core["lines"][0], \
         one_core["lines"][0]
+
+
+def split_backward_choice(rank, world_size):
+    """The slack line of the trainer's own schedule (`--use-dpp`, the split backward on CPU,
+    the slack and the rule chosen) over three training calls under stragglers, on rank 0."""
+    from megatron.trainer.config.arguments import parse_args
+    from megatron.trainer.run.training import setup
+    from megatron.trainer.tasks.gpt import GPT_TASK
+
+    flags = with_flags(FLAGS, use_dpp=True, dpp_transport="torch",
+                       emulate_straggler="all:0.3:3")
+    args = parse_args(flags, world_size=world_size)
+    handler = _Lines()
+    logger = logging.getLogger("megatron.dpp.slack_measurement")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        with contextlib.ExitStack() as stack:
+            trainer = setup(GPT_TASK, args, stack)
+            for _ in range(3):
+                one_step(trainer, trainer.schedule, args.num_microbatches)
+    finally:
+        logger.removeHandler(handler)
+    return handler.lines
+
+
+@pytest.mark.slow
+def test_on_cpu_the_choice_simulates_the_ws_in_the_order_the_rule_runs_them():
+    """On CPU the rule runs the pending W tasks shortest B first; the slack chosen from the
+    first two calls simulates that order, and its line says so."""
+    lines, others = run_ranks(2, split_backward_choice, 2)
+    assert others == [] and len(lines) == 1, lines
+    assert "the dynamic rule (W tasks shortest B first) 1.00/" in lines[0], lines[0]
