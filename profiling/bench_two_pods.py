@@ -205,6 +205,7 @@ def predict(directory: Path, slack: int, iteration_ms: float,
     reports = iteration_reports(spans, iterations)
     outside = iteration_ms - statistics.median(r["makespan_ms"] for r in reports)
     makespans: dict[str, list[float]] = {name: [] for name in SCHEDULES}
+    split = shares is not None
     hops, bounds = [], []
     link = None if emulation is None else emulation.link
     for report in reports:
@@ -220,7 +221,6 @@ def predict(directory: Path, slack: int, iteration_ms: float,
                                    max(0.0, hop_ms - link.mean_ms(message_bytes)))
         m = len(durations.microbatch_factor)
         bounds.append(memory_free_bound(durations.by_kind(False), pp, m))
-        split = shares is not None
         if split:
             durations = split_backwards(durations, shares)
         for name in SCHEDULES:

@@ -30,6 +30,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the `profiling` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron.dpp.slack_choice import quantile  # noqa: E402
 from profiling.aggregate import Span, TraceError, load_spans, load_trace  # noqa: E402
 
 COMPUTE_KINDS = ("forward", "backward", "weight")
@@ -159,11 +160,6 @@ def task_costs(spans: list[Span]) -> dict[int, dict[str, list[float]]]:
     return costs
 
 
-def quantile(values: list[float], share: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
-
-
 def cost_flags(costs: dict[int, dict[str, list[float]]], share: float) -> str:
     """The simulator's cost model (`python -m megatron.dpp.sim.simulate`) fitted to each
     stage's `share` quantile of its F, B and W times: the forward, B + W over F and W's
@@ -239,10 +235,10 @@ def main(argv=None) -> int:
     if not reports:
         parser.exit(2, f"{parser.prog}: {args.trace}: no forward/backward spans\n")
     if args.costs:
-        costs = task_costs(spans)
         if any(span.chunk for span in spans):
             parser.exit(2, f"{parser.prog}: {args.trace}: several model chunks a stage; "
                            "--costs fits the model of one chunk a stage\n")
+        costs = task_costs(spans)
         return write_result(args.json, {
             "task_ms": {stage: dict(kinds) for stage, kinds in costs.items()},
             "flags": {name: cost_flags(costs, share) for name, share in COST_QUANTILES.items()},

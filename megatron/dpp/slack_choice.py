@@ -169,6 +169,7 @@ def choose_slack(measured: Measured, pp_size: int, num_microbatches: int, *,
     docstring). `weights_by_backward`: the dynamic rule runs its pending W tasks shortest B
     first, as the runtime does where no GPU runs them later (StageConfig)."""
     p, m, chunks = pp_size, num_microbatches, num_chunks
+    by_backward = weights_by_backward and split_backward
     stages = p * chunks
     if len(measured.forward_ms) != stages or len(measured.backward_ms) != stages:
         raise ValueError(f"measured task times for {len(measured.forward_ms)} virtual stages, "
@@ -197,7 +198,7 @@ def choose_slack(measured: Measured, pp_size: int, num_microbatches: int, *,
             schedule, p, m, durations, num_chunks=chunks, slack=slack, latency=latency,
             split_backward=split_backward, weight_slices=weight_slices if split_backward else 1,
             defer_weights=defer_weights, cores=measured.shared_cores,
-            weights_by_backward=weights_by_backward and split_backward).makespan
+            weights_by_backward=by_backward).makespan
             for durations in trials)
 
     simulated = {slack: simulated_ms("dpp-static" if static else "dpp", slack)
@@ -217,11 +218,12 @@ def choose_slack(measured: Measured, pp_size: int, num_microbatches: int, *,
         tuple(held_bytes(measured, p, m, slack, chunks, split_backward, defer_weights))
         if measured_bytes else None,
         busiest if measured_bytes else None, budget, max_slack, static,
-        _percentile(measured.cost_spread, 0.95) if measured.cost_spread else None,
-        measured.shared_cores, plans, weights_by_backward and split_backward)
+        quantile(measured.cost_spread, 0.95) if measured.cost_spread else None,
+        measured.shared_cores, plans, by_backward)
 
 
-def _percentile(values: tuple[float, ...], share: float) -> float:
+def quantile(values, share: float) -> float:
+    """The value `share` of the way up the sorted values (0.95: the 95th percentile)."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
 
